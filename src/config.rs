@@ -1,0 +1,282 @@
+//! Run configuration: the TOML file behind `pipebd run`.
+//!
+//! Parsing is strict (unknown fields are errors) and every error names the
+//! file, the line and the dotted field it is about. Relative paths in a
+//! config are resolved against the current working directory.
+
+use std::path::{Path, PathBuf};
+
+use pipebd_students::StudentBlockConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// A whole run: data, teacher, students, training and where to run it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Name of the run (used in reports).
+    #[serde(default = "default_name")]
+    pub name: String,
+    /// Seed for student initialisation and data order.
+    #[serde(default)]
+    pub seed: u64,
+    /// Device: `cpu`, `cuda[:N]` or `wgpu[:N]`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// Parallel schedule. Only `ideal` (one device trains every block) so far.
+    #[serde(default = "default_schedule")]
+    pub schedule: String,
+    /// The dataset.
+    pub data: DataConfig,
+    /// The teacher.
+    pub teacher: TeacherConfig,
+    /// One entry per teacher block, in order.
+    pub students: Vec<StudentBlockConfig>,
+    /// Epochs, batch size and logging.
+    pub train: TrainConfig,
+    /// The per-block optimizer (every block gets its own instance).
+    pub optimizer: OptimizerConfig,
+}
+
+fn default_name() -> String {
+    "run".into()
+}
+fn default_device() -> String {
+    "cpu".into()
+}
+fn default_schedule() -> String {
+    "ideal".into()
+}
+
+/// Which dataset, where.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// Dataset kind: `mnist` (IDX files; Fashion-MNIST uncompressed works too).
+    pub dataset: String,
+    /// Folder with the IDX files.
+    pub dir: PathBuf,
+    /// Use at most this many training samples.
+    #[serde(default)]
+    pub train_limit: Option<usize>,
+    /// Use at most this many test samples.
+    #[serde(default)]
+    pub test_limit: Option<usize>,
+}
+
+/// Which teacher, with which weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TeacherConfig {
+    /// Teacher kind: `mnist-cnn`.
+    pub kind: String,
+    /// Weight file (PyTorch `.pth` for `mnist-cnn`).
+    pub weights: PathBuf,
+}
+
+/// Epochs, batch size and logging.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Passes over the training data.
+    pub epochs: usize,
+    /// Global batch size.
+    pub batch_size: usize,
+    /// Write a metrics row every this many steps (and at the last step).
+    #[serde(default = "default_log_every")]
+    pub log_every: usize,
+}
+
+fn default_log_every() -> usize {
+    10
+}
+
+/// Optimizer family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerKind {
+    /// SGD with (optionally Nesterov) momentum and weight decay.
+    Sgd,
+    /// Adam.
+    Adam,
+}
+
+/// Learning-rate schedule over the optimizer steps of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LrSchedule {
+    /// The same rate for every step.
+    Constant,
+    /// Cosine decay from `lr` to `min_lr` over all steps.
+    Cosine,
+}
+
+/// Per-block optimizer settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// `sgd` or `adam`.
+    pub kind: OptimizerKind,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine schedule.
+    #[serde(default)]
+    pub min_lr: f64,
+    /// `cosine` (default) or `constant`.
+    #[serde(default = "default_lr_schedule")]
+    pub schedule: LrSchedule,
+    /// SGD momentum (default 0.9).
+    #[serde(default = "default_momentum")]
+    pub momentum: f64,
+    /// Nesterov momentum for SGD (default true).
+    #[serde(default = "default_true")]
+    pub nesterov: bool,
+    /// L2 weight decay (default 0).
+    #[serde(default)]
+    pub weight_decay: f64,
+}
+
+fn default_lr_schedule() -> LrSchedule {
+    LrSchedule::Cosine
+}
+fn default_momentum() -> f64 {
+    0.9
+}
+fn default_true() -> bool {
+    true
+}
+
+impl RunConfig {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            line: None,
+            field: None,
+            message: format!("cannot read the config file: {e}"),
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates config text; `path` is only used in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        let config: RunConfig = toml::from_str(text).map_err(|e| parse_error(text, path, &e))?;
+        config.validate(text, path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, text: &str, path: &Path) -> Result<()> {
+        let fail = |table: &str, key: &str, message: String| {
+            let field = if table.is_empty() { key.to_string() } else { format!("{table}.{key}") };
+            Err(Error::Config { path: path.to_path_buf(), line: find_key_line(text, table, key), field: Some(field), message })
+        };
+        if self.train.epochs == 0 {
+            return fail("train", "epochs", "must be at least 1".into());
+        }
+        if self.train.batch_size == 0 {
+            return fail("train", "batch_size", "must be at least 1".into());
+        }
+        if self.train.log_every == 0 {
+            return fail("train", "log_every", "must be at least 1".into());
+        }
+        if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
+            return fail("optimizer", "lr", format!("must be a positive number, got {}", self.optimizer.lr));
+        }
+        if !(0.0..=self.optimizer.lr).contains(&self.optimizer.min_lr) {
+            return fail("optimizer", "min_lr", format!("must be between 0 and lr ({}), got {}", self.optimizer.lr, self.optimizer.min_lr));
+        }
+        if !(0.0..1.0).contains(&self.optimizer.momentum) {
+            return fail("optimizer", "momentum", format!("must be in [0, 1), got {}", self.optimizer.momentum));
+        }
+        if self.optimizer.weight_decay < 0.0 {
+            return fail("optimizer", "weight_decay", format!("must not be negative, got {}", self.optimizer.weight_decay));
+        }
+        if self.data.dataset != "mnist" {
+            return fail("data", "dataset", format!("unknown dataset `{}`: expected `mnist`", self.data.dataset));
+        }
+        if self.teacher.kind != "mnist-cnn" {
+            return fail("teacher", "kind", format!("unknown teacher `{}`: expected `mnist-cnn`", self.teacher.kind));
+        }
+        if self.schedule != "ideal" {
+            return fail("", "schedule", format!("unknown schedule `{}`: expected `ideal`", self.schedule));
+        }
+        if let Err(e) = crate::device::DeviceSpec::parse(&self.device) {
+            return fail("", "device", e);
+        }
+        if self.students.is_empty() {
+            return fail("", "students", "at least one [[students]] block is required".into());
+        }
+        Ok(())
+    }
+
+    /// The config as TOML text (what a report echoes back).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// Turns a TOML parse error into an [`Error::Config`] with line and field.
+fn parse_error(text: &str, path: &Path, error: &toml::de::Error) -> Error {
+    let line = error.span().map(|span| line_of(text, span.start));
+    let field = line.and_then(|l| field_at_line(text, l));
+    Error::Config {
+        path: path.to_path_buf(),
+        line,
+        field,
+        message: error.message().trim().to_string(),
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+/// The dotted `table.key` written on `line` (one-based), if that line is a
+/// `key = value` entry; the table name if it is a header.
+fn field_at_line(text: &str, line: usize) -> Option<String> {
+    let mut table = String::new();
+    for (i, raw) in text.lines().enumerate() {
+        let l = raw.trim();
+        if let Some(name) = header_name(l) {
+            table = name;
+            if i + 1 == line {
+                return Some(table);
+            }
+            continue;
+        }
+        if i + 1 == line {
+            let key = l.split('=').next()?.trim();
+            if key.is_empty() || key.starts_with('#') {
+                return (!table.is_empty()).then_some(table);
+            }
+            return Some(if table.is_empty() { key.to_string() } else { format!("{table}.{key}") });
+        }
+    }
+    None
+}
+
+fn header_name(line: &str) -> Option<String> {
+    let inner = line.strip_prefix("[[").and_then(|s| s.split("]]").next())
+        .or_else(|| line.strip_prefix('[').and_then(|s| s.split(']').next()))?;
+    Some(inner.trim().to_string())
+}
+
+/// Line (one-based) where `key` is set inside `[table]` ("" for the top level).
+fn find_key_line(text: &str, table: &str, key: &str) -> Option<usize> {
+    let mut current = String::new();
+    for (i, raw) in text.lines().enumerate() {
+        let l = raw.trim();
+        if let Some(name) = header_name(l) {
+            current = name;
+            if current == table && key.is_empty() {
+                return Some(i + 1);
+            }
+            continue;
+        }
+        if current == table && l.split('=').next().map(str::trim) == Some(key) {
+            return Some(i + 1);
+        }
+    }
+    None
+}

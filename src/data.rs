@@ -1,0 +1,204 @@
+//! Datasets: the IDX reader, MNIST splits, and seeded batching.
+//!
+//! Only the first worker of a pipeline touches this module: it turns sample
+//! indices into a normalised image batch on its device.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use crate::error::{Error, Result};
+
+const IMAGES_MAGIC: u32 = 0x0000_0803;
+const LABELS_MAGIC: u32 = 0x0000_0801;
+
+/// Images read from an IDX file (`u8` pixels, row-major).
+#[derive(Debug, Clone)]
+pub struct IdxImages {
+    /// Number of images.
+    pub count: usize,
+    /// Rows per image.
+    pub rows: usize,
+    /// Columns per image.
+    pub cols: usize,
+    /// `count * rows * cols` pixels.
+    pub pixels: Vec<u8>,
+}
+
+fn data_error(path: &Path, message: impl Into<String>) -> Error {
+    Error::Data { path: path.to_path_buf(), message: message.into() }
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            data_error(path, "not found (run scripts/setup-data.sh, or fix `data.dir` in the config)")
+        } else {
+            Error::io("reading", path, e)
+        }
+    })
+}
+
+fn header(path: &Path, bytes: &[u8], words: usize) -> Result<Vec<u32>> {
+    if bytes.len() < 4 * words {
+        return Err(data_error(
+            path,
+            format!("truncated header: {} bytes, expected at least {}", bytes.len(), 4 * words),
+        ));
+    }
+    Ok(bytes[..4 * words]
+        .chunks_exact(4)
+        .map(|w| u32::from_be_bytes([w[0], w[1], w[2], w[3]]))
+        .collect())
+}
+
+fn check_magic(path: &Path, found: u32, expected: u32, what: &str) -> Result<()> {
+    if found != expected {
+        return Err(data_error(
+            path,
+            format!("wrong magic number {found:#010x}: expected {expected:#010x} for an IDX {what} file"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_length(path: &Path, actual: usize, expected: usize) -> Result<()> {
+    if actual != expected {
+        let kind = if actual < expected { "truncated" } else { "too long" };
+        return Err(data_error(
+            path,
+            format!("{kind}: {actual} bytes, the header announces {expected}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Reads an uncompressed IDX3 image file (`*-images-idx3-ubyte`).
+pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
+    let bytes = read_file(path)?;
+    let h = header(path, &bytes, 4)?;
+    check_magic(path, h[0], IMAGES_MAGIC, "image (idx3, u8)")?;
+    let (count, rows, cols) = (h[1] as usize, h[2] as usize, h[3] as usize);
+    check_length(path, bytes.len(), 16 + count * rows * cols)?;
+    Ok(IdxImages { count, rows, cols, pixels: bytes[16..].to_vec() })
+}
+
+/// Reads an uncompressed IDX1 label file (`*-labels-idx1-ubyte`).
+///
+/// Labels must be below `classes`.
+pub fn read_idx_labels(path: &Path, classes: u8) -> Result<Vec<u8>> {
+    let bytes = read_file(path)?;
+    let h = header(path, &bytes, 2)?;
+    check_magic(path, h[0], LABELS_MAGIC, "label (idx1, u8)")?;
+    let count = h[1] as usize;
+    check_length(path, bytes.len(), 8 + count)?;
+    let labels = bytes[8..].to_vec();
+    if let Some((i, bad)) = labels.iter().enumerate().find(|(_, &l)| l >= classes) {
+        return Err(data_error(path, format!("label {bad} at index {i} is not below {classes}")));
+    }
+    Ok(labels)
+}
+
+/// Which half of a dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// The training set.
+    Train,
+    /// The held-out test set.
+    Test,
+}
+
+/// An image-classification split held in memory.
+#[derive(Debug, Clone)]
+pub struct ImageDataset {
+    /// The images.
+    pub images: IdxImages,
+    /// One label per image.
+    pub labels: Vec<u8>,
+    /// Pixel mean after scaling to [0, 1].
+    pub mean: f32,
+    /// Pixel standard deviation after scaling to [0, 1].
+    pub std: f32,
+}
+
+impl ImageDataset {
+    /// Loads an MNIST-format split from `dir` (files `train-*-ubyte` or
+    /// `t10k-*-ubyte`), keeping at most `limit` samples.
+    pub fn load_mnist(dir: &Path, split: Split, limit: Option<usize>) -> Result<Self> {
+        let prefix = match split {
+            Split::Train => "train",
+            Split::Test => "t10k",
+        };
+        let images_path: PathBuf = dir.join(format!("{prefix}-images-idx3-ubyte"));
+        let labels_path: PathBuf = dir.join(format!("{prefix}-labels-idx1-ubyte"));
+        let mut images = read_idx_images(&images_path)?;
+        let mut labels = read_idx_labels(&labels_path, 10)?;
+        if images.count != labels.len() {
+            return Err(data_error(
+                &labels_path,
+                format!("{} labels for {} images in {}", labels.len(), images.count, images_path.display()),
+            ));
+        }
+        if let Some(limit) = limit {
+            let n = limit.min(images.count);
+            images.pixels.truncate(n * images.rows * images.cols);
+            images.count = n;
+            labels.truncate(n);
+        }
+        use pipebd_teachers::mnist_cnn::{PIXEL_MEAN, PIXEL_STD};
+        Ok(Self { images, labels, mean: PIXEL_MEAN, std: PIXEL_STD })
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    /// True when there are no samples.
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Per-sample shape `[1, rows, cols]`.
+    pub fn sample_shape(&self) -> Vec<usize> {
+        vec![1, self.images.rows, self.images.cols]
+    }
+
+    /// The normalised images at `indices` as a `[n, 1, rows, cols]` tensor.
+    pub fn images<B: Backend>(&self, indices: &[usize], device: &B::Device) -> Tensor<B, 4> {
+        let pixels_per_image = self.images.rows * self.images.cols;
+        let scale = 1.0 / (255.0 * self.std);
+        let shift = self.mean / self.std;
+        let mut values = Vec::with_capacity(indices.len() * pixels_per_image);
+        for &i in indices {
+            let image = &self.images.pixels[i * pixels_per_image..(i + 1) * pixels_per_image];
+            values.extend(image.iter().map(|&p| p as f32 * scale - shift));
+        }
+        let data = TensorData::new(values, [indices.len(), 1, self.images.rows, self.images.cols]);
+        Tensor::from_data(data, device)
+    }
+
+    /// The labels at `indices`.
+    pub fn labels_at(&self, indices: &[usize]) -> Vec<u8> {
+        indices.iter().map(|&i| self.labels[i]).collect()
+    }
+}
+
+/// The order in which an epoch visits the samples: a seeded shuffle that
+/// depends only on `(seed, epoch)`, so every schedule sees the same batches.
+pub fn epoch_order(len: usize, seed: u64, epoch: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..len).collect();
+    let mut rng = StdRng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    order.shuffle(&mut rng);
+    order
+}
+
+/// Full batches of an epoch (a trailing partial batch is dropped so that every
+/// step has the same batch size).
+pub fn batches(order: &[usize], batch_size: usize) -> impl Iterator<Item = &[usize]> {
+    order.chunks_exact(batch_size)
+}

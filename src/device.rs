@@ -1,0 +1,104 @@
+//! Device selection: which burn backend runs a job, and on which device.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// A device as written in a config or on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU, through burn's flex backend (always available).
+    Cpu,
+    /// NVIDIA GPU number N (needs the `cuda` feature and a CUDA driver).
+    Cuda(usize),
+    /// Through wgpu (needs the `wgpu` feature): `wgpu` is the default
+    /// adapter (on machines without a GPU, Mesa's software Vulkan driver,
+    /// slowly), `wgpu:N` the N-th discrete GPU.
+    Wgpu(Option<usize>),
+}
+
+impl DeviceSpec {
+    /// Parses `cpu`, `cuda`, `cuda:N`, `wgpu` or `wgpu:N`.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let (kind, index) = match text.split_once(':') {
+            Some((kind, index)) => {
+                let index = index
+                    .parse::<usize>()
+                    .map_err(|_| format!("`{text}`: the part after ':' must be a device number"))?;
+                (kind, Some(index))
+            }
+            None => (text, None),
+        };
+        match (kind, index) {
+            ("cpu", None) => Ok(Self::Cpu),
+            ("cuda", index) => Ok(Self::Cuda(index.unwrap_or(0))),
+            ("wgpu", index) => Ok(Self::Wgpu(index)),
+            _ => Err(format!("unknown device `{text}`: expected `cpu`, `cuda[:N]` or `wgpu[:N]`")),
+        }
+    }
+
+    /// Checks that this build and this machine can use the device.
+    pub fn check_available(&self) -> Result<()> {
+        let unavailable = |message: String| Err(Error::Device { device: self.to_string(), message });
+        match self {
+            Self::Cpu => Ok(()),
+            Self::Cuda(_) => {
+                if !cfg!(feature = "cuda") {
+                    return unavailable("this pipebd was built without CUDA support; rebuild with `--features cuda`".into());
+                }
+                if !cuda_driver_present() {
+                    return unavailable(
+                        "no CUDA driver found (libcuda.so.1 is not in the loader's search path); is this a GPU machine?".into(),
+                    );
+                }
+                Ok(())
+            }
+            Self::Wgpu(_) => {
+                if !cfg!(feature = "wgpu") {
+                    return unavailable("this pipebd was built without wgpu support; rebuild with `--features wgpu`".into());
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(i) => write!(f, "cuda:{i}"),
+            Self::Wgpu(None) => write!(f, "wgpu"),
+            Self::Wgpu(Some(i)) => write!(f, "wgpu:{i}"),
+        }
+    }
+}
+
+/// burn 0.21 loads libcuda lazily on a worker thread and panics there when it
+/// is missing, so we look for the library ourselves before touching CUDA.
+fn cuda_driver_present() -> bool {
+    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    for d in [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/local/cuda/lib64",
+        "/usr/local/cuda/compat",
+        "/usr/local/nvidia/lib64",
+        "/usr/local/nvidia/lib",
+        "/usr/lib/wsl/lib",
+        "/usr/lib/aarch64-linux-gnu",
+    ] {
+        dirs.push(d.into());
+    }
+    if dirs.iter().any(|d| d.join("libcuda.so.1").exists() || d.join("libcuda.so").exists()) {
+        return true;
+    }
+    std::process::Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so"))
+        .unwrap_or(false)
+}

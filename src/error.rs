@@ -1,0 +1,127 @@
+//! The engine's one error type.
+
+use std::path::PathBuf;
+
+/// Everything the engine can fail with. Each variant names the file, field
+/// or block it is about.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A run configuration is malformed or inconsistent.
+    #[error("{}: {message}", location(path, *line, field.as_deref()))]
+    Config {
+        /// The config file (or `<memory>` for configs built in code).
+        path: PathBuf,
+        /// One-based line of the offending entry, when known.
+        line: Option<usize>,
+        /// Dotted name of the offending field (`train.batch_size`), when known.
+        field: Option<String>,
+        /// What is wrong and what was expected.
+        message: String,
+    },
+    /// A data file is missing, truncated or not what its name says.
+    #[error("data file {path}: {message}")]
+    Data {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// An I/O operation on a file the user named failed.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What we were doing ("reading", "writing", "creating directory").
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A student block's shapes do not match its teacher block's.
+    #[error(
+        "block {block}: student {what} shape {student:?} does not match the teacher's {teacher:?}"
+    )]
+    ShapeMismatch {
+        /// One-based block number.
+        block: usize,
+        /// "input" or "output".
+        what: &'static str,
+        /// The student's per-sample shape.
+        student: Vec<usize>,
+        /// The teacher's per-sample shape.
+        teacher: Vec<usize>,
+    },
+    /// A block received an activation it cannot process.
+    #[error("block {block}: {message}")]
+    Block {
+        /// One-based block number.
+        block: usize,
+        /// What went wrong.
+        message: String,
+    },
+    /// Training a block diverged or failed.
+    #[error("block {block}, step {step}: {message}")]
+    Training {
+        /// One-based block number.
+        block: usize,
+        /// Optimizer step (zero-based) at which it failed.
+        step: usize,
+        /// What went wrong.
+        message: String,
+    },
+    /// The requested device is unavailable in this build or on this machine.
+    #[error("device `{device}`: {message}")]
+    Device {
+        /// The device as the user wrote it.
+        device: String,
+        /// Why it cannot be used.
+        message: String,
+    },
+    /// A teacher model could not be built.
+    #[error(transparent)]
+    Teacher(#[from] pipebd_teachers::TeacherError),
+    /// A student block could not be built.
+    #[error(transparent)]
+    Student(#[from] pipebd_students::StudentError),
+    /// Saving or loading a trained student failed.
+    #[error("student record {path}: {message}")]
+    Record {
+        /// The record file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl Error {
+    /// True when the error is the user's input (config, data paths, shapes,
+    /// device): the CLI exits with code 2 for those, 1 for the rest.
+    pub fn is_user_error(&self) -> bool {
+        matches!(
+            self,
+            Error::Config { .. }
+                | Error::ShapeMismatch { .. }
+                | Error::Device { .. }
+                | Error::Student(_)
+                | Error::Data { .. }
+                | Error::Teacher(pipebd_teachers::TeacherError::MissingWeights { .. })
+        )
+    }
+
+    pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { action, path: path.into(), source }
+    }
+}
+
+fn location(path: &std::path::Path, line: Option<usize>, field: Option<&str>) -> String {
+    let mut s = path.display().to_string();
+    if let Some(line) = line {
+        s.push_str(&format!(":{line}"));
+    }
+    if let Some(field) = field {
+        s.push_str(&format!(": field `{field}`"));
+    }
+    s
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,164 @@
+//! The `pipebd` command line: a thin layer over the `pipe_bd` library.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use pipe_bd::config::RunConfig;
+use pipe_bd::train::Progress;
+use pipe_bd::Error;
+
+/// Pipelined parallel blockwise knowledge distillation.
+#[derive(Parser)]
+#[command(name = "pipebd", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Distil a student from a teacher as described by a run config (TOML).
+    Run {
+        /// The run config, e.g. experiments/mnist-cnn.toml.
+        config: PathBuf,
+        /// Folder that receives report.json, metrics.csv and the student weights.
+        #[arg(long, default_value = "runs/latest")]
+        out: PathBuf,
+        /// Override the config's `device` (cpu, cuda[:N], wgpu[:N]).
+        #[arg(long)]
+        device: Option<String>,
+        /// Override the config's `train.epochs`.
+        #[arg(long)]
+        epochs: Option<usize>,
+        /// Hide the progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Reload the student saved by `pipebd run` and score it on the test set.
+    Eval {
+        /// The run folder given to `pipebd run --out`.
+        run_dir: PathBuf,
+    },
+    /// Score the config's teacher on the test set.
+    EvalTeacher {
+        /// The run config naming the teacher and the data.
+        config: PathBuf,
+    },
+    /// Check a config (syntax, fields, student shapes, device) without running it.
+    Check {
+        /// The run config.
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match execute(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            if e.is_user_error() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
+        }
+    }
+}
+
+fn load_config(path: &Path, device: Option<String>, epochs: Option<usize>) -> Result<RunConfig, Error> {
+    let mut config = RunConfig::load(path)?;
+    if let Some(device) = device {
+        config.device = device;
+    }
+    if let Some(epochs) = epochs {
+        if epochs == 0 {
+            return Err(Error::Config {
+                path: "--epochs".into(),
+                line: None,
+                field: Some("train.epochs".into()),
+                message: "must be at least 1".into(),
+            });
+        }
+        config.train.epochs = epochs;
+    }
+    Ok(config)
+}
+
+fn execute(command: Command) -> Result<(), Error> {
+    match command {
+        Command::Run { config, out, device, epochs, quiet } => {
+            let config = load_config(&config, device, epochs)?;
+            let bar = progress_bar(quiet);
+            let mut observer = |p: &Progress| {
+                if let Some(bar) = &bar {
+                    bar.set_length((p.epochs * p.steps_per_epoch) as u64);
+                    bar.set_position((p.epoch * p.steps_per_epoch + p.step_in_epoch + 1) as u64);
+                    let losses: Vec<String> = p.losses.iter().map(|l| format!("{l:.4}")).collect();
+                    bar.set_message(format!("epoch {}/{} losses [{}]", p.epoch + 1, p.epochs, losses.join(" ")));
+                }
+            };
+            let report = pipe_bd::run::run(&config, &out, &mut observer)?;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            println!("run `{}`: schedule {}, device {}", report.name, report.schedule, report.device);
+            println!(
+                "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
+                100.0 * report.teacher_accuracy,
+                100.0 * report.student_accuracy,
+                report.test_samples
+            );
+            println!("block  teacher  student     params (t/s)       FLOPs (t/s)         cheaper  final loss");
+            for b in &report.blocks {
+                println!(
+                    "{:>5}  {:<7}  {:<9} {:>8}/{:<8} {:>9}/{:<9} {:>7.1}x  {:.5}",
+                    b.block, b.teacher, b.student, b.teacher_params, b.params, b.teacher_flops, b.flops, b.flops_reduction, b.final_loss
+                );
+            }
+            println!(
+                "trained {} steps in {:.1}s ({:.0} samples/s); whole run {:.1}s",
+                report.steps, report.train_seconds, report.samples_per_second, report.wall_seconds
+            );
+            println!("wrote {}/report.json, metrics.csv, student/", out.display());
+            Ok(())
+        }
+        Command::Eval { run_dir } => {
+            let result = pipe_bd::run::eval_run(&run_dir)?;
+            println!(
+                "student accuracy {:.2}% on {} test images (recorded at the end of training: {:.2}%)",
+                100.0 * result.student_accuracy,
+                result.test_samples,
+                100.0 * result.recorded_accuracy
+            );
+            Ok(())
+        }
+        Command::EvalTeacher { config } => {
+            let config = load_config(&config, None, None)?;
+            let (acc, n) = pipe_bd::run::eval_teacher(&config)?;
+            println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
+            Ok(())
+        }
+        Command::Check { config } => {
+            let config = load_config(&config, None, None)?;
+            pipe_bd::run::preflight(&config)?;
+            println!("{}: ok", config.name);
+            Ok(())
+        }
+    }
+}
+
+fn progress_bar(quiet: bool) -> Option<ProgressBar> {
+    if quiet || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps (eta {eta}) {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    Some(bar)
+}

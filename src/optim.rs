@@ -1,0 +1,77 @@
+//! One optimizer per block, and the learning-rate schedule.
+
+use burn::module::AutodiffModule;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{Adam, AdamConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::config::{LrSchedule, OptimizerConfig, OptimizerKind};
+
+/// The optimizer of one student block.
+#[derive(Clone)]
+pub enum BlockOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
+    /// SGD with momentum and weight decay.
+    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
+    /// Adam.
+    Adam(OptimizerAdaptor<Adam, M, B>),
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
+    /// A fresh optimizer as configured.
+    pub fn new(config: &OptimizerConfig) -> Self {
+        let decay = (config.weight_decay > 0.0).then(|| WeightDecayConfig::new(config.weight_decay as f32));
+        match config.kind {
+            OptimizerKind::Sgd => {
+                let momentum = (config.momentum > 0.0).then(|| MomentumConfig {
+                    momentum: config.momentum,
+                    dampening: 0.0,
+                    nesterov: config.nesterov,
+                });
+                Self::Sgd(SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init())
+            }
+            OptimizerKind::Adam => Self::Adam(AdamConfig::new().with_weight_decay(decay).init()),
+        }
+    }
+
+    /// One update of `module` with `grads` at learning rate `lr`.
+    pub fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        match self {
+            Self::Sgd(o) => o.step(lr, module, grads),
+            Self::Adam(o) => o.step(lr, module, grads),
+        }
+    }
+}
+
+/// The learning rate of a block at each of its optimizer steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LrPlan {
+    /// Constant or cosine.
+    pub schedule: LrSchedule,
+    /// Peak rate.
+    pub lr: f64,
+    /// Final rate (cosine only).
+    pub min_lr: f64,
+    /// Steps the block will take in the whole run.
+    pub total_steps: usize,
+}
+
+impl LrPlan {
+    /// The plan for `total_steps` steps under `config`.
+    pub fn new(config: &OptimizerConfig, total_steps: usize) -> Self {
+        Self { schedule: config.schedule, lr: config.lr, min_lr: config.min_lr, total_steps }
+    }
+
+    /// Learning rate at zero-based step `step`.
+    pub fn at(&self, step: usize) -> f64 {
+        match self.schedule {
+            LrSchedule::Constant => self.lr,
+            LrSchedule::Cosine => {
+                let progress = step as f64 / self.total_steps.max(1) as f64;
+                let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos());
+                self.min_lr + (self.lr - self.min_lr) * cosine
+            }
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! What a run measured, written where the user can find it: `report.json`
+//! and `metrics.csv` in the run's output folder.
+
+use std::io::Write;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::RunConfig;
+use crate::error::{Error, Result};
+use crate::train::MetricRow;
+
+/// Per-block figures of a run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BlockReport {
+    /// One-based block number.
+    pub block: usize,
+    /// Teacher block name.
+    pub teacher: String,
+    /// Student block kind.
+    pub student: String,
+    /// Per-sample input shape.
+    pub input_shape: Vec<usize>,
+    /// Per-sample output shape.
+    pub output_shape: Vec<usize>,
+    /// Student parameters.
+    pub params: usize,
+    /// Teacher block parameters.
+    pub teacher_params: usize,
+    /// Student forward FLOPs per sample.
+    pub flops: u64,
+    /// Teacher block forward FLOPs per sample.
+    pub teacher_flops: u64,
+    /// Teacher FLOPs divided by student FLOPs (how much cheaper the student is).
+    pub flops_reduction: f64,
+    /// Mean training loss over the block's last steps.
+    pub final_loss: f32,
+}
+
+/// Everything `pipebd run` measured, plus the config that produced it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunReport {
+    /// Run name from the config.
+    pub name: String,
+    /// Schedule used.
+    pub schedule: String,
+    /// Device used.
+    pub device: String,
+    /// Top-1 accuracy of the teacher on the test split.
+    pub teacher_accuracy: f64,
+    /// Top-1 accuracy of the stitched student on the test split.
+    pub student_accuracy: f64,
+    /// Test samples scored.
+    pub test_samples: usize,
+    /// Training samples available.
+    pub train_samples: usize,
+    /// Optimizer steps per block.
+    pub steps: usize,
+    /// Wall time of the whole run (loading, training, evaluation, saving).
+    pub wall_seconds: f64,
+    /// Wall time of the training loop alone.
+    pub train_seconds: f64,
+    /// Training samples per second (each sample through every block).
+    pub samples_per_second: f64,
+    /// Per-block figures.
+    pub blocks: Vec<BlockReport>,
+    /// The configuration, echoed back.
+    pub config: RunConfig,
+}
+
+/// Writes `contents` to `path` through a temporary file and a rename, so a
+/// crash never leaves a half-written file under the final name.
+pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut file = std::fs::File::create(&tmp).map_err(|e| Error::io("creating", &tmp, e))?;
+    file.write_all(contents).map_err(|e| Error::io("writing", &tmp, e))?;
+    file.sync_all().map_err(|e| Error::io("flushing", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io("renaming into", path, e))
+}
+
+impl RunReport {
+    /// Writes `report.json` into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let json = serde_json::to_string_pretty(self).map_err(|e| Error::Data {
+            path: dir.join("report.json"),
+            message: format!("cannot serialise the report: {e}"),
+        })?;
+        write_atomic(&dir.join("report.json"), json.as_bytes())
+    }
+
+    /// Reads `report.json` from a run folder.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join("report.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io("reading", &path, e))?;
+        serde_json::from_str(&text).map_err(|e| Error::Data { path, message: format!("not a pipebd report: {e}") })
+    }
+}
+
+/// Writes `metrics.csv` (`epoch,step,block,loss,lr`) into `dir`.
+pub fn write_metrics(dir: &Path, rows: &[MetricRow]) -> Result<()> {
+    let mut text = String::from("epoch,step,block,loss,lr\n");
+    for r in rows {
+        text.push_str(&format!("{},{},{},{},{}\n", r.epoch, r.step, r.block, r.loss, r.lr));
+    }
+    write_atomic(&dir.join("metrics.csv"), text.as_bytes())
+}

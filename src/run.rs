@@ -1,0 +1,205 @@
+//! A whole job from a config: load data and teacher, build students, train
+//! under the configured schedule, stitch, evaluate, save, report.
+//!
+//! This is the layer the CLI calls; the backend is picked here from the
+//! device string, everything below is generic over burn's backend.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::{AutodiffModule, Module};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::backend::AutodiffBackend;
+use pipebd_students::StudentBlock;
+
+use crate::block::{BlockSpec, Students};
+use crate::config::RunConfig;
+use crate::data::{ImageDataset, Split};
+use crate::device::DeviceSpec;
+use crate::error::{Error, Result};
+use crate::report::{write_metrics, BlockReport, RunReport};
+use crate::train::{accuracy, inference_blocks, train_ideal, Progress};
+use crate::zoo::{build_students, build_teacher, init_student_blocks, student_specs, teacher_specs};
+
+/// Test images per evaluation chunk.
+const EVAL_CHUNK: usize = 1000;
+
+/// Checks a config before any heavy work: device usable, student shapes
+/// matching the teacher's.
+pub fn preflight(config: &RunConfig) -> Result<DeviceSpec> {
+    let device = DeviceSpec::parse(&config.device).map_err(|message| Error::Device {
+        device: config.device.clone(),
+        message,
+    })?;
+    device.check_available()?;
+    let teacher = teacher_specs(&config.teacher);
+    student_specs(&config.students, &teacher)?;
+    Ok(device)
+}
+
+/// Runs the job described by `config`, writing `report.json`,
+/// `metrics.csv` and the trained student (`student/block-K.mpk`) into
+/// `out_dir`. `observer` sees every training step (for progress bars).
+pub fn run(config: &RunConfig, out_dir: &Path, observer: &mut dyn FnMut(&Progress)) -> Result<RunReport> {
+    let device = preflight(config)?;
+    std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
+    match device {
+        DeviceSpec::Cpu => run_on::<burn::backend::Autodiff<burn::backend::Flex>>(config, &Default::default(), out_dir, observer),
+        #[cfg(feature = "cuda")]
+        DeviceSpec::Cuda(i) => run_on::<burn::backend::Autodiff<burn::backend::Cuda>>(
+            config,
+            &burn::backend::cuda::CudaDevice::new(i),
+            out_dir,
+            observer,
+        ),
+        #[cfg(feature = "wgpu")]
+        DeviceSpec::Wgpu(i) => run_on::<burn::backend::Autodiff<burn::backend::Wgpu>>(
+            config,
+            &wgpu_device(i),
+            out_dir,
+            observer,
+        ),
+        #[allow(unreachable_patterns)]
+        other => Err(Error::Device { device: other.to_string(), message: "not compiled in".into() }),
+    }
+}
+
+#[cfg(feature = "wgpu")]
+fn wgpu_device(index: Option<usize>) -> burn::backend::wgpu::WgpuDevice {
+    match index {
+        None => burn::backend::wgpu::WgpuDevice::DefaultDevice,
+        Some(i) => burn::backend::wgpu::WgpuDevice::DiscreteGpu(i),
+    }
+}
+
+fn run_on<B: AutodiffBackend>(
+    config: &RunConfig,
+    device: &B::Device,
+    out_dir: &Path,
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<RunReport> {
+    let start = Instant::now();
+    let train = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
+    let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
+    let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
+    let teacher_accuracy = accuracy(&teacher.blocks, &test, device, EVAL_CHUNK)?;
+
+    let (students, log) = train_ideal(&teacher, students, &train, config, device, observer)?;
+
+    let trained = inference_blocks(&students);
+    let student_accuracy = accuracy(&trained, &test, device, EVAL_CHUNK)?;
+    save_students(out_dir, &students)?;
+    write_metrics(out_dir, &log.rows)?;
+
+    let blocks = teacher
+        .specs
+        .iter()
+        .zip(&students.specs)
+        .zip(&log.final_losses)
+        .enumerate()
+        .map(|(k, ((t, s), &final_loss))| block_report(k, t, s, final_loss))
+        .collect();
+    let report = RunReport {
+        name: config.name.clone(),
+        schedule: config.schedule.clone(),
+        device: config.device.clone(),
+        teacher_accuracy,
+        student_accuracy,
+        test_samples: test.len(),
+        train_samples: train.len(),
+        steps: log.steps,
+        wall_seconds: start.elapsed().as_secs_f64(),
+        train_seconds: log.seconds,
+        samples_per_second: log.samples as f64 / log.seconds.max(1e-9),
+        blocks,
+        config: config.clone(),
+    };
+    report.write(out_dir)?;
+    Ok(report)
+}
+
+fn block_report(k: usize, teacher: &BlockSpec, student: &BlockSpec, final_loss: f32) -> BlockReport {
+    BlockReport {
+        block: k + 1,
+        teacher: teacher.name.clone(),
+        student: student.name.clone(),
+        input_shape: student.input_shape.clone(),
+        output_shape: student.output_shape.clone(),
+        params: student.params,
+        teacher_params: teacher.params,
+        flops: student.flops,
+        teacher_flops: teacher.flops,
+        flops_reduction: teacher.flops as f64 / student.flops.max(1) as f64,
+        final_loss,
+    }
+}
+
+/// Path of block `k`'s (zero-based) saved weights inside a run folder.
+pub fn student_record_path(run_dir: &Path, k: usize) -> PathBuf {
+    run_dir.join("student").join(format!("block-{}.mpk", k + 1))
+}
+
+fn recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
+    NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+}
+
+/// Saves every trained student block (inference copy) as a burn record.
+pub fn save_students<B: AutodiffBackend>(run_dir: &Path, students: &Students<B, StudentBlock<B>>) -> Result<()> {
+    let dir = run_dir.join("student");
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io("creating directory", &dir, e))?;
+    for (k, block) in students.blocks.iter().enumerate() {
+        let path = student_record_path(run_dir, k);
+        // The recorder appends the extension itself.
+        block
+            .valid()
+            .save_file(path.with_extension(""), &recorder())
+            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+    }
+    Ok(())
+}
+
+/// Figures from re-scoring a saved run.
+#[derive(Debug, Clone)]
+pub struct EvalResult {
+    /// Accuracy of the reloaded stitched student on the test split.
+    pub student_accuracy: f64,
+    /// The accuracy `report.json` recorded at the end of training.
+    pub recorded_accuracy: f64,
+    /// Test samples scored.
+    pub test_samples: usize,
+}
+
+/// Reloads the student saved in `run_dir` (by `pipebd run`) and scores it
+/// on the test split named in the run's config (on the CPU).
+pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
+    type B = burn::backend::Flex;
+    let report = RunReport::read(run_dir)?;
+    let config = &report.config;
+    let device = Default::default();
+    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
+    let teacher = teacher_specs(&config.teacher);
+    let (blocks, _) = init_student_blocks::<B>(&config.students, &teacher, &device)?;
+    let mut loaded = Vec::with_capacity(blocks.len());
+    for (k, block) in blocks.into_iter().enumerate() {
+        let path = student_record_path(run_dir, k);
+        if !path.is_file() {
+            return Err(Error::Record { path, message: "missing: was this run folder written by `pipebd run`?".into() });
+        }
+        let block = block
+            .load_file(path.with_extension(""), &recorder(), &device)
+            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+        loaded.push(block);
+    }
+    let student_accuracy = accuracy::<B, _>(&loaded, &test, &device, EVAL_CHUNK)?;
+    Ok(EvalResult { student_accuracy, recorded_accuracy: report.student_accuracy, test_samples: test.len() })
+}
+
+/// Scores the configured teacher on the test split (on the CPU).
+pub fn eval_teacher(config: &RunConfig) -> Result<(f64, usize)> {
+    type B = burn::backend::Flex;
+    let device = Default::default();
+    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
+    let teacher = build_teacher::<B>(&config.teacher, &device)?;
+    Ok((accuracy(&teacher.blocks, &test, &device, EVAL_CHUNK)?, test.len()))
+}
