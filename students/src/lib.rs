@@ -10,6 +10,7 @@
 //! Available kinds (`kind = "..."` in TOML):
 //! - `conv`: a plain conv block of configurable width,
 //! - `separable`: a depthwise-separable conv block (MobileNet style),
+//! - `bottleneck`: a Tucker-style 1x1 -> 3x3 -> 1x1 conv block,
 //! - `head`: a small classifier head (flatten, hidden layer, logits).
 //!
 //! # Feature flags
@@ -19,7 +20,7 @@
 mod conv;
 mod head;
 
-pub use conv::{ConvBlock, SeparableBlock};
+pub use conv::{BottleneckBlock, ConvBlock, SeparableBlock};
 pub use head::HeadBlock;
 
 use burn::module::Module;
@@ -56,13 +57,32 @@ pub enum StudentBlockConfig {
         #[serde(default = "default_true")]
         pool: bool,
     },
-    /// `depthwise 3x3 -> ReLU -> pointwise 1x1 (c_in -> out) -> ReLU -> [max-pool 2]`.
+    /// `depthwise 3x3 -> [ReLU] -> pointwise 1x1 (c_in -> out) -> ReLU -> [max-pool 2]`.
     Separable {
         /// Output channels (must equal the teacher block's).
         out_channels: usize,
         /// Channel multiplier of the depthwise convolution (default 1).
         #[serde(default = "default_one")]
         depth_multiplier: usize,
+        /// ReLU between the depthwise and the pointwise convolution (default false:
+        /// the pair is then a factorisation of one 3x3 convolution).
+        #[serde(default)]
+        inner_relu: bool,
+        /// Halve height and width with a 2x2 max-pool (default true).
+        #[serde(default = "default_true")]
+        pool: bool,
+    },
+    /// A Tucker-style bottleneck: `1x1 (c_in -> rank) -> 3x3 (rank -> rank) ->
+    /// 1x1 (rank -> out) -> ReLU -> [max-pool 2]`, with optional ReLUs inside.
+    Bottleneck {
+        /// Channels of the inner 3x3 convolution.
+        rank: usize,
+        /// Output channels (must equal the teacher block's).
+        out_channels: usize,
+        /// ReLU after each inner convolution (default false: the three
+        /// convolutions then factorise one 3x3 convolution).
+        #[serde(default)]
+        inner_relu: bool,
         /// Halve height and width with a 2x2 max-pool (default true).
         #[serde(default = "default_true")]
         pool: bool,
@@ -101,6 +121,8 @@ pub enum StudentBlock<B: Backend> {
     Conv(ConvBlock<B>),
     /// See [`StudentBlockConfig::Separable`].
     Separable(SeparableBlock<B>),
+    /// See [`StudentBlockConfig::Bottleneck`].
+    Bottleneck(BottleneckBlock<B>),
     /// See [`StudentBlockConfig::Head`].
     Head(HeadBlock<B>),
 }
@@ -120,6 +142,7 @@ impl<B: Backend> StudentBlock<B> {
         match self {
             Self::Conv(block) => StudentOutput::Maps(block.forward(x)),
             Self::Separable(block) => StudentOutput::Maps(block.forward(x)),
+            Self::Bottleneck(block) => StudentOutput::Maps(block.forward(x)),
             Self::Head(block) => StudentOutput::Logits(block.forward(x)),
         }
     }
@@ -131,6 +154,7 @@ impl StudentBlockConfig {
         match self {
             Self::Conv { .. } => "conv",
             Self::Separable { .. } => "separable",
+            Self::Bottleneck { .. } => "bottleneck",
             Self::Head { .. } => "head",
         }
     }
@@ -162,16 +186,31 @@ impl StudentBlockConfig {
                 let (oh, ow) = pooled(h, w, pool);
                 Ok(BuiltStudent { module: StudentBlock::Conv(module), output_shape: vec![out_channels, oh, ow], flops })
             }
-            Self::Separable { out_channels, depth_multiplier, pool } => {
+            Self::Separable { out_channels, depth_multiplier, inner_relu, pool } => {
                 positive("out_channels", out_channels)?;
                 positive("depth_multiplier", depth_multiplier)?;
                 let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
                     invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
                 })?;
-                let (module, flops) = SeparableBlock::new(c, depth_multiplier, out_channels, h, w, pool, device);
+                let (module, flops) =
+                    SeparableBlock::new(c, depth_multiplier, out_channels, h, w, inner_relu, pool, device);
                 let (oh, ow) = pooled(h, w, pool);
                 Ok(BuiltStudent {
                     module: StudentBlock::Separable(module),
+                    output_shape: vec![out_channels, oh, ow],
+                    flops,
+                })
+            }
+            Self::Bottleneck { rank, out_channels, inner_relu, pool } => {
+                positive("rank", rank)?;
+                positive("out_channels", out_channels)?;
+                let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
+                    invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
+                })?;
+                let (module, flops) = BottleneckBlock::new(c, rank, out_channels, h, w, inner_relu, pool, device);
+                let (oh, ow) = pooled(h, w, pool);
+                Ok(BuiltStudent {
+                    module: StudentBlock::Bottleneck(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
                 })

@@ -1,0 +1,193 @@
+//! Bad configs fail before any work, naming the file, line and field;
+//! the CLI exits with code 2 and does not panic.
+
+use std::path::Path;
+
+use pipe_bd::config::RunConfig;
+use pipe_bd::Error;
+
+mod common;
+
+const GOOD: &str = r#"name = "t"
+device = "cpu"
+
+[data]
+dataset = "mnist"
+dir = "data/mnist"
+
+[teacher]
+kind = "mnist-cnn"
+weights = "data/teachers/mnist-cnn.pth"
+
+[train]
+epochs = 1
+batch_size = 32
+
+[optimizer]
+kind = "sgd"
+lr = 0.1
+
+[[students]]
+kind = "conv"
+width = 8
+out_channels = 32
+
+[[students]]
+kind = "separable"
+out_channels = 64
+
+[[students]]
+kind = "separable"
+out_channels = 128
+
+[[students]]
+kind = "head"
+hidden = 32
+classes = 10
+"#;
+
+fn parse(text: &str) -> Result<RunConfig, Error> {
+    RunConfig::parse(text, Path::new("bad.toml"))
+}
+
+/// Asserts a config error at `line` about `field` whose message contains `needle`.
+fn assert_config_error(text: &str, line: usize, field: &str, needle: &str) {
+    match parse(text) {
+        Err(e @ Error::Config { .. }) => {
+            let Error::Config { line: got_line, field: got_field, .. } = &e else { unreachable!() };
+            assert_eq!(*got_line, Some(line), "wrong line in: {e}");
+            assert_eq!(got_field.as_deref(), Some(field), "wrong field in: {e}");
+            let shown = e.to_string();
+            assert!(shown.starts_with(&format!("bad.toml:{line}")), "{shown}");
+            assert!(shown.contains(needle), "`{needle}` not in: {shown}");
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_good_config_parses() {
+    let config = parse(GOOD).unwrap();
+    assert_eq!(config.students.len(), 4);
+    assert_eq!(config.train.batch_size, 32);
+}
+
+#[test]
+fn unknown_field_names_line_and_field() {
+    let text = GOOD.replace("batch_size = 32", "batch_size = 32\nbach_size = 3");
+    assert_config_error(&text, 15, "train.bach_size", "unknown field");
+}
+
+#[test]
+fn wrong_type_names_line_and_field() {
+    let text = GOOD.replace("batch_size = 32", "batch_size = \"big\"");
+    assert_config_error(&text, 14, "train.batch_size", "invalid type");
+}
+
+#[test]
+fn zero_batch_size_names_line_and_field() {
+    let text = GOOD.replace("batch_size = 32", "batch_size = 0");
+    assert_config_error(&text, 14, "train.batch_size", "at least 1");
+}
+
+#[test]
+fn negative_learning_rate_is_refused() {
+    let text = GOOD.replace("lr = 0.1", "lr = -0.1");
+    assert_config_error(&text, 18, "optimizer.lr", "positive");
+}
+
+#[test]
+fn unknown_device_is_refused() {
+    let text = GOOD.replace("device = \"cpu\"", "device = \"tpu:0\"");
+    assert_config_error(&text, 2, "device", "unknown device");
+}
+
+#[test]
+fn unknown_student_kind_names_its_line() {
+    let text = GOOD.replace("kind = \"separable\"\nout_channels = 64", "kind = \"transformer\"\nout_channels = 64");
+    match parse(&text) {
+        Err(e @ Error::Config { .. }) => {
+            let shown = e.to_string();
+            assert!(shown.contains("transformer"), "{shown}");
+            assert!(shown.contains("bad.toml:2"), "expected the line of the bad entry: {shown}");
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+}
+
+#[test]
+fn missing_section_is_named() {
+    let text = GOOD.replace("[train]\nepochs = 1\nbatch_size = 32\n", "");
+    let err = parse(&text).unwrap_err();
+    assert!(err.to_string().contains("missing field `train`"), "{err}");
+}
+
+#[test]
+fn not_toml_at_all_is_refused() {
+    let err = parse("this is = = not toml").unwrap_err();
+    assert!(matches!(err, Error::Config { line: Some(1), .. }), "{err}");
+}
+
+#[test]
+fn student_with_wrong_output_shape_is_rejected_before_training() {
+    let config = parse(&GOOD.replace("out_channels = 128", "out_channels = 96")).unwrap();
+    let err = pipe_bd::run::preflight(&config).unwrap_err();
+    match &err {
+        Error::ShapeMismatch { block, student, teacher, .. } => {
+            assert_eq!(*block, 3);
+            assert_eq!(student, &vec![96, 3, 3]);
+            assert_eq!(teacher, &vec![128, 3, 3]);
+        }
+        other => panic!("expected a shape mismatch, got {other:?}"),
+    }
+    let shown = err.to_string();
+    assert!(shown.contains("block 3") && shown.contains("[96, 3, 3]") && shown.contains("[128, 3, 3]"), "{shown}");
+}
+
+#[test]
+fn wrong_number_of_student_blocks_is_rejected() {
+    let text = GOOD.split("[[students]]\nkind = \"head\"").next().unwrap().to_string();
+    let config = parse(&text).unwrap();
+    let err = pipe_bd::run::preflight(&config).unwrap_err();
+    assert!(err.to_string().contains("4 blocks but 3 student blocks"), "{err}");
+}
+
+#[test]
+fn head_on_a_too_small_input_is_rejected() {
+    let text = GOOD.replace("[[students]]\nkind = \"head\"\nhidden = 32\nclasses = 10", "[[students]]\nkind = \"head\"\nhidden = 32\nclasses = 7");
+    let config = parse(&text).unwrap();
+    let err = pipe_bd::run::preflight(&config).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { block: 4, .. }), "{err}");
+}
+
+#[test]
+fn cuda_without_the_feature_or_a_driver_is_a_clear_error() {
+    let config = parse(&GOOD.replace("device = \"cpu\"", "device = \"cuda:0\"")).unwrap();
+    let err = pipe_bd::run::preflight(&config).unwrap_err();
+    assert!(matches!(err, Error::Device { .. }), "{err}");
+    assert!(err.to_string().contains("cuda:0"), "{err}");
+}
+
+#[test]
+fn cli_exits_with_code_2_on_bad_configs() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("unknown-field.toml", GOOD.replace("epochs = 1", "epochs = 1\nepoch = 2"), "train.epoch"),
+        ("bad-shape.toml", GOOD.replace("out_channels = 64", "out_channels = 65"), "block 2"),
+        ("zero.toml", GOOD.replace("epochs = 1", "epochs = 0"), "train.epochs"),
+    ];
+    for (name, text, needle) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        let out_dir = dir.path().join("out");
+        let (code, _, stderr) =
+            common::pipebd(&["run", path.to_str().unwrap(), "--out", out_dir.to_str().unwrap(), "--quiet"]);
+        assert_eq!(code, 2, "{name}: {stderr}");
+        assert!(stderr.contains(name) || needle.starts_with("block"), "{name}: file not named: {stderr}");
+        assert!(stderr.contains(needle), "{name}: `{needle}` not in: {stderr}");
+        assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+    }
+    let (code, _, stderr) = common::pipebd(&["run", "no/such/config.toml", "--quiet"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("no/such/config.toml"), "{stderr}");
+}
