@@ -80,8 +80,8 @@ fn check_length(path: &Path, actual: usize, expected: usize) -> Result<()> {
 /// Reads an uncompressed IDX3 image file (`*-images-idx3-ubyte`).
 pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
     let bytes = read_file(path)?;
+    check_magic(path, header(path, &bytes, 1)?[0], IMAGES_MAGIC, "image (idx3, u8)")?;
     let h = header(path, &bytes, 4)?;
-    check_magic(path, h[0], IMAGES_MAGIC, "image (idx3, u8)")?;
     let (count, rows, cols) = (h[1] as usize, h[2] as usize, h[3] as usize);
     check_length(path, bytes.len(), 16 + count * rows * cols)?;
     Ok(IdxImages { count, rows, cols, pixels: bytes[16..].to_vec() })
@@ -92,8 +92,8 @@ pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
 /// Labels must be below `classes`.
 pub fn read_idx_labels(path: &Path, classes: u8) -> Result<Vec<u8>> {
     let bytes = read_file(path)?;
+    check_magic(path, header(path, &bytes, 1)?[0], LABELS_MAGIC, "label (idx1, u8)")?;
     let h = header(path, &bytes, 2)?;
-    check_magic(path, h[0], LABELS_MAGIC, "label (idx1, u8)")?;
     let count = h[1] as usize;
     check_length(path, bytes.len(), 8 + count)?;
     let labels = bytes[8..].to_vec();

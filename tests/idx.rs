@@ -70,7 +70,7 @@ fn rejects_a_truncated_image_file() {
 #[test]
 fn rejects_a_truncated_header() {
     let dir = tempfile::tempdir().unwrap();
-    let path = write(dir.path(), "stub", &[0, 0, 8]);
+    let path = write(dir.path(), "stub", &[0, 0, 8, 3, 0, 0]);
     let text = data_message(read_idx_images(&path), &path);
     assert!(text.contains("header"), "{text}");
 }

@@ -9,12 +9,12 @@ mod common;
 
 #[test]
 fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
-    let config = RunConfig::parse(&common::small_config(3200, 1000, 1), Path::new("small.toml")).unwrap();
+    let config = RunConfig::parse(&common::small_config(6400, 1000, 1), Path::new("small.toml")).unwrap();
     let out = tempfile::tempdir().unwrap();
     let mut steps_seen = 0;
     let report = pipe_bd::run::run(&config, out.path(), &mut |_| steps_seen += 1).unwrap();
-    assert_eq!(steps_seen, 50, "3200 samples at batch 64 is 50 steps");
-    assert_eq!(report.steps, 50);
+    assert_eq!(steps_seen, 100, "6400 samples at batch 64 is 100 steps");
+    assert_eq!(report.steps, 100);
 
     // metrics.csv: one row per step per block (log_every = 1).
     let csv = std::fs::read_to_string(out.path().join("metrics.csv")).unwrap();
@@ -26,7 +26,7 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
             (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap())
         })
         .collect();
-    assert_eq!(rows.len(), 50 * 4);
+    assert_eq!(rows.len(), 100 * 4);
     for block in 1..=4 {
         let losses: Vec<f32> = rows.iter().filter(|r| r.1 == block).map(|r| r.2).collect();
         let first = losses[..5].iter().sum::<f32>() / 5.0;

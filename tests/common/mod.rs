@@ -64,7 +64,8 @@ rank = 16
 out_channels = 64
 
 [[students]]
-kind = "separable"
+kind = "bottleneck"
+rank = 24
 out_channels = 128
 
 [[students]]
