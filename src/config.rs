@@ -218,14 +218,37 @@ impl RunConfig {
 
 /// Turns a TOML parse error into an [`Error::Config`] with line and field.
 fn parse_error(text: &str, path: &Path, error: &toml::de::Error) -> Error {
-    let line = error.span().map(|span| line_of(text, span.start));
+    let message = error.message().trim().to_string();
+    let line = error.span().map(|span| refine_line(text, line_of(text, span.start), &message));
     let field = line.and_then(|l| field_at_line(text, l));
-    Error::Config {
-        path: path.to_path_buf(),
-        line,
-        field,
-        message: error.message().trim().to_string(),
+    Error::Config { path: path.to_path_buf(), line, field, message }
+}
+
+/// serde reports errors inside internally tagged tables (the `[[students]]`
+/// entries) at the start of the whole array; move such an error to the line
+/// that holds the offending key (`unknown field `x``) or value (`unknown
+/// variant `x``), searching forward from `line`.
+fn refine_line(text: &str, line: usize, message: &str) -> usize {
+    let Some(token) = message.split('`').nth(1) else { return line };
+    let is_key = message.starts_with("unknown field");
+    let is_value = message.starts_with("unknown variant");
+    if !is_key && !is_value {
+        return line;
     }
+    text.lines()
+        .enumerate()
+        .skip(line.saturating_sub(1))
+        .find(|(_, raw)| {
+            let mut parts = raw.splitn(2, '=');
+            let key = parts.next().unwrap_or("").trim();
+            let value = parts.next().unwrap_or("").trim();
+            if is_key {
+                key == token
+            } else {
+                value.trim_matches('"') == token
+            }
+        })
+        .map_or(line, |(i, _)| i + 1)
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -233,13 +256,21 @@ fn line_of(text: &str, offset: usize) -> usize {
 }
 
 /// The dotted `table.key` written on `line` (one-based), if that line is a
-/// `key = value` entry; the table name if it is a header.
+/// `key = value` entry; the table name if it is a header or inside a table.
+/// Entries of an array of tables are numbered: `students[2].rank`.
 fn field_at_line(text: &str, line: usize) -> Option<String> {
     let mut table = String::new();
+    let mut array_counts: std::collections::HashMap<String, usize> = Default::default();
     for (i, raw) in text.lines().enumerate() {
         let l = raw.trim();
         if let Some(name) = header_name(l) {
-            table = name;
+            table = if l.starts_with("[[") {
+                let count = array_counts.entry(name.clone()).or_insert(0);
+                *count += 1;
+                format!("{name}[{}]", *count - 1)
+            } else {
+                name
+            };
             if i + 1 == line {
                 return Some(table);
             }
@@ -257,7 +288,9 @@ fn field_at_line(text: &str, line: usize) -> Option<String> {
 }
 
 fn header_name(line: &str) -> Option<String> {
-    let inner = line.strip_prefix("[[").and_then(|s| s.split("]]").next())
+    let inner = line
+        .strip_prefix("[[")
+        .and_then(|s| s.split("]]").next())
         .or_else(|| line.strip_prefix('[').and_then(|s| s.split(']').next()))?;
     Some(inner.trim().to_string())
 }

@@ -29,6 +29,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod optim;
+pub mod plan;
 pub mod report;
 pub mod run;
 pub mod train;

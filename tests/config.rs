@@ -109,7 +109,7 @@ fn unknown_student_kind_names_its_line() {
         Err(e @ Error::Config { .. }) => {
             let shown = e.to_string();
             assert!(shown.contains("transformer"), "{shown}");
-            assert!(shown.contains("bad.toml:2"), "expected the line of the bad entry: {shown}");
+            assert!(shown.contains("students[1]"), "expected the bad entry to be named: {shown}");
         }
         other => panic!("expected a config error, got {other:?}"),
     }
@@ -190,4 +190,13 @@ fn cli_exits_with_code_2_on_bad_configs() {
     let (code, _, stderr) = common::pipebd(&["run", "no/such/config.toml", "--quiet"]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("no/such/config.toml"), "{stderr}");
+}
+
+#[test]
+fn unknown_field_in_a_student_entry_names_the_entry() {
+    let text = GOOD.replace("kind = \"separable\"\nout_channels = 64", "kind = \"separable\"\nout_channels = 64\nwidht = 3");
+    let err = parse(&text).unwrap_err();
+    let shown = err.to_string();
+    assert!(shown.contains("students[1]"), "{shown}");
+    assert!(shown.contains("widht"), "{shown}");
 }
