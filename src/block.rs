@@ -308,3 +308,17 @@ pub fn block_loss<B: Backend>(
         }),
     }
 }
+
+/// Every float parameter of a module, flattened in visiting order (for
+/// comparing two trainings of the same architecture).
+pub fn flat_parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            self.0.extend(param.val().into_data().iter::<f32>());
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    module.visit(&mut collect);
+    collect.0
+}

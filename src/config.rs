@@ -21,12 +21,23 @@ pub struct RunConfig {
     /// Seed for student initialisation and data order.
     #[serde(default)]
     pub seed: u64,
-    /// Device: `cpu`, `cuda[:N]` or `wgpu[:N]`.
+    /// Device: `cpu`, `cuda[:N]` or `wgpu[:N]` (one slot; see `devices`).
     #[serde(default = "default_device")]
     pub device: String,
-    /// Parallel schedule. Only `ideal` (one device trains every block) so far.
+    /// Device slots for the parallel schedules, e.g. `["cpu", "cpu"]` or
+    /// `["cuda:0", "cuda:1"]` (all of one kind). Default: `[device]`.
+    #[serde(default)]
+    pub devices: Option<Vec<String>>,
+    /// Parallel schedule: `ideal`, `dp`, `ls`, `tr`, `tr-dpu` or `hybrid`
+    /// (then `[[stages]]` says which blocks each stage trains on how many replicas).
     #[serde(default = "default_schedule")]
     pub schedule: String,
+    /// Stages of a `hybrid` schedule, in block order.
+    #[serde(default)]
+    pub stages: Vec<crate::plan::StageSpec>,
+    /// Pipeline runtime knobs.
+    #[serde(default)]
+    pub runtime: RuntimeConfig,
     /// The dataset.
     pub data: DataConfig,
     /// The teacher.
@@ -47,6 +58,34 @@ fn default_device() -> String {
 }
 fn default_schedule() -> String {
     "ideal".into()
+}
+
+/// Pipeline runtime knobs (none changes the mathematics).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// Batches in flight on each channel between stages (default 2).
+    #[serde(default = "default_capacity")]
+    pub channel_capacity: usize,
+    /// Seconds a worker may wait for a peer before the run fails (default 120).
+    #[serde(default = "default_timeout")]
+    pub timeout_seconds: f64,
+    /// Intra-op threads per worker; 0 (default) divides the cores evenly.
+    #[serde(default)]
+    pub threads_per_worker: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self { channel_capacity: default_capacity(), timeout_seconds: default_timeout(), threads_per_worker: 0 }
+    }
+}
+
+fn default_capacity() -> usize {
+    2
+}
+fn default_timeout() -> f64 {
+    120.0
 }
 
 /// Which dataset, where.
@@ -198,16 +237,59 @@ impl RunConfig {
         if self.teacher.kind != "mnist-cnn" {
             return fail("teacher", "kind", format!("unknown teacher `{}`: expected `mnist-cnn`", self.teacher.kind));
         }
-        if self.schedule != "ideal" {
-            return fail("", "schedule", format!("unknown schedule `{}`: expected `ideal`", self.schedule));
+        if !crate::plan::SCHEDULES.contains(&self.schedule.as_str()) {
+            return fail(
+                "",
+                "schedule",
+                format!("unknown schedule `{}`: expected one of {}", self.schedule, crate::plan::SCHEDULES.join(", ")),
+            );
+        }
+        if self.schedule == "hybrid" && self.stages.is_empty() {
+            return fail("", "schedule", "`hybrid` needs [[stages]] entries (blocks = [..], replicas = N)".into());
         }
         if let Err(e) = crate::device::DeviceSpec::parse(&self.device) {
             return fail("", "device", e);
+        }
+        if let Some(devices) = &self.devices {
+            if let Err(e) = crate::device::parse_slots(devices) {
+                return fail("", "devices", e);
+            }
+        }
+        if self.runtime.channel_capacity == 0 {
+            return fail("runtime", "channel_capacity", "must be at least 1".into());
+        }
+        if !(self.runtime.timeout_seconds > 0.0 && self.runtime.timeout_seconds.is_finite()) {
+            return fail("runtime", "timeout_seconds", format!("must be a positive number, got {}", self.runtime.timeout_seconds));
         }
         if self.students.is_empty() {
             return fail("", "students", "at least one [[students]] block is required".into());
         }
         Ok(())
+    }
+
+    /// The device slots: `devices`, or `[device]`.
+    pub fn device_slots(&self) -> Vec<String> {
+        self.devices.clone().unwrap_or_else(|| vec![self.device.clone()])
+    }
+
+    /// The runtime settings as the runtime takes them.
+    pub fn runtime_options(&self) -> crate::runtime::RuntimeOptions {
+        crate::runtime::RuntimeOptions {
+            channel_capacity: self.runtime.channel_capacity,
+            timeout: std::time::Duration::from_secs_f64(self.runtime.timeout_seconds),
+            threads_per_worker: self.runtime.threads_per_worker,
+        }
+    }
+
+    /// The training settings as the runtime takes them.
+    pub fn train_settings(&self) -> crate::runtime::TrainSettings {
+        crate::runtime::TrainSettings {
+            epochs: self.train.epochs,
+            batch_size: self.train.batch_size,
+            seed: self.seed,
+            log_every: self.train.log_every,
+            optimizer: self.optimizer.clone(),
+        }
     }
 
     /// The config as TOML text (what a report echoes back).

@@ -102,3 +102,17 @@ fn cuda_driver_present() -> bool {
         .map(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so"))
         .unwrap_or(false)
 }
+
+/// Parses a list of device slots (`["cpu", "cpu"]`); they must all be of
+/// one kind (one burn backend runs a job).
+pub fn parse_slots(slots: &[String]) -> std::result::Result<Vec<DeviceSpec>, String> {
+    if slots.is_empty() {
+        return Err("at least one device slot is needed".into());
+    }
+    let specs = slots.iter().map(|s| DeviceSpec::parse(s)).collect::<std::result::Result<Vec<_>, _>>()?;
+    let kind = |d: &DeviceSpec| std::mem::discriminant(d);
+    if specs.iter().any(|d| kind(d) != kind(&specs[0])) {
+        return Err(format!("device slots {slots:?} mix kinds; one run uses one backend"));
+    }
+    Ok(specs)
+}

@@ -76,6 +76,32 @@ pub enum Error {
         /// Why it cannot be used.
         message: String,
     },
+    /// A schedule cannot run as described.
+    #[error("schedule `{plan}`: {message}")]
+    Plan {
+        /// The schedule's name.
+        plan: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A pipeline worker waited longer than the configured timeout.
+    #[error("timeout: {message}")]
+    Timeout {
+        /// Who waited for what.
+        message: String,
+    },
+    /// A pipeline worker failed; the whole run was stopped.
+    #[error("stage {stage} replica {replica} (device slot {slot}) failed: {source}")]
+    Worker {
+        /// One-based stage.
+        stage: usize,
+        /// Zero-based replica within the stage.
+        replica: usize,
+        /// Device slot of the worker.
+        slot: usize,
+        /// The worker's error.
+        source: Box<Error>,
+    },
     /// A teacher model could not be built.
     #[error(transparent)]
     Teacher(#[from] pipebd_teachers::TeacherError),
@@ -99,6 +125,7 @@ impl Error {
         matches!(
             self,
             Error::Config { .. }
+                | Error::Plan { .. }
                 | Error::ShapeMismatch { .. }
                 | Error::Device { .. }
                 | Error::Student(_)

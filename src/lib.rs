@@ -32,6 +32,8 @@ pub mod optim;
 pub mod plan;
 pub mod report;
 pub mod run;
+pub mod runtime;
+pub mod trace;
 pub mod train;
 pub mod zoo;
 

@@ -30,6 +30,15 @@ enum Command {
         /// Override the config's `device` (cpu, cuda[:N], wgpu[:N]).
         #[arg(long)]
         device: Option<String>,
+        /// Override the config's device slots, comma-separated (e.g. cpu,cpu or cuda:0,cuda:1).
+        #[arg(long, value_delimiter = ',')]
+        devices: Option<Vec<String>>,
+        /// Override the config's schedule (ideal, dp, ls, tr, tr-dpu, hybrid).
+        #[arg(long)]
+        schedule: Option<String>,
+        /// Record every worker's spans to trace.json (Chrome trace format).
+        #[arg(long)]
+        trace: bool,
         /// Override the config's `train.epochs`.
         #[arg(long)]
         epochs: Option<usize>,
@@ -69,11 +78,40 @@ fn main() -> ExitCode {
     }
 }
 
-fn load_config(path: &Path, device: Option<String>, epochs: Option<usize>) -> Result<RunConfig, Error> {
+/// Command-line overrides of a config's fields.
+#[derive(Default)]
+struct Overrides {
+    device: Option<String>,
+    devices: Option<Vec<String>>,
+    schedule: Option<String>,
+    epochs: Option<usize>,
+}
+
+fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
     let mut config = RunConfig::load(path)?;
-    if let Some(device) = device {
+    let flag_error = |flag: &str, field: &str, message: String| Error::Config {
+        path: flag.into(),
+        line: None,
+        field: Some(field.into()),
+        message,
+    };
+    if let Some(device) = overrides.device {
+        pipe_bd::device::DeviceSpec::parse(&device).map_err(|m| flag_error("--device", "device", m))?;
+        config.devices = None;
         config.device = device;
     }
+    if let Some(devices) = overrides.devices {
+        pipe_bd::device::parse_slots(&devices).map_err(|m| flag_error("--devices", "devices", m))?;
+        config.devices = Some(devices);
+    }
+    if let Some(schedule) = overrides.schedule {
+        if !pipe_bd::plan::SCHEDULES.contains(&schedule.as_str()) {
+            let expected = pipe_bd::plan::SCHEDULES.join(", ");
+            return Err(flag_error("--schedule", "schedule", format!("unknown schedule `{schedule}`: expected one of {expected}")));
+        }
+        config.schedule = schedule;
+    }
+    let epochs = overrides.epochs;
     if let Some(epochs) = epochs {
         if epochs == 0 {
             return Err(Error::Config {
@@ -90,22 +128,25 @@ fn load_config(path: &Path, device: Option<String>, epochs: Option<usize>) -> Re
 
 fn execute(command: Command) -> Result<(), Error> {
     match command {
-        Command::Run { config, out, device, epochs, quiet } => {
-            let config = load_config(&config, device, epochs)?;
+        Command::Run { config, out, device, devices, schedule, trace, epochs, quiet } => {
+            let config = load_config(&config, Overrides { device, devices, schedule, epochs })?;
             let bar = progress_bar(quiet);
             let mut observer = |p: &Progress| {
                 if let Some(bar) = &bar {
-                    bar.set_length((p.epochs * p.steps_per_epoch) as u64);
-                    bar.set_position((p.epoch * p.steps_per_epoch + p.step_in_epoch + 1) as u64);
+                    let per_phase = p.epochs * p.steps_per_epoch;
+                    bar.set_length((p.phases * per_phase) as u64);
+                    bar.set_position((p.phase * per_phase + p.epoch * p.steps_per_epoch + p.step_in_epoch + 1) as u64);
                     let losses: Vec<String> = p.losses.iter().map(|l| format!("{l:.4}")).collect();
-                    bar.set_message(format!("epoch {}/{} losses [{}]", p.epoch + 1, p.epochs, losses.join(" ")));
+                    let phase = if p.phases > 1 { format!("phase {}/{} ", p.phase + 1, p.phases) } else { String::new() };
+                    bar.set_message(format!("{phase}epoch {}/{} losses [{}]", p.epoch + 1, p.epochs, losses.join(" ")));
                 }
             };
-            let report = pipe_bd::run::run(&config, &out, &mut observer)?;
+            let options = pipe_bd::run::RunOptions { trace };
+            let report = pipe_bd::run::run(&config, &out, &options, &mut observer)?;
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
-            println!("run `{}`: schedule {}, device {}", report.name, report.schedule, report.device);
+            println!("run `{}`: schedule {} {} on {}", report.name, report.schedule, report.plan, report.device);
             println!(
                 "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
                 100.0 * report.teacher_accuracy,
@@ -123,7 +164,11 @@ fn execute(command: Command) -> Result<(), Error> {
                 "trained {} steps in {:.1}s ({:.0} samples/s); whole run {:.1}s",
                 report.steps, report.train_seconds, report.samples_per_second, report.wall_seconds
             );
-            println!("wrote {}/report.json, metrics.csv, student/", out.display());
+            for w in &report.workers {
+                println!("worker {} ({}, slot {}): busy {:.0}%", w.worker, w.role, w.slot, 100.0 * w.busy_fraction);
+            }
+            let trace_note = if trace { ", trace.json" } else { "" };
+            println!("wrote {}/report.json, metrics.csv, student/{trace_note}", out.display());
             Ok(())
         }
         Command::Eval { run_dir } => {
@@ -137,13 +182,13 @@ fn execute(command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::EvalTeacher { config } => {
-            let config = load_config(&config, None, None)?;
+            let config = load_config(&config, Overrides::default())?;
             let (acc, n) = pipe_bd::run::eval_teacher(&config)?;
             println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
             Ok(())
         }
         Command::Check { config } => {
-            let config = load_config(&config, None, None)?;
+            let config = load_config(&config, Overrides::default())?;
             pipe_bd::run::preflight(&config)?;
             println!("{}: ok", config.name);
             Ok(())

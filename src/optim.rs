@@ -4,7 +4,7 @@ use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{Adam, AdamConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
+use burn::optim::{Adam, AdamConfig, GradientsParams, MultiGradientsParams, Optimizer, Sgd, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::{LrSchedule, OptimizerConfig, OptimizerKind};
@@ -40,6 +40,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
         match self {
             Self::Sgd(o) => o.step(lr, module, grads),
             Self::Adam(o) => o.step(lr, module, grads),
+        }
+    }
+
+    /// One update with the sum of several replicas' gradients.
+    pub fn step_multi(&mut self, lr: f64, module: M, grads: MultiGradientsParams) -> M {
+        match self {
+            Self::Sgd(o) => o.step_multi(lr, module, grads),
+            Self::Adam(o) => o.step_multi(lr, module, grads),
         }
     }
 }

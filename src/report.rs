@@ -44,7 +44,9 @@ pub struct RunReport {
     pub name: String,
     /// Schedule used.
     pub schedule: String,
-    /// Device used.
+    /// The plan: stages per phase, e.g. `{1-2 | 3-4}`.
+    pub plan: String,
+    /// Device slots used, comma-separated.
     pub device: String,
     /// Top-1 accuracy of the teacher on the test split.
     pub teacher_accuracy: f64,
@@ -64,6 +66,8 @@ pub struct RunReport {
     pub samples_per_second: f64,
     /// Per-block figures.
     pub blocks: Vec<BlockReport>,
+    /// Busy and idle time of each pipeline worker.
+    pub workers: Vec<crate::trace::WorkerSummary>,
     /// The configuration, echoed back.
     pub config: RunConfig,
 }

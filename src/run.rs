@@ -15,50 +15,86 @@ use pipebd_students::StudentBlock;
 use crate::block::{BlockSpec, Students};
 use crate::config::RunConfig;
 use crate::data::{ImageDataset, Split};
-use crate::device::DeviceSpec;
+use crate::device::{parse_slots, DeviceSpec};
+use crate::plan::{flops_cost, Plan};
+use crate::runtime::train_plan;
+use crate::trace::write_chrome_trace;
 use crate::error::{Error, Result};
 use crate::report::{write_metrics, BlockReport, RunReport};
-use crate::train::{accuracy, inference_blocks, train_ideal, Progress};
+use crate::train::{accuracy, inference_blocks, Progress};
 use crate::zoo::{build_students, build_teacher, init_student_blocks, student_specs, teacher_specs};
 
 /// Test images per evaluation chunk.
 const EVAL_CHUNK: usize = 1000;
 
-/// Checks a config before any heavy work: device usable, student shapes
-/// matching the teacher's.
-pub fn preflight(config: &RunConfig) -> Result<DeviceSpec> {
-    let device = DeviceSpec::parse(&config.device).map_err(|message| Error::Device {
-        device: config.device.clone(),
-        message,
-    })?;
-    device.check_available()?;
+/// Checks a config before any heavy work: devices usable, student shapes
+/// matching the teacher's, schedule buildable. Returns the device slots and
+/// the plan.
+pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Plan)> {
+    let slots = config.device_slots();
+    let devices = parse_slots(&slots).map_err(|message| Error::Device { device: slots.join(","), message })?;
+    for device in &devices {
+        device.check_available()?;
+    }
     let teacher = teacher_specs(&config.teacher);
-    student_specs(&config.students, &teacher)?;
-    Ok(device)
+    let students = student_specs(&config.students, &teacher)?;
+    let plan = plan_for(config, &teacher, &students, devices.len())?;
+    Ok((devices, plan))
+}
+
+/// The plan a config asks for, over `slots` device slots.
+pub fn plan_for(config: &RunConfig, teacher: &[BlockSpec], students: &[BlockSpec], slots: usize) -> Result<Plan> {
+    let cost = flops_cost(teacher, students);
+    Plan::named(&config.schedule, teacher.len(), slots, &cost, &config.stages)
+        .map_err(|e| Error::Plan { plan: config.schedule.clone(), message: e.0 })
+}
+
+/// Options of a run that are not part of its config.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Write `trace.json` (Chrome trace events of every worker).
+    pub trace: bool,
 }
 
 /// Runs the job described by `config`, writing `report.json`,
-/// `metrics.csv` and the trained student (`student/block-K.mpk`) into
-/// `out_dir`. `observer` sees every training step (for progress bars).
-pub fn run(config: &RunConfig, out_dir: &Path, observer: &mut dyn FnMut(&Progress)) -> Result<RunReport> {
-    let device = preflight(config)?;
+/// `metrics.csv`, the trained student (`student/block-K.mpk`) and, with
+/// `options.trace`, `trace.json` into `out_dir`. `observer` sees every
+/// training step (for progress bars).
+pub fn run(
+    config: &RunConfig,
+    out_dir: &Path,
+    options: &RunOptions,
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<RunReport> {
+    let (devices, plan) = preflight(config)?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    match device {
-        DeviceSpec::Cpu => run_on::<burn::backend::Autodiff<burn::backend::Flex>>(config, &Default::default(), out_dir, observer),
+    let job = Job { config, plan: &plan, out_dir, options };
+    match devices[0] {
+        DeviceSpec::Cpu => {
+            job.run::<burn::backend::Autodiff<burn::backend::Flex>>(&vec![Default::default(); devices.len()], observer)
+        }
         #[cfg(feature = "cuda")]
-        DeviceSpec::Cuda(i) => run_on::<burn::backend::Autodiff<burn::backend::Cuda>>(
-            config,
-            &burn::backend::cuda::CudaDevice::new(i),
-            out_dir,
-            observer,
-        ),
+        DeviceSpec::Cuda(_) => {
+            let slots: Vec<_> = devices
+                .iter()
+                .map(|d| match d {
+                    DeviceSpec::Cuda(i) => burn::backend::cuda::CudaDevice::new(*i),
+                    _ => Default::default(),
+                })
+                .collect();
+            job.run::<burn::backend::Autodiff<burn::backend::Cuda>>(&slots, observer)
+        }
         #[cfg(feature = "wgpu")]
-        DeviceSpec::Wgpu(i) => run_on::<burn::backend::Autodiff<burn::backend::Wgpu>>(
-            config,
-            &wgpu_device(i),
-            out_dir,
-            observer,
-        ),
+        DeviceSpec::Wgpu(_) => {
+            let slots: Vec<_> = devices
+                .iter()
+                .map(|d| match d {
+                    DeviceSpec::Wgpu(i) => wgpu_device(*i),
+                    _ => Default::default(),
+                })
+                .collect();
+            job.run::<burn::backend::Autodiff<burn::backend::Wgpu>>(&slots, observer)
+        }
         #[allow(unreachable_patterns)]
         other => Err(Error::Device { device: other.to_string(), message: "not compiled in".into() }),
     }
@@ -72,51 +108,74 @@ fn wgpu_device(index: Option<usize>) -> burn::backend::wgpu::WgpuDevice {
     }
 }
 
-fn run_on<B: AutodiffBackend>(
-    config: &RunConfig,
-    device: &B::Device,
-    out_dir: &Path,
-    observer: &mut dyn FnMut(&Progress),
-) -> Result<RunReport> {
-    let start = Instant::now();
-    let train = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
-    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
-    let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
-    let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
-    let teacher_accuracy = accuracy(&teacher.blocks, &test, device, EVAL_CHUNK)?;
+struct Job<'a> {
+    config: &'a RunConfig,
+    plan: &'a Plan,
+    out_dir: &'a Path,
+    options: &'a RunOptions,
+}
 
-    let (students, log) = train_ideal(&teacher, students, &train, config, device, observer)?;
+impl Job<'_> {
+    fn run<B: AutodiffBackend>(&self, devices: &[B::Device], observer: &mut dyn FnMut(&Progress)) -> Result<RunReport> {
+        let config = self.config;
+        let start = Instant::now();
+        let device = &devices[0];
+        let train = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+        let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
+        let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
+        let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
+        let teacher_accuracy = accuracy(&teacher.blocks, &test, device, EVAL_CHUNK)?;
 
-    let trained = inference_blocks(&students);
-    let student_accuracy = accuracy(&trained, &test, device, EVAL_CHUNK)?;
-    save_students(out_dir, &students)?;
-    write_metrics(out_dir, &log.rows)?;
+        let output = train_plan(
+            self.plan,
+            &teacher,
+            students,
+            &train,
+            &config.train_settings(),
+            devices,
+            &config.runtime_options(),
+            observer,
+        )?;
+        let students = output.students;
+        let log = output.log;
 
-    let blocks = teacher
-        .specs
-        .iter()
-        .zip(&students.specs)
-        .zip(&log.final_losses)
-        .enumerate()
-        .map(|(k, ((t, s), &final_loss))| block_report(k, t, s, final_loss))
-        .collect();
-    let report = RunReport {
-        name: config.name.clone(),
-        schedule: config.schedule.clone(),
-        device: config.device.clone(),
-        teacher_accuracy,
-        student_accuracy,
-        test_samples: test.len(),
-        train_samples: train.len(),
-        steps: log.steps,
-        wall_seconds: start.elapsed().as_secs_f64(),
-        train_seconds: log.seconds,
-        samples_per_second: log.samples as f64 / log.seconds.max(1e-9),
-        blocks,
-        config: config.clone(),
-    };
-    report.write(out_dir)?;
-    Ok(report)
+        let trained = inference_blocks(&students);
+        let student_accuracy = accuracy(&trained, &test, device, EVAL_CHUNK)?;
+        save_students(self.out_dir, &students)?;
+        write_metrics(self.out_dir, &log.rows)?;
+        if self.options.trace {
+            let roles: Vec<String> = output.workers.iter().map(|w| w.role.clone()).collect();
+            write_chrome_trace(&self.out_dir.join("trace.json"), &output.spans, &roles)?;
+        }
+
+        let blocks = teacher
+            .specs
+            .iter()
+            .zip(&students.specs)
+            .zip(&log.final_losses)
+            .enumerate()
+            .map(|(k, ((t, s), &final_loss))| block_report(k, t, s, final_loss))
+            .collect();
+        let report = RunReport {
+            name: config.name.clone(),
+            schedule: self.plan.name.clone(),
+            plan: self.plan.describe(),
+            device: config.device_slots().join(","),
+            teacher_accuracy,
+            student_accuracy,
+            test_samples: test.len(),
+            train_samples: train.len(),
+            steps: log.steps,
+            wall_seconds: start.elapsed().as_secs_f64(),
+            train_seconds: log.seconds,
+            samples_per_second: log.samples as f64 / log.seconds.max(1e-9),
+            blocks,
+            workers: output.workers,
+            config: config.clone(),
+        };
+        report.write(self.out_dir)?;
+        Ok(report)
+    }
 }
 
 fn block_report(k: usize, teacher: &BlockSpec, student: &BlockSpec, final_loss: f32) -> BlockReport {

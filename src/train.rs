@@ -1,20 +1,20 @@
-//! Training: one student block's optimizer step, and the `ideal` schedule.
+//! Training one student block: its optimizer step, learning rate and
+//! loss history; and scoring stitched networks.
 //!
 //! Where a gradient stops: [`BlockTrainer::step`] lifts the teacher's input
 //! and target activations into the autodiff backend as constants
 //! ([`Activation::from_inner`]), so the backward pass of block k reaches only
 //! block k's parameters.
 
-use std::time::Instant;
-
 use burn::tensor::ElementConversion;
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsParams, MultiGradientsParams};
+use burn::tensor::backend::DeviceOps;
 use burn::tensor::backend::AutodiffBackend;
 use serde::Serialize;
 
-use crate::block::{block_loss, relabel, Activation, Block, BlockSpec, StudentModule, Students, Teacher};
-use crate::config::{OptimizerConfig, RunConfig};
-use crate::data::{batches, epoch_order, ImageDataset};
+use crate::block::{block_loss, relabel, Activation, Block, BlockSpec, StudentModule, Students};
+use crate::config::OptimizerConfig;
+use crate::data::ImageDataset;
 use crate::error::{Error, Result};
 use crate::optim::{BlockOptimizer, LrPlan};
 
@@ -49,42 +49,107 @@ impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         }
     }
 
+    /// A copy for a follower replica: same module, learning-rate plan and
+    /// step; its optimizer is never used (the stage leader steps).
+    pub fn follower_copy(&self) -> Self {
+        Self {
+            index: self.index,
+            spec: self.spec.clone(),
+            module: self.module.as_ref().map(detached_copy),
+            optimizer: self.optimizer.clone(),
+            lr: self.lr,
+            step: self.step,
+            recent: self.recent.clone(),
+        }
+    }
+
     /// Learning rate of the next step.
     pub fn current_lr(&self) -> f64 {
         self.lr.at(self.step)
     }
 
-    /// One distillation step: student forward on the teacher's input, loss
-    /// against the teacher's output, backward, optimizer step. Returns the
-    /// loss. A non-finite loss is an error naming the block and step.
+    /// One distillation step on a whole batch: [`Self::compute_grads`] then
+    /// [`Self::apply`]. Returns the loss.
     pub fn step(
         &mut self,
         input: Activation<B::InnerBackend>,
         target: Activation<B::InnerBackend>,
     ) -> Result<f32> {
+        let (loss, grads) = self.compute_grads(input, target, 1.0)?;
+        self.apply(vec![grads], &[loss])?;
+        Ok(loss)
+    }
+
+    /// Student forward on the teacher's input, loss against the teacher's
+    /// output, backward. The loss is scaled by `weight` (a replica's share
+    /// of the global batch) before the backward pass, so that the replicas'
+    /// gradients add up to the full batch's. Returns the unscaled loss and
+    /// the gradients. A non-finite loss is an error naming the block and step.
+    pub fn compute_grads(
+        &self,
+        input: Activation<B::InnerBackend>,
+        target: Activation<B::InnerBackend>,
+        weight: f32,
+    ) -> Result<(f32, GradientsParams)> {
+        let block = self.index + 1;
+        let module = self.module.as_ref().ok_or_else(|| Error::Training {
+            block,
+            step: self.step,
+            message: "the block was lost by an earlier failed step".into(),
+        })?;
+        let output = module.forward(Activation::from_inner(input)).map_err(|e| relabel(e, block))?;
+        let loss = block_loss(self.spec.loss, output, Activation::from_inner(target), block)?;
+        let value: f32 = loss.clone().into_scalar().elem();
+        if !value.is_finite() {
+            return Err(Error::Training { block, step: self.step, message: format!("loss is {value}") });
+        }
+        let loss = if weight == 1.0 { loss } else { loss.mul_scalar(weight) };
+        Ok((value, GradientsParams::from_grads(loss.backward(), module)))
+    }
+
+    /// One optimizer step with the gradients of every replica of the stage
+    /// (summed, in the given order), at this step's learning rate.
+    /// `losses` are the replicas' weighted losses (summed into the logged loss).
+    pub fn apply(&mut self, grads: Vec<GradientsParams>, losses: &[f32]) -> Result<()> {
         let block = self.index + 1;
         let module = self.module.take().ok_or_else(|| Error::Training {
             block,
             step: self.step,
             message: "the block was lost by an earlier failed step".into(),
         })?;
-        let output = module
-            .forward(Activation::from_inner(input))
-            .map_err(|e| relabel(e, block))?;
-        let loss = block_loss(self.spec.loss, output, Activation::from_inner(target), block)?;
-        let value: f32 = loss.clone().into_scalar().elem();
-        if !value.is_finite() {
-            return Err(Error::Training { block, step: self.step, message: format!("loss is {value}") });
-        }
-        let grads = GradientsParams::from_grads(loss.backward(), &module);
         let lr = self.lr.at(self.step);
-        self.module = Some(self.optimizer.step(lr, module, grads));
+        let device = module.devices().into_iter().next().unwrap_or_default();
+        let module = if grads.len() == 1 {
+            let grads = grads.into_iter().next().unwrap_or_default();
+            self.optimizer.step(lr, module, grads)
+        } else {
+            let id = device.id();
+            let multi = MultiGradientsParams { grads: grads.into_iter().map(|g| (g, id)).collect() };
+            self.optimizer.step_multi(lr, module, multi)
+        };
+        self.module = Some(module);
+        self.advance(losses.iter().sum());
+        Ok(())
+    }
+
+    /// Counts a step taken elsewhere (a follower replica whose leader
+    /// stepped) and records its loss.
+    pub fn advance(&mut self, loss: f32) {
         self.step += 1;
         if self.recent.len() == FINAL_LOSS_WINDOW {
             self.recent.remove(0);
         }
-        self.recent.push(value);
-        Ok(value)
+        self.recent.push(loss);
+    }
+
+    /// The current module.
+    pub fn module(&self) -> Option<&S> {
+        self.module.as_ref()
+    }
+
+    /// Replaces the module (a follower replica receiving its leader's update).
+    pub fn replace_module(&mut self, module: S) {
+        self.module = Some(module);
     }
 
     /// Mean loss over the last [`FINAL_LOSS_WINDOW`] steps (NaN before any step).
@@ -96,6 +161,13 @@ impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     pub fn into_module(self) -> Option<S> {
         self.module
     }
+}
+
+/// A copy of a module with its own autodiff leaves (same parameter ids and
+/// values): two replicas must never share leaf tensors, or their concurrent
+/// backward passes would meet in one autodiff graph.
+pub fn detached_copy<B: AutodiffBackend, S: StudentModule<B>>(module: &S) -> S {
+    S::from_inner(module.valid())
 }
 
 /// One row of `metrics.csv`.
@@ -131,6 +203,10 @@ pub struct TrainLog {
 /// Progress of a run, handed to an observer after every step.
 #[derive(Debug, Clone)]
 pub struct Progress {
+    /// Zero-based phase of the schedule (only `dp` has several).
+    pub phase: usize,
+    /// Phases of the schedule.
+    pub phases: usize,
     /// Zero-based epoch.
     pub epoch: usize,
     /// Epochs in the run.
@@ -146,85 +222,6 @@ pub struct Progress {
 /// Optimizer steps per epoch for a dataset of `len` samples.
 pub fn steps_per_epoch(len: usize, batch_size: usize) -> usize {
     len / batch_size
-}
-
-/// Trains every student block on one device, running the teacher once per
-/// batch (the `ideal` schedule of the paper: the single-device reference).
-pub fn train_ideal<B, T, S>(
-    teacher: &Teacher<B::InnerBackend, T>,
-    students: Students<B, S>,
-    data: &ImageDataset,
-    config: &RunConfig,
-    device: &B::Device,
-    observer: &mut dyn FnMut(&Progress),
-) -> Result<(Students<B, S>, TrainLog)>
-where
-    B: AutodiffBackend,
-    T: Block<B::InnerBackend>,
-    S: StudentModule<B>,
-{
-    let batch_size = config.train.batch_size;
-    let per_epoch = steps_per_epoch(data.len(), batch_size);
-    if per_epoch == 0 {
-        return Err(Error::Config {
-            path: "<config>".into(),
-            line: None,
-            field: Some("train.batch_size".into()),
-            message: format!("batch size {batch_size} is larger than the {} training samples", data.len()),
-        });
-    }
-    let total_steps = per_epoch * config.train.epochs;
-    let Students { blocks, specs, .. } = students;
-    let mut trainers: Vec<BlockTrainer<B, S>> = blocks
-        .into_iter()
-        .zip(specs.iter().cloned())
-        .enumerate()
-        .map(|(k, (module, spec))| BlockTrainer::new(k, spec, module, &config.optimizer, total_steps))
-        .collect();
-
-    let start = Instant::now();
-    let mut log = TrainLog::default();
-    let mut global_step = 0;
-    for epoch in 0..config.train.epochs {
-        let order = epoch_order(data.len(), config.seed, epoch);
-        for (step_in_epoch, indices) in batches(&order, batch_size).enumerate() {
-            let mut x = Activation::Maps(data.images::<B::InnerBackend>(indices, device));
-            let mut losses = Vec::with_capacity(trainers.len());
-            let log_this = global_step % config.train.log_every == 0 || global_step + 1 == total_steps;
-            for (trainer, teacher_block) in trainers.iter_mut().zip(&teacher.blocks) {
-                let y = teacher_block.forward(x.clone()).map_err(|e| relabel(e, trainer.index + 1))?;
-                let lr = trainer.current_lr();
-                let loss = trainer.step(x, y.clone())?;
-                if log_this {
-                    log.rows.push(MetricRow { epoch, step: global_step, block: trainer.index + 1, loss, lr });
-                }
-                losses.push(loss);
-                x = y;
-            }
-            observer(&Progress {
-                epoch,
-                epochs: config.train.epochs,
-                step_in_epoch,
-                steps_per_epoch: per_epoch,
-                losses,
-            });
-            global_step += 1;
-        }
-    }
-    log.seconds = start.elapsed().as_secs_f64();
-    log.steps = total_steps;
-    log.samples = total_steps * batch_size;
-    log.final_losses = trainers.iter().map(|t| t.recent_loss()).collect();
-    let mut trained = Vec::with_capacity(trainers.len());
-    for t in trainers {
-        let index = t.index;
-        trained.push(t.into_module().ok_or(Error::Training {
-            block: index + 1,
-            step: total_steps,
-            message: "module missing after training".into(),
-        })?);
-    }
-    Ok((Students::new(trained, specs.clone(), &specs)?, log))
 }
 
 /// Stitches blocks into one network and measures top-1 accuracy on `data`.

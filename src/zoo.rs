@@ -2,7 +2,7 @@
 //! implementations for the `teachers` and `students` crates, and builders
 //! that turn config sections into a [`Teacher`] and [`Students`].
 
-use burn::module::Module;
+use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use pipebd_students::{StudentBlock, StudentBlockConfig, StudentOutput};
 use pipebd_teachers::mnist_cnn::{self, MnistBlock, MnistCnn};
@@ -126,7 +126,15 @@ pub fn build_students<B: AutodiffBackend>(
     seed: u64,
     device: &B::Device,
 ) -> Result<Students<B, StudentBlock<B>>> {
+    // burn's CPU backend draws from one process-wide generator: hold a lock
+    // from seeding to the last draw so concurrent builds stay reproducible.
+    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
     B::seed(device, seed);
     let (blocks, specs) = init_student_blocks::<B>(configs, teacher, device)?;
+    // burn initialises parameters lazily, at first use, and a clone of an
+    // uninitialised module draws its own values: materialise every
+    // parameter now, in order, as a trainable leaf.
+    let blocks = blocks.into_iter().map(|b| StudentBlock::from_inner(b.valid())).collect();
     Students::new(blocks, specs, teacher)
 }

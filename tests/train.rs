@@ -12,7 +12,7 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     let config = RunConfig::parse(&common::small_config(6400, 1000, 1), Path::new("small.toml")).unwrap();
     let out = tempfile::tempdir().unwrap();
     let mut steps_seen = 0;
-    let report = pipe_bd::run::run(&config, out.path(), &mut |_| steps_seen += 1).unwrap();
+    let report = pipe_bd::run::run(&config, out.path(), &Default::default(), &mut |_| steps_seen += 1).unwrap();
     assert_eq!(steps_seen, 100, "6400 samples at batch 64 is 100 steps");
     assert_eq!(report.steps, 100);
 

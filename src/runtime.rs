@@ -1,0 +1,836 @@
+//! The pipeline runtime: one interpreter for every [`Plan`].
+//!
+//! Each phase of a plan runs as a set of worker threads, one per stage
+//! replica, each bound to a device slot. A worker owns clones of the teacher
+//! blocks it runs and the student blocks it trains. Per step it:
+//!
+//! 1. gets its share of the batch: from the data (stages that load data) or
+//!    from the previous stage's workers over bounded crossbeam channels
+//!    (split or concatenated in sample order where replica counts differ);
+//! 2. runs its teacher blocks (inner backend, no graph) and sends the last
+//!    activation on at once, so the next stage can start;
+//! 3. for each own block: student forward + backward on the teacher's input
+//!    and output of that block (the gradient stops at the block boundary);
+//! 4. replicated stages: followers send their gradients to the stage leader,
+//!    which sums them (each replica's loss is pre-scaled by its share of the
+//!    batch), steps, and sends the updated blocks back;
+//! 5. waits at the global barrier if the phase has one (`tr`), then steps.
+//!
+//! Failure: every wait (channel, barrier) polls a shared stop signal and has
+//! a timeout; a worker that fails or panics raises the signal with its
+//! error, every other worker returns within one poll interval, and the run
+//! returns the first error, naming the stage, device slot and block.
+//!
+//! Multi-GPU and multi-node: activations cross devices with `to_device` on
+//! the receiving side, and gradient averaging is a leader/follower exchange
+//! of `GradientsParams` summed by burn's `step_multi`. A multi-node engine
+//! (MPI point-to-point for activations, per-stage all-reduce groups for
+//! gradients) replaces the channels and the leader exchange; the worker
+//! loop stays as it is.
+
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, SendTimeoutError, Sender};
+
+use crate::block::{relabel, Activation, Block, StudentModule, Students, Teacher};
+use crate::config::OptimizerConfig;
+use crate::data::{epoch_order, ImageDataset};
+use crate::error::{Error, Result};
+use crate::plan::{Phase, Plan, Stage};
+use crate::trace::{summarise, Span, SpanKind, SpanRecorder, WorkerSummary};
+use crate::train::{detached_copy, BlockTrainer, MetricRow, Progress, TrainLog};
+
+/// How often a waiting worker looks at the stop signal.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Knobs of the runtime itself (not of the mathematics).
+#[derive(Debug, Clone)]
+pub struct RuntimeOptions {
+    /// Capacity of each activation channel between stages (batches in flight).
+    pub channel_capacity: usize,
+    /// Longest a worker waits on a channel or the barrier before failing.
+    pub timeout: Duration,
+    /// Intra-op threads per worker; 0 = the machine's cores divided by the
+    /// number of workers of the phase (at least 1).
+    pub threads_per_worker: usize,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        Self { channel_capacity: 2, timeout: Duration::from_secs(120), threads_per_worker: 0 }
+    }
+}
+
+/// The training hyper-parameters the runtime needs.
+#[derive(Debug, Clone)]
+pub struct TrainSettings {
+    /// Passes over the data.
+    pub epochs: usize,
+    /// Global batch size.
+    pub batch_size: usize,
+    /// Seed of the data order.
+    pub seed: u64,
+    /// Metric row every this many steps.
+    pub log_every: usize,
+    /// Per-block optimizer.
+    pub optimizer: OptimizerConfig,
+}
+
+/// What a plan's training produced.
+pub struct PlanOutput<B: AutodiffBackend, S: StudentModule<B>> {
+    /// The trained student blocks.
+    pub students: Students<B, S>,
+    /// Metric rows, final losses, steps, time.
+    pub log: TrainLog,
+    /// Every span of every worker (all phases; worker ids are global).
+    pub spans: Vec<Span>,
+    /// Busy / idle summary per worker.
+    pub workers: Vec<WorkerSummary>,
+}
+
+/// Trains `students` against `teacher` on `data` under `plan`, with device
+/// slot `i` of the plan on `devices[i]`. `observer` sees every completed
+/// step (all blocks of the phase done).
+#[allow(clippy::too_many_arguments)]
+pub fn train_plan<B, T, S>(
+    plan: &Plan,
+    teacher: &Teacher<B::InnerBackend, T>,
+    students: Students<B, S>,
+    data: &ImageDataset,
+    settings: &TrainSettings,
+    devices: &[B::Device],
+    options: &RuntimeOptions,
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<PlanOutput<B, S>>
+where
+    B: AutodiffBackend,
+    T: Block<B::InnerBackend> + Sync,
+    S: StudentModule<B>,
+{
+    let batch = settings.batch_size;
+    let per_epoch = data.len() / batch.max(1);
+    let plan_error = |message: String| Error::Plan { plan: plan.name.clone(), message };
+    if batch == 0 || per_epoch == 0 {
+        return Err(plan_error(format!("batch size {batch} does not fit the {} training samples", data.len())));
+    }
+    if plan.slots() > devices.len() {
+        return Err(plan_error(format!("needs {} device slots, {} given", plan.slots(), devices.len())));
+    }
+    let blocks = students.blocks.len();
+    for phase in &plan.phases {
+        for stage in &phase.stages {
+            if stage.blocks.end > blocks || stage.blocks.is_empty() {
+                return Err(plan_error(format!("stage with blocks {:?} but there are {blocks} blocks", stage.blocks)));
+            }
+            if stage.replicas() > batch {
+                return Err(plan_error(format!("{} replicas cannot share a batch of {batch}", stage.replicas())));
+            }
+        }
+    }
+    let total_steps = per_epoch * settings.epochs;
+    let Students { blocks: modules, specs, .. } = students;
+    let mut trainers: Vec<Option<BlockTrainer<B, S>>> = modules
+        .into_iter()
+        .zip(specs.iter().cloned())
+        .enumerate()
+        .map(|(k, (m, spec))| Some(BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps)))
+        .collect();
+
+    let origin = Instant::now();
+    let mut log = TrainLog::default();
+    let mut spans = Vec::new();
+    let mut workers = Vec::new();
+    for (phase_index, phase) in plan.phases.iter().enumerate() {
+        let context = PhaseContext {
+            phase,
+            phase_index,
+            phases: plan.phases.len(),
+            teacher,
+            data,
+            settings,
+            devices,
+            options,
+            per_epoch,
+            total_steps,
+            origin,
+            first_worker: workers.len(),
+        };
+        let outcome = run_phase(&context, &mut trainers, observer)?;
+        log.rows.extend(outcome.rows);
+        spans.extend(outcome.spans);
+        workers.extend(outcome.workers);
+    }
+    log.rows.sort_by_key(|r| (r.step, r.block));
+    log.seconds = origin.elapsed().as_secs_f64();
+    log.steps = total_steps;
+    log.samples = total_steps * batch;
+    let mut trained = Vec::with_capacity(blocks);
+    for (k, t) in trainers.into_iter().enumerate() {
+        let t = t.ok_or_else(|| plan_error(format!("block {} was not trained by any stage", k + 1)))?;
+        log.final_losses.push(t.recent_loss());
+        let index = t.index;
+        trained.push(t.into_module().ok_or(Error::Training {
+            block: index + 1,
+            step: total_steps,
+            message: "module missing after training".into(),
+        })?);
+    }
+    Ok(PlanOutput { students: Students::new(trained, specs.clone(), &specs)?, log, spans, workers })
+}
+
+struct PhaseContext<'a, B: AutodiffBackend, T: Block<B::InnerBackend>> {
+    phase: &'a Phase,
+    teacher: &'a Teacher<B::InnerBackend, T>,
+    data: &'a ImageDataset,
+    settings: &'a TrainSettings,
+    devices: &'a [B::Device],
+    options: &'a RuntimeOptions,
+    per_epoch: usize,
+    total_steps: usize,
+    origin: Instant,
+    first_worker: usize,
+    phase_index: usize,
+    phases: usize,
+}
+
+struct PhaseOutcome {
+    rows: Vec<MetricRow>,
+    spans: Vec<Span>,
+    workers: Vec<WorkerSummary>,
+}
+
+/// The first error of a phase, and the flag every wait polls.
+struct Stop {
+    raised: AtomicBool,
+    first: Mutex<Option<Error>>,
+}
+
+impl Stop {
+    fn new() -> Self {
+        Self { raised: AtomicBool::new(false), first: Mutex::new(None) }
+    }
+    fn raise(&self, error: Error) {
+        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        if first.is_none() {
+            *first = Some(error);
+        }
+        self.raised.store(true, Ordering::SeqCst);
+    }
+    fn is_raised(&self) -> bool {
+        self.raised.load(Ordering::SeqCst)
+    }
+    fn take(&self) -> Option<Error> {
+        self.first.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// Why a worker stopped early: its own error, or someone else's.
+enum Halt {
+    Stopped,
+    Failed(Error),
+}
+
+impl From<Error> for Halt {
+    fn from(e: Error) -> Self {
+        Halt::Failed(e)
+    }
+}
+
+type Flow<T> = std::result::Result<T, Halt>;
+
+/// A global barrier with a timeout that also gives way to the stop signal.
+struct StepBarrier {
+    parties: usize,
+    state: Mutex<(u64, usize)>,
+    turned: Condvar,
+}
+
+impl StepBarrier {
+    fn new(parties: usize) -> Self {
+        Self { parties, state: Mutex::new((0, 0)), turned: Condvar::new() }
+    }
+
+    fn wait(&self, stop: &Stop, timeout: Duration, who: &str) -> Flow<()> {
+        let start = Instant::now();
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let generation = state.0;
+        state.1 += 1;
+        if state.1 == self.parties {
+            state.0 += 1;
+            state.1 = 0;
+            self.turned.notify_all();
+            return Ok(());
+        }
+        loop {
+            let (next, _) = self.turned.wait_timeout(state, POLL).unwrap_or_else(|p| p.into_inner());
+            state = next;
+            if state.0 != generation {
+                return Ok(());
+            }
+            if stop.is_raised() {
+                return Err(Halt::Stopped);
+            }
+            if start.elapsed() > timeout {
+                return Err(Halt::Failed(Error::Timeout {
+                    message: format!("{who} waited {:.0} s at the step barrier", timeout.as_secs_f64()),
+                }));
+            }
+        }
+    }
+}
+
+fn receive<M>(rx: &Receiver<M>, stop: &Stop, timeout: Duration, what: impl Fn() -> String) -> Flow<M> {
+    let start = Instant::now();
+    loop {
+        match rx.recv_timeout(POLL) {
+            Ok(m) => return Ok(m),
+            Err(RecvTimeoutError::Timeout) => {
+                if stop.is_raised() {
+                    return Err(Halt::Stopped);
+                }
+                if start.elapsed() > timeout {
+                    return Err(Halt::Failed(Error::Timeout {
+                        message: format!("{} (waited {:.0} s)", what(), timeout.as_secs_f64()),
+                    }));
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return Err(Halt::Stopped),
+        }
+    }
+}
+
+fn send<M>(tx: &Sender<M>, mut message: M, stop: &Stop, timeout: Duration, what: impl Fn() -> String) -> Flow<()> {
+    let start = Instant::now();
+    loop {
+        match tx.send_timeout(message, POLL) {
+            Ok(()) => return Ok(()),
+            Err(SendTimeoutError::Timeout(m)) => {
+                if stop.is_raised() {
+                    return Err(Halt::Stopped);
+                }
+                if start.elapsed() > timeout {
+                    return Err(Halt::Failed(Error::Timeout {
+                        message: format!("{} (blocked {:.0} s)", what(), timeout.as_secs_f64()),
+                    }));
+                }
+                message = m;
+            }
+            Err(SendTimeoutError::Disconnected(_)) => return Err(Halt::Stopped),
+        }
+    }
+}
+
+struct ActivationMsg<IB: Backend> {
+    step: usize,
+    activation: Activation<IB>,
+}
+
+struct GradientMsg {
+    step: usize,
+    grads: Vec<GradientsParams>,
+    weighted_losses: Vec<f32>,
+}
+
+struct ModuleMsg<S> {
+    step: usize,
+    modules: Vec<S>,
+}
+
+struct ProgressMsg {
+    stage: usize,
+    step: usize,
+    losses: Vec<(usize, f32)>,
+}
+
+enum Role<S> {
+    Solo,
+    Leader { from_followers: Vec<Receiver<GradientMsg>>, to_followers: Vec<Sender<ModuleMsg<S>>> },
+    Follower { to_leader: Sender<GradientMsg>, from_leader: Receiver<ModuleMsg<S>> },
+}
+
+struct Inbound<IB: Backend> {
+    rx: Receiver<ActivationMsg<IB>>,
+    from: String,
+}
+
+struct Outbound<IB: Backend> {
+    tx: Sender<ActivationMsg<IB>>,
+    /// Sub-range of this worker's share to send, relative to the share.
+    start: usize,
+    len: usize,
+    to: String,
+}
+
+struct Worker<B: AutodiffBackend, S: StudentModule<B>> {
+    id: usize,
+    stage: usize,
+    replica: usize,
+    slot: usize,
+    stage_spec: Stage,
+    share: Range<usize>,
+    inbound: Vec<Inbound<B::InnerBackend>>,
+    outbound: Vec<Outbound<B::InnerBackend>>,
+    role: Role<S>,
+    trainers: Vec<BlockTrainer<B, S>>,
+}
+
+impl<B: AutodiffBackend, S: StudentModule<B>> Worker<B, S> {
+    fn name(&self) -> String {
+        format!("stage {} replica {}", self.stage + 1, self.replica)
+    }
+    fn is_leader(&self) -> bool {
+        !matches!(self.role, Role::Follower { .. })
+    }
+}
+
+/// Samples `r*B/g .. (r+1)*B/g` of a batch of `batch`.
+fn share(batch: usize, replicas: usize, r: usize) -> Range<usize> {
+    (r * batch / replicas)..((r + 1) * batch / replicas)
+}
+
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
+    let start = a.start.max(b.start);
+    let end = a.end.min(b.end);
+    (start < end).then_some(start..end)
+}
+
+/// Builds the workers of a phase and the channels between them.
+fn build_workers<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    trainers: &mut [Option<BlockTrainer<B, S>>],
+) -> Result<Vec<Worker<B, S>>>
+where
+    B: AutodiffBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let batch = context.settings.batch_size;
+    let capacity = context.options.channel_capacity.max(1);
+    let mut workers: Vec<Worker<B, S>> = Vec::new();
+    let mut stage_workers: Vec<Vec<usize>> = Vec::new();
+    for (s, stage) in context.phase.stages.iter().enumerate() {
+        let g = stage.replicas();
+        let mut ids = Vec::new();
+        // Replica 0 keeps the optimizers; the others train clones of the blocks.
+        let mut owned: Vec<BlockTrainer<B, S>> = Vec::new();
+        for k in stage.blocks.clone() {
+            let trainer = trainers[k].take().ok_or_else(|| Error::Plan {
+                plan: "phase".into(),
+                message: format!("block {} is trained by two stages of one phase", k + 1),
+            })?;
+            owned.push(trainer);
+        }
+        let mut replica_trainers = vec![owned];
+        for _ in 1..g {
+            replica_trainers.push(replica_trainers[0].iter().map(BlockTrainer::follower_copy).collect());
+        }
+        for (r, replica) in replica_trainers.into_iter().enumerate() {
+            let id = context.first_worker + workers.len();
+            ids.push(workers.len());
+            workers.push(Worker {
+                id,
+                stage: s,
+                replica: r,
+                slot: stage.slots[r],
+                stage_spec: stage.clone(),
+                share: share(batch, g, r),
+                inbound: Vec::new(),
+                outbound: Vec::new(),
+                role: Role::Solo,
+                trainers: replica,
+            });
+        }
+        // Replica group: followers send gradients to the leader, which answers with the updated blocks.
+        if g > 1 {
+            let mut from_followers = Vec::new();
+            let mut to_followers = Vec::new();
+            for &w in &ids[1..] {
+                let (grad_tx, grad_rx) = bounded(1);
+                let (module_tx, module_rx) = bounded(1);
+                from_followers.push(grad_rx);
+                to_followers.push(module_tx);
+                workers[w].role = Role::Follower { to_leader: grad_tx, from_leader: module_rx };
+            }
+            workers[ids[0]].role = Role::Leader { from_followers, to_followers };
+        }
+        stage_workers.push(ids);
+    }
+    // Activation channels from stage s to stage s+1 when s+1 does not load data.
+    for s in 1..context.phase.stages.len() {
+        if context.phase.stages[s].loads_data {
+            continue;
+        }
+        for &down in &stage_workers[s] {
+            for &up in &stage_workers[s - 1] {
+                let Some(common) = overlap(&workers[up].share, &workers[down].share) else { continue };
+                let (tx, rx) = bounded(capacity);
+                let from = workers[up].name();
+                let to = workers[down].name();
+                let up_start = workers[up].share.start;
+                workers[up].outbound.push(Outbound {
+                    tx,
+                    start: common.start - up_start,
+                    len: common.len(),
+                    to,
+                });
+                workers[down].inbound.push(Inbound { rx, from });
+            }
+        }
+    }
+    Ok(workers)
+}
+
+fn run_phase<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    trainers: &mut [Option<BlockTrainer<B, S>>],
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<PhaseOutcome>
+where
+    B: AutodiffBackend,
+    T: Block<B::InnerBackend> + Sync,
+    S: StudentModule<B>,
+{
+    let workers = build_workers(context, trainers)?;
+    let count = workers.len();
+    let stop = Stop::new();
+    let barrier = context.phase.barrier.then(|| StepBarrier::new(count));
+    let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
+    let stages = context.phase.stages.len();
+    let phase_blocks: usize = context.phase.stages.iter().map(|s| s.blocks.len()).sum();
+    let threads = match context.options.threads_per_worker {
+        0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / count).max(1),
+        n => n,
+    };
+
+    let results: Vec<std::thread::Result<WorkerResult<B, S>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = workers
+            .into_iter()
+            .map(|worker| {
+                let progress_tx = progress_tx.clone();
+                let stop = &stop;
+                let barrier = barrier.as_ref();
+                scope.spawn(move || {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                    match pool {
+                        Ok(pool) => pool.install(|| run_worker(context, worker, stop, barrier, &progress_tx)),
+                        Err(_) => run_worker(context, worker, stop, barrier, &progress_tx),
+                    }
+                })
+            })
+            .collect();
+        drop(progress_tx);
+        // Forward progress to the observer until every worker has hung up.
+        let mut stage_step = vec![0usize; stages];
+        let mut losses = vec![f32::NAN; phase_blocks];
+        let first_block = context.phase.stages.first().map_or(0, |s| s.blocks.start);
+        let mut reported = 0usize;
+        while let Ok(msg) = progress_rx.recv() {
+            stage_step[msg.stage] = stage_step[msg.stage].max(msg.step + 1);
+            for (block, loss) in msg.losses {
+                if let Some(slot) = losses.get_mut(block.saturating_sub(first_block)) {
+                    *slot = loss;
+                }
+            }
+            let done = stage_step.iter().copied().min().unwrap_or(0);
+            while reported < done {
+                observer(&Progress {
+                    phase: context.phase_index,
+                    phases: context.phases,
+                    epoch: reported / context.per_epoch,
+                    epochs: context.settings.epochs,
+                    step_in_epoch: reported % context.per_epoch,
+                    steps_per_epoch: context.per_epoch,
+                    losses: losses.clone(),
+                });
+                reported += 1;
+            }
+        }
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+
+    if let Some(error) = stop.take() {
+        return Err(error);
+    }
+    let mut outcome = PhaseOutcome { rows: Vec::new(), spans: Vec::new(), workers: Vec::new() };
+    for result in results {
+        let result = result.map_err(|_| Error::Timeout { message: "a worker thread died".into() })?;
+        for (k, trainer) in result.trainers {
+            trainers[k] = Some(trainer);
+        }
+        outcome.rows.extend(result.rows);
+        outcome.workers.push(summarise(result.id, result.role, result.slot, &result.spans, result.wall_seconds));
+        outcome.spans.extend(result.spans);
+    }
+    Ok(outcome)
+}
+
+struct WorkerResult<B: AutodiffBackend, S: StudentModule<B>> {
+    id: usize,
+    role: String,
+    slot: usize,
+    trainers: Vec<(usize, BlockTrainer<B, S>)>,
+    rows: Vec<MetricRow>,
+    spans: Vec<Span>,
+    wall_seconds: f64,
+}
+
+/// Runs one worker to completion; any failure or panic raises the stop
+/// signal with an error naming the stage, slot and block.
+fn run_worker<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    mut worker: Worker<B, S>,
+    stop: &Stop,
+    barrier: Option<&StepBarrier>,
+    progress: &Sender<ProgressMsg>,
+) -> WorkerResult<B, S>
+where
+    B: AutodiffBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let start = Instant::now();
+    let mut recorder = SpanRecorder::new(worker.id, context.origin);
+    let mut rows = Vec::new();
+    let mut position = Position::default();
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        worker_loop(context, &mut worker, stop, barrier, progress, &mut recorder, &mut rows, &mut position)
+    }));
+    let failure = match outcome {
+        Ok(Ok(())) => None,
+        Ok(Err(Halt::Stopped)) => None,
+        Ok(Err(Halt::Failed(error))) => Some(error),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Some(Error::Training {
+                block: position.block.unwrap_or(0),
+                step: position.step,
+                message: format!("panicked: {message}"),
+            })
+        }
+    };
+    if let Some(error) = failure {
+        stop.raise(Error::Worker {
+            stage: worker.stage + 1,
+            replica: worker.replica,
+            slot: worker.slot,
+            source: Box::new(error),
+        });
+    }
+    let trainers = if worker.is_leader() {
+        worker.trainers.drain(..).map(|t| (t.index, t)).collect()
+    } else {
+        Vec::new()
+    };
+    WorkerResult {
+        id: worker.id,
+        role: worker.name(),
+        slot: worker.slot,
+        trainers,
+        rows,
+        spans: recorder.spans,
+        wall_seconds: start.elapsed().as_secs_f64(),
+    }
+}
+
+/// Where a worker is, for error messages after a panic.
+#[derive(Default)]
+struct Position {
+    block: Option<usize>,
+    step: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn worker_loop<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    worker: &mut Worker<B, S>,
+    stop: &Stop,
+    barrier: Option<&StepBarrier>,
+    progress: &Sender<ProgressMsg>,
+    recorder: &mut SpanRecorder,
+    rows: &mut Vec<MetricRow>,
+    position: &mut Position,
+) -> Flow<()>
+where
+    B: AutodiffBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let device = &context.devices[worker.slot];
+    let settings = context.settings;
+    let batch = settings.batch_size;
+    let timeout = context.options.timeout;
+    let stage = worker.stage_spec.clone();
+    let teacher_start = stage.teacher_start();
+    let teacher_blocks: Vec<T> = context.teacher.blocks[teacher_start..stage.blocks.end]
+        .iter()
+        .map(|b| b.clone().to_device(device))
+        .collect();
+    for trainer in &mut worker.trainers {
+        if let Some(module) = trainer.module().cloned() {
+            trainer.replace_module(module.fork(device));
+        }
+    }
+    let weight = worker.share.len() as f32 / batch as f32;
+    let name = worker.name();
+    let mut order: Vec<usize> = Vec::new();
+    let mut order_epoch = usize::MAX;
+
+    for step in 0..context.total_steps {
+        position.step = step;
+        position.block = None;
+        if stop.is_raised() {
+            return Err(Halt::Stopped);
+        }
+        let epoch = step / context.per_epoch;
+        let in_epoch = step % context.per_epoch;
+
+        // 1. Input: data or the previous stage's activation.
+        let mut x = if stage.loads_data {
+            if epoch != order_epoch {
+                order = epoch_order(context.data.len(), settings.seed, epoch);
+                order_epoch = epoch;
+            }
+            let base = in_epoch * batch;
+            let indices = &order[base + worker.share.start..base + worker.share.end];
+            recorder.time(SpanKind::DataLoad, None, || {
+                Activation::Maps(context.data.images::<B::InnerBackend>(indices, device))
+            })
+        } else {
+            let started = Instant::now();
+            let mut parts = Vec::with_capacity(worker.inbound.len());
+            for inbound in &worker.inbound {
+                let msg = receive(&inbound.rx, stop, timeout, || {
+                    format!("{name} timed out waiting for the activation of step {step} from {}", inbound.from)
+                })?;
+                if msg.step != step {
+                    return Err(Halt::Failed(Error::Timeout {
+                        message: format!("{name} expected step {step} from {} but got step {}", inbound.from, msg.step),
+                    }));
+                }
+                parts.push(msg.activation.to_device(device));
+            }
+            recorder.record(SpanKind::RecvWait, None, started);
+            Activation::cat_batch(parts).ok_or_else(|| Error::Block {
+                block: stage.blocks.start + 1,
+                message: "received activations of different kinds".into(),
+            })?
+        };
+
+        // 2. Teacher blocks; keep (input, output) of the blocks trained here.
+        let mut pairs = Vec::with_capacity(stage.blocks.len());
+        for (offset, block) in teacher_blocks.iter().enumerate() {
+            let k = teacher_start + offset;
+            position.block = Some(k + 1);
+            let y = recorder.time(SpanKind::TeacherForward, Some(k + 1), || block.forward(x.clone()));
+            let y = y.map_err(|e| relabel(e, k + 1))?;
+            if k >= stage.blocks.start {
+                pairs.push((x, y.clone()));
+            }
+            x = y;
+        }
+
+        // 3. Relay the boundary activation at once.
+        for out in &worker.outbound {
+            let started = Instant::now();
+            let msg = ActivationMsg { step, activation: x.clone().narrow_batch(out.start, out.len) };
+            send(&out.tx, msg, stop, timeout, || format!("{name} could not hand step {step} to {}", out.to))?;
+            recorder.record(SpanKind::SendWait, None, started);
+        }
+        drop(x);
+
+        // 4. Students: forward + backward per block.
+        let mut grads = Vec::with_capacity(pairs.len());
+        let mut weighted_losses = Vec::with_capacity(pairs.len());
+        for (trainer, (input, target)) in worker.trainers.iter().zip(pairs) {
+            position.block = Some(trainer.index + 1);
+            let block = Some(trainer.index + 1);
+            let (loss, g) =
+                recorder.time(SpanKind::StudentForwardBackward, block, || trainer.compute_grads(input, target, weight))?;
+            grads.push(g);
+            weighted_losses.push(loss * weight);
+        }
+        position.block = None;
+
+        // 5. Gradient exchange, barrier, optimizer step.
+        match &worker.role {
+            Role::Follower { to_leader, from_leader } => {
+                let started = Instant::now();
+                send(to_leader, GradientMsg { step, grads, weighted_losses }, stop, timeout, || {
+                    format!("{name} could not hand its gradients of step {step} to replica 0")
+                })?;
+                if let Some(barrier) = barrier {
+                    barrier.wait(stop, timeout, &name)?;
+                }
+                let msg = receive(from_leader, stop, timeout, || {
+                    format!("{name} timed out waiting for replica 0's update of step {step}")
+                })?;
+                recorder.record(SpanKind::GradientAverage, None, started);
+                debug_assert_eq!(msg.step, step);
+                for (trainer, module) in worker.trainers.iter_mut().zip(msg.modules) {
+                    trainer.replace_module(module.fork(device));
+                    trainer.advance(f32::NAN);
+                }
+            }
+            Role::Solo | Role::Leader { .. } => {
+                let mut per_replica = vec![grads.into_iter()];
+                let mut losses = weighted_losses;
+                if let Role::Leader { from_followers, .. } = &worker.role {
+                    let started = Instant::now();
+                    for (i, rx) in from_followers.iter().enumerate() {
+                        let msg = receive(rx, stop, timeout, || {
+                            format!("{name} timed out waiting for the gradients of replica {} at step {step}", i + 1)
+                        })?;
+                        debug_assert_eq!(msg.step, step);
+                        per_replica.push(msg.grads.into_iter());
+                        for (total, l) in losses.iter_mut().zip(msg.weighted_losses) {
+                            *total += l;
+                        }
+                    }
+                    recorder.record(SpanKind::GradientAverage, None, started);
+                }
+                if let Some(barrier) = barrier {
+                    let started = Instant::now();
+                    barrier.wait(stop, timeout, &name)?;
+                    recorder.record(SpanKind::BarrierWait, None, started);
+                }
+                let log_this = step % settings.log_every == 0 || step + 1 == context.total_steps;
+                let mut report = Vec::with_capacity(worker.trainers.len());
+                for (trainer, &loss) in worker.trainers.iter_mut().zip(&losses) {
+                    position.block = Some(trainer.index + 1);
+                    let block_grads: Vec<GradientsParams> =
+                        per_replica.iter_mut().map(|g| g.next().unwrap_or_default()).collect();
+                    let lr = trainer.current_lr();
+                    recorder.time(SpanKind::OptimizerStep, Some(trainer.index + 1), || {
+                        trainer.apply(block_grads, &[loss])
+                    })?;
+                    if log_this {
+                        rows.push(MetricRow { epoch, step, block: trainer.index + 1, loss, lr });
+                    }
+                    report.push((trainer.index, loss));
+                }
+                if let Role::Leader { to_followers, .. } = &worker.role {
+                    let started = Instant::now();
+                    for (i, tx) in to_followers.iter().enumerate() {
+                        let modules: Vec<S> = worker.trainers.iter().filter_map(|t| t.module().map(detached_copy)).collect();
+                        send(tx, ModuleMsg { step, modules }, stop, timeout, || {
+                            format!("{name} could not hand the update of step {step} to replica {}", i + 1)
+                        })?;
+                    }
+                    recorder.record(SpanKind::GradientAverage, None, started);
+                }
+                let _ = progress.send(ProgressMsg { stage: worker.stage, step, losses: report });
+            }
+        }
+    }
+    Ok(())
+}
