@@ -23,6 +23,7 @@
 //! available.
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod block;
 pub mod config;
 pub mod data;

@@ -46,6 +46,21 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// Time the same workload under several schedules side by side, with the
+    /// speedups the single-device block costs predict.
+    Bench {
+        /// The run config (data, teacher, students, batch size, device slots).
+        config: PathBuf,
+        /// Schedules to compare, comma-separated (`hybrid` uses the config's [[stages]]).
+        #[arg(long, value_delimiter = ',', default_value = "dp,ls,tr,tr-dpu")]
+        schedules: Vec<String>,
+        /// Override the config's device slots, comma-separated (e.g. cpu,cpu).
+        #[arg(long, value_delimiter = ',')]
+        devices: Option<Vec<String>>,
+        /// Folder that receives bench.json and bench.csv.
+        #[arg(long, default_value = "runs/bench")]
+        out: PathBuf,
+    },
     /// Reload the student saved by `pipebd run` and score it on the test set.
     Eval {
         /// The run folder given to `pipebd run --out`.
@@ -171,6 +186,14 @@ fn execute(command: Command) -> Result<(), Error> {
             println!("wrote {}/report.json, metrics.csv, student/{trace_note}", out.display());
             Ok(())
         }
+        Command::Bench { config, schedules, devices, out } => {
+            let config = load_config(&config, Overrides { devices, ..Default::default() })?;
+            let mut say = |line: &str| eprintln!("bench: {line}");
+            let report = pipe_bd::bench::bench(&config, &schedules, &out, &mut say)?;
+            print_bench(&report);
+            println!("wrote {}/bench.json and bench.csv", out.display());
+            Ok(())
+        }
         Command::Eval { run_dir } => {
             let result = pipe_bd::run::eval_run(&run_dir)?;
             println!(
@@ -193,6 +216,42 @@ fn execute(command: Command) -> Result<(), Error> {
             println!("{}: ok", config.name);
             Ok(())
         }
+    }
+}
+
+fn print_bench(report: &pipe_bd::bench::BenchReport) {
+    println!(
+        "{} on {} ({} intra-op threads per worker), batch {}, {} steps per block",
+        report.name,
+        report.devices.join(","),
+        report.threads_per_worker,
+        report.batch_size,
+        report.steps
+    );
+    println!("single-device costs per step (ms): data {:.1}", 1e3 * report.data_load);
+    for c in &report.block_costs {
+        println!("  block {}: teacher forward {:.1}, student step {:.1}", c.block, 1e3 * c.teacher_forward, 1e3 * c.student_step);
+    }
+    println!("ideal (one slot): {:.2} s", report.ideal_seconds);
+    println!(
+        "{:<8} {:<34} {:>8} {:>10} {:>9} {:>9} {:>7} {:>11} {:>9}",
+        "schedule", "plan", "seconds", "samples/s", "speedup", "predicted", "effic.", "max idle", "peak MiB"
+    );
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}x"));
+    for r in &report.rows {
+        let idle = r.idle_fractions.iter().copied().fold(0.0, f64::max);
+        println!(
+            "{:<8} {:<34} {:>8.2} {:>10.1} {:>9} {:>9} {:>6.0}% {:>10.0}% {:>9}",
+            r.schedule,
+            r.plan,
+            r.seconds,
+            r.samples_per_second,
+            opt(r.speedup_over_dp),
+            opt(r.predicted_speedup_over_dp),
+            100.0 * r.pipeline_efficiency,
+            100.0 * idle,
+            r.peak_rss_bytes.map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0))
+        );
     }
 }
 

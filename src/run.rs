@@ -68,11 +68,22 @@ pub fn run(
 ) -> Result<RunReport> {
     let (devices, plan) = preflight(config)?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    let job = Job { config, plan: &plan, out_dir, options };
-    match devices[0] {
-        DeviceSpec::Cpu => {
-            job.run::<burn::backend::Autodiff<burn::backend::Flex>>(&vec![Default::default(); devices.len()], observer)
-        }
+    dispatch(&devices, Job { config, plan: &plan, out_dir, options, observer })
+}
+
+/// Work that runs on whichever burn backend the device slots name.
+pub trait BackendJob {
+    /// What the job returns.
+    type Output;
+    /// Runs the job on backend `B` with one device per slot.
+    fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<Self::Output>;
+}
+
+/// Picks the burn backend for `devices` (all of one kind) and runs `job` on it.
+pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Output> {
+    let first = *devices.first().ok_or_else(|| Error::Device { device: String::new(), message: "no device slots".into() })?;
+    match first {
+        DeviceSpec::Cpu => job.run::<burn::backend::Autodiff<burn::backend::Flex>>(&vec![Default::default(); devices.len()]),
         #[cfg(feature = "cuda")]
         DeviceSpec::Cuda(_) => {
             let slots: Vec<_> = devices
@@ -82,7 +93,7 @@ pub fn run(
                     _ => Default::default(),
                 })
                 .collect();
-            job.run::<burn::backend::Autodiff<burn::backend::Cuda>>(&slots, observer)
+            job.run::<burn::backend::Autodiff<burn::backend::Cuda>>(&slots)
         }
         #[cfg(feature = "wgpu")]
         DeviceSpec::Wgpu(_) => {
@@ -93,7 +104,7 @@ pub fn run(
                     _ => Default::default(),
                 })
                 .collect();
-            job.run::<burn::backend::Autodiff<burn::backend::Wgpu>>(&slots, observer)
+            job.run::<burn::backend::Autodiff<burn::backend::Wgpu>>(&slots)
         }
         #[allow(unreachable_patterns)]
         other => Err(Error::Device { device: other.to_string(), message: "not compiled in".into() }),
@@ -113,10 +124,13 @@ struct Job<'a> {
     plan: &'a Plan,
     out_dir: &'a Path,
     options: &'a RunOptions,
+    observer: &'a mut dyn FnMut(&Progress),
 }
 
-impl Job<'_> {
-    fn run<B: AutodiffBackend>(&self, devices: &[B::Device], observer: &mut dyn FnMut(&Progress)) -> Result<RunReport> {
+impl BackendJob for Job<'_> {
+    type Output = RunReport;
+
+    fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<RunReport> {
         let config = self.config;
         let start = Instant::now();
         let device = &devices[0];
@@ -134,7 +148,7 @@ impl Job<'_> {
             &config.train_settings(),
             devices,
             &config.runtime_options(),
-            observer,
+            self.observer,
         )?;
         let students = output.students;
         let log = output.log;

@@ -1,4 +1,9 @@
 //! Convolutional student blocks.
+//!
+//! Each block ends at half the input resolution (like the teacher's conv
+//! stages) through its [`Downsample`] mode: a final 2x2 max-pool, or stride 2
+//! in its 3x3 convolution (the cheaper choice: everything after it runs on a
+//! quarter of the pixels).
 
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -8,50 +13,36 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-fn conv(c_in: usize, c_out: usize, kernel: usize, groups: usize) -> Conv2dConfig {
-    let pad = kernel / 2;
-    Conv2dConfig::new([c_in, c_out], [kernel, kernel])
-        .with_groups(groups)
-        .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+use crate::Downsample;
+
+/// A 1x1 convolution.
+fn pointwise(c_in: usize, c_out: usize) -> Conv2dConfig {
+    Conv2dConfig::new([c_in, c_out], [1, 1])
 }
 
-fn optional_pool(pool: bool) -> Option<MaxPool2d> {
-    pool.then(|| MaxPool2dConfig::new([2, 2]).init())
-}
-
-/// A plain conv block: `conv 3x3 (c_in -> width) -> ReLU -> conv 1x1 (width -> out) -> ReLU -> [pool]`.
-#[derive(Module, Debug)]
-pub struct ConvBlock<B: Backend> {
-    spatial: Conv2d<B>,
-    project: Conv2d<B>,
-    pool: Option<MaxPool2d>,
-}
-
-impl<B: Backend> ConvBlock<B> {
-    /// Builds the block for `c_in x h x w` inputs; returns it with its forward FLOPs per sample.
-    pub fn new(
-        c_in: usize,
-        width: usize,
-        c_out: usize,
-        h: usize,
-        w: usize,
-        pool: bool,
-        device: &B::Device,
-    ) -> (Self, u64) {
-        let hw = (h * w) as u64;
-        let flops = 2 * hw * (width as u64 * c_in as u64 * 9 + c_out as u64 * width as u64);
-        let block = Self {
-            spatial: conv(c_in, width, 3, 1).init(device),
-            project: conv(width, c_out, 1, 1).init(device),
-            pool: optional_pool(pool),
-        };
-        (block, flops)
+/// A 3x3 convolution with `groups`, keeping the resolution, or halving it to
+/// `floor(h/2) x floor(w/2)` with stride 2 (padding 1 on even sides, 0 on odd).
+fn spatial(c_in: usize, c_out: usize, groups: usize, h: usize, w: usize, downsample: Downsample) -> Conv2dConfig {
+    let config = Conv2dConfig::new([c_in, c_out], [3, 3]).with_groups(groups);
+    if downsample == Downsample::Stride {
+        let (ph, pw) = (usize::from(h % 2 == 0), usize::from(w % 2 == 0));
+        config.with_stride([2, 2]).with_padding(PaddingConfig2d::Explicit(ph, pw, 0, 0))
+    } else {
+        config.with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
     }
+}
 
-    /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
-    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        maybe_pool(relu(self.project.forward(relu(self.spatial.forward(x)))), &self.pool)
-    }
+fn final_pool(downsample: Downsample) -> Option<MaxPool2d> {
+    (downsample == Downsample::Pool).then(|| MaxPool2dConfig::new([2, 2]).init())
+}
+
+/// Pixels the layers after the 3x3 convolution run on.
+fn pixels_after_spatial(h: usize, w: usize, downsample: Downsample) -> u64 {
+    let (oh, ow) = match downsample {
+        Downsample::Stride => downsample.output(h, w),
+        Downsample::Pool | Downsample::None => (h, w),
+    };
+    (oh * ow) as u64
 }
 
 fn maybe_relu<B: Backend>(x: Tensor<B, 4>, apply: bool) -> Tensor<B, 4> {
@@ -69,7 +60,42 @@ fn maybe_pool<B: Backend>(x: Tensor<B, 4>, pool: &Option<MaxPool2d>) -> Tensor<B
     }
 }
 
-/// A depthwise-separable block: `depthwise 3x3 -> [ReLU] -> pointwise 1x1 -> ReLU -> [pool]`.
+/// A plain conv block: `conv 3x3 (c_in -> width) -> ReLU -> conv 1x1 (width -> out) -> ReLU [-> pool]`.
+#[derive(Module, Debug)]
+pub struct ConvBlock<B: Backend> {
+    spatial: Conv2d<B>,
+    project: Conv2d<B>,
+    pool: Option<MaxPool2d>,
+}
+
+impl<B: Backend> ConvBlock<B> {
+    /// Builds the block for `c_in x h x w` inputs; returns it with its forward FLOPs per sample.
+    pub fn new(
+        c_in: usize,
+        width: usize,
+        c_out: usize,
+        h: usize,
+        w: usize,
+        downsample: Downsample,
+        device: &B::Device,
+    ) -> (Self, u64) {
+        let after = pixels_after_spatial(h, w, downsample);
+        let flops = 2 * after * (width as u64 * c_in as u64 * 9 + c_out as u64 * width as u64);
+        let block = Self {
+            spatial: spatial(c_in, width, 1, h, w, downsample).init(device),
+            project: pointwise(width, c_out).init(device),
+            pool: final_pool(downsample),
+        };
+        (block, flops)
+    }
+
+    /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        maybe_pool(relu(self.project.forward(relu(self.spatial.forward(x)))), &self.pool)
+    }
+}
+
+/// A depthwise-separable block: `depthwise 3x3 -> [ReLU] -> pointwise 1x1 -> ReLU [-> pool]`.
 #[derive(Module, Debug)]
 pub struct SeparableBlock<B: Backend> {
     depthwise: Conv2d<B>,
@@ -88,17 +114,17 @@ impl<B: Backend> SeparableBlock<B> {
         h: usize,
         w: usize,
         inner_relu: bool,
-        pool: bool,
+        downsample: Downsample,
         device: &B::Device,
     ) -> (Self, u64) {
         let mid = c_in * depth_multiplier;
-        let hw = (h * w) as u64;
-        let flops = 2 * hw * (mid as u64 * 9 + c_out as u64 * mid as u64);
+        let after = pixels_after_spatial(h, w, downsample);
+        let flops = 2 * after * (mid as u64 * 9 + c_out as u64 * mid as u64);
         let block = Self {
-            depthwise: conv(c_in, mid, 3, c_in).init(device),
-            pointwise: conv(mid, c_out, 1, 1).init(device),
+            depthwise: spatial(c_in, mid, c_in, h, w, downsample).init(device),
+            pointwise: pointwise(mid, c_out).init(device),
             inner_relu,
-            pool: optional_pool(pool),
+            pool: final_pool(downsample),
         };
         (block, flops)
     }
@@ -110,7 +136,7 @@ impl<B: Backend> SeparableBlock<B> {
     }
 }
 
-/// A Tucker-style bottleneck: `1x1 reduce -> [ReLU] -> 3x3 -> [ReLU] -> 1x1 expand -> ReLU -> [pool]`.
+/// A Tucker-style bottleneck: `1x1 reduce -> [ReLU] -> 3x3 -> [ReLU] -> 1x1 expand -> ReLU [-> pool]`.
 #[derive(Module, Debug)]
 pub struct BottleneckBlock<B: Backend> {
     reduce: Conv2d<B>,
@@ -130,17 +156,18 @@ impl<B: Backend> BottleneckBlock<B> {
         h: usize,
         w: usize,
         inner_relu: bool,
-        pool: bool,
+        downsample: Downsample,
         device: &B::Device,
     ) -> (Self, u64) {
-        let (c_in, r, c_out) = (c_in as u64, rank as u64, c_out as u64);
-        let flops = 2 * (h * w) as u64 * (c_in * r + r * r * 9 + r * c_out);
+        let (ci, r, co) = (c_in as u64, rank as u64, c_out as u64);
+        let after = pixels_after_spatial(h, w, downsample);
+        let flops = 2 * ((h * w) as u64 * ci * r + after * (r * r * 9 + r * co));
         let block = Self {
-            reduce: conv(c_in as usize, rank, 1, 1).init(device),
-            spatial: conv(rank, rank, 3, 1).init(device),
-            expand: conv(rank, c_out as usize, 1, 1).init(device),
+            reduce: pointwise(c_in, rank).init(device),
+            spatial: spatial(rank, rank, 1, h, w, downsample).init(device),
+            expand: pointwise(rank, c_out).init(device),
             inner_relu,
-            pool: optional_pool(pool),
+            pool: final_pool(downsample),
         };
         (block, flops)
     }

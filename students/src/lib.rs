@@ -21,6 +21,7 @@ mod conv;
 mod head;
 
 pub use conv::{BottleneckBlock, ConvBlock, SeparableBlock};
+
 pub use head::HeadBlock;
 
 use burn::module::Module;
@@ -47,17 +48,19 @@ pub enum StudentError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum StudentBlockConfig {
-    /// `conv 3x3 (c_in -> width) -> ReLU -> conv 1x1 (width -> out) -> ReLU -> [max-pool 2]`.
+    /// `conv 3x3 (c_in -> width) -> ReLU -> conv 1x1 (width -> out) -> ReLU [-> max-pool 2]`.
     Conv {
         /// Channels of the hidden 3x3 convolution.
         width: usize,
         /// Output channels (must equal the teacher block's).
         out_channels: usize,
-        /// Halve height and width with a 2x2 max-pool (default true).
-        #[serde(default = "default_true")]
-        pool: bool,
+        /// How height and width are halved: `pool` (2x2 max-pool at the end,
+        /// default), `stride` (the 3x3 convolution has stride 2: about 4x
+        /// cheaper) or `none` (keep the resolution).
+        #[serde(default)]
+        downsample: Downsample,
     },
-    /// `depthwise 3x3 -> [ReLU] -> pointwise 1x1 (c_in -> out) -> ReLU -> [max-pool 2]`.
+    /// `depthwise 3x3 -> [ReLU] -> pointwise 1x1 (c_in -> out) -> ReLU [-> max-pool 2]`.
     Separable {
         /// Output channels (must equal the teacher block's).
         out_channels: usize,
@@ -68,12 +71,14 @@ pub enum StudentBlockConfig {
         /// the pair is then a factorisation of one 3x3 convolution).
         #[serde(default)]
         inner_relu: bool,
-        /// Halve height and width with a 2x2 max-pool (default true).
-        #[serde(default = "default_true")]
-        pool: bool,
+        /// How height and width are halved: `pool` (2x2 max-pool at the end,
+        /// default), `stride` (the 3x3 convolution has stride 2: about 4x
+        /// cheaper) or `none` (keep the resolution).
+        #[serde(default)]
+        downsample: Downsample,
     },
     /// A Tucker-style bottleneck: `1x1 (c_in -> rank) -> 3x3 (rank -> rank) ->
-    /// 1x1 (rank -> out) -> ReLU -> [max-pool 2]`, with optional ReLUs inside.
+    /// 1x1 (rank -> out) -> ReLU [-> max-pool 2]`, with optional ReLUs inside.
     Bottleneck {
         /// Channels of the inner 3x3 convolution.
         rank: usize,
@@ -83,9 +88,11 @@ pub enum StudentBlockConfig {
         /// convolutions then factorise one 3x3 convolution).
         #[serde(default)]
         inner_relu: bool,
-        /// Halve height and width with a 2x2 max-pool (default true).
-        #[serde(default = "default_true")]
-        pool: bool,
+        /// How height and width are halved: `pool` (2x2 max-pool at the end,
+        /// default), `stride` (the 3x3 convolution has stride 2: about 4x
+        /// cheaper) or `none` (keep the resolution).
+        #[serde(default)]
+        downsample: Downsample,
     },
     /// `flatten -> linear (in -> hidden) -> ReLU -> linear (hidden -> classes)`.
     Head {
@@ -96,9 +103,29 @@ pub enum StudentBlockConfig {
     },
 }
 
-fn default_true() -> bool {
-    true
+/// How a conv student halves its input's height and width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Downsample {
+    /// A 2x2 max-pool after the block, like the teacher's stages.
+    #[default]
+    Pool,
+    /// Stride 2 in the block's 3x3 convolution (output `floor(h/2) x floor(w/2)`).
+    Stride,
+    /// Keep the resolution.
+    None,
 }
+
+impl Downsample {
+    /// Output height and width for an `h x w` input.
+    pub fn output(self, h: usize, w: usize) -> (usize, usize) {
+        match self {
+            Downsample::Pool | Downsample::Stride => (h / 2, w / 2),
+            Downsample::None => (h, w),
+        }
+    }
+}
+
 fn default_one() -> usize {
     1
 }
@@ -176,39 +203,39 @@ impl StudentBlockConfig {
             }
         };
         match *self {
-            Self::Conv { width, out_channels, pool } => {
+            Self::Conv { width, out_channels, downsample } => {
                 positive("width", width)?;
                 positive("out_channels", out_channels)?;
                 let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
                     invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
                 })?;
-                let (module, flops) = ConvBlock::new(c, width, out_channels, h, w, pool, device);
-                let (oh, ow) = pooled(h, w, pool);
+                let (module, flops) = ConvBlock::new(c, width, out_channels, h, w, downsample, device);
+                let (oh, ow) = downsample.output(h, w);
                 Ok(BuiltStudent { module: StudentBlock::Conv(module), output_shape: vec![out_channels, oh, ow], flops })
             }
-            Self::Separable { out_channels, depth_multiplier, inner_relu, pool } => {
+            Self::Separable { out_channels, depth_multiplier, inner_relu, downsample } => {
                 positive("out_channels", out_channels)?;
                 positive("depth_multiplier", depth_multiplier)?;
                 let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
                     invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
                 })?;
                 let (module, flops) =
-                    SeparableBlock::new(c, depth_multiplier, out_channels, h, w, inner_relu, pool, device);
-                let (oh, ow) = pooled(h, w, pool);
+                    SeparableBlock::new(c, depth_multiplier, out_channels, h, w, inner_relu, downsample, device);
+                let (oh, ow) = downsample.output(h, w);
                 Ok(BuiltStudent {
                     module: StudentBlock::Separable(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
                 })
             }
-            Self::Bottleneck { rank, out_channels, inner_relu, pool } => {
+            Self::Bottleneck { rank, out_channels, inner_relu, downsample } => {
                 positive("rank", rank)?;
                 positive("out_channels", out_channels)?;
                 let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
                     invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
                 })?;
-                let (module, flops) = BottleneckBlock::new(c, rank, out_channels, h, w, inner_relu, pool, device);
-                let (oh, ow) = pooled(h, w, pool);
+                let (module, flops) = BottleneckBlock::new(c, rank, out_channels, h, w, inner_relu, downsample, device);
+                let (oh, ow) = downsample.output(h, w);
                 Ok(BuiltStudent {
                     module: StudentBlock::Bottleneck(module),
                     output_shape: vec![out_channels, oh, ow],
@@ -236,10 +263,45 @@ fn image_shape(shape: &[usize]) -> Option<[usize; 3]> {
     }
 }
 
-fn pooled(h: usize, w: usize, pool: bool) -> (usize, usize) {
-    if pool {
-        (h / 2, w / 2)
-    } else {
-        (h, w)
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+
+    fn forward_shape(config: &StudentBlockConfig, input: [usize; 3]) -> (Vec<usize>, Vec<usize>) {
+        let device = Default::default();
+        let built = config.init::<Flex>(1, &input, &device).unwrap();
+        let x = Tensor::<Flex, 4>::zeros([2, input[0], input[1], input[2]], &device);
+        let actual = match built.module.forward(x) {
+            StudentOutput::Maps(t) => t.dims()[1..].to_vec(),
+            StudentOutput::Logits(t) => t.dims()[1..].to_vec(),
+        };
+        (built.output_shape, actual)
+    }
+
+    #[test]
+    fn declared_output_shapes_match_the_forward_pass_for_every_downsample_mode() {
+        for downsample in [Downsample::Pool, Downsample::Stride, Downsample::None] {
+            for (c, hw) in [(1, 28), (32, 14), (64, 7)] {
+                let configs = [
+                    StudentBlockConfig::Conv { width: 4, out_channels: 8, downsample },
+                    StudentBlockConfig::Separable { out_channels: 8, depth_multiplier: 1, inner_relu: true, downsample },
+                    StudentBlockConfig::Bottleneck { rank: 4, out_channels: 8, inner_relu: false, downsample },
+                ];
+                for config in &configs {
+                    let (declared, actual) = forward_shape(config, [c, hw, hw]);
+                    assert_eq!(declared, actual, "{config:?} on {c}x{hw}x{hw}");
+                }
+            }
+        }
+        let (declared, actual) = forward_shape(&StudentBlockConfig::Head { hidden: 16, classes: 10 }, [128, 3, 3]);
+        assert_eq!((declared, actual), (vec![10], vec![10]));
+    }
+
+    #[test]
+    fn zero_sizes_are_refused_naming_the_block_and_field() {
+        let config = StudentBlockConfig::Bottleneck { rank: 0, out_channels: 8, inner_relu: false, downsample: Downsample::Pool };
+        let err = config.init::<Flex>(3, &[32, 14, 14], &Default::default()).unwrap_err();
+        assert_eq!(err.to_string(), "student block 3 (bottleneck): `rank` must be at least 1");
     }
 }

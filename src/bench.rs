@@ -1,0 +1,278 @@
+//! `pipebd bench`: the same workload under several schedules, side by side
+//! in one process, with the speedup each one should get according to the
+//! per-block costs measured on one device.
+
+use std::path::Path;
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+use serde::{Deserialize, Serialize};
+
+use crate::block::Students;
+use crate::config::RunConfig;
+use crate::data::{ImageDataset, Split};
+use crate::error::{Error, Result};
+use crate::plan::Plan;
+use crate::report::write_atomic;
+use crate::run::{dispatch, preflight, BackendJob};
+use crate::runtime::{train_plan, RuntimeOptions};
+use crate::trace::{Span, SpanKind};
+use crate::train::detached_copy;
+use crate::zoo::{build_students, build_teacher};
+
+/// Single-device cost of one block at the full batch, from the `ideal` run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BlockCost {
+    /// One-based block.
+    pub block: usize,
+    /// Teacher forward, seconds per step.
+    pub teacher_forward: f64,
+    /// Student forward + backward + optimizer step, seconds per step.
+    pub student_step: f64,
+}
+
+/// One schedule's line of the bench table.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchRow {
+    /// Schedule name.
+    pub schedule: String,
+    /// Its plan, e.g. `{1-2 | 3-4}`.
+    pub plan: String,
+    /// Wall time of the training.
+    pub seconds: f64,
+    /// Training samples per second (each sample through every block).
+    pub samples_per_second: f64,
+    /// Measured speedup over `dp` (when `dp` was benched).
+    pub speedup_over_dp: Option<f64>,
+    /// Speedup over `dp` that the single-device block costs predict.
+    pub predicted_speedup_over_dp: Option<f64>,
+    /// Predicted seconds per step.
+    pub predicted_step_seconds: f64,
+    /// Measured seconds per step.
+    pub measured_step_seconds: f64,
+    /// Single-device work divided by the slots, over the measured time.
+    pub pipeline_efficiency: f64,
+    /// Idle fraction of each worker (waiting or untracked time).
+    pub idle_fractions: Vec<f64>,
+    /// Peak resident memory of the process during this schedule, bytes.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// The whole bench.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchReport {
+    /// Config name.
+    pub name: String,
+    /// Device slots.
+    pub devices: Vec<String>,
+    /// Intra-op threads per worker.
+    pub threads_per_worker: usize,
+    /// Global batch size.
+    pub batch_size: usize,
+    /// Steps per block per schedule.
+    pub steps: usize,
+    /// Per-block single-device costs (from the `ideal` run).
+    pub block_costs: Vec<BlockCost>,
+    /// Data loading, seconds per step.
+    pub data_load: f64,
+    /// Training time of the `ideal` schedule on one slot.
+    pub ideal_seconds: f64,
+    /// One row per benched schedule.
+    pub rows: Vec<BenchRow>,
+}
+
+/// Runs `schedules` on the config's workload and device slots; writes
+/// `bench.json` and `bench.csv` into `out_dir`. `say` receives progress lines.
+pub fn bench(config: &RunConfig, schedules: &[String], out_dir: &Path, say: &mut dyn FnMut(&str)) -> Result<BenchReport> {
+    let (devices, _) = preflight(config)?;
+    for name in schedules {
+        // Fail early, before any timing, on a schedule that cannot be built.
+        let mut c = config.clone();
+        c.schedule = name.clone();
+        preflight(&c)?;
+    }
+    std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
+    let report = dispatch(&devices, BenchJob { config, schedules, say })?;
+    let json = serde_json::to_string_pretty(&report)
+        .map_err(|e| Error::Data { path: out_dir.join("bench.json"), message: e.to_string() })?;
+    write_atomic(&out_dir.join("bench.json"), json.as_bytes())?;
+    write_atomic(&out_dir.join("bench.csv"), bench_csv(&report).as_bytes())?;
+    Ok(report)
+}
+
+fn bench_csv(report: &BenchReport) -> String {
+    let mut csv = String::from(
+        "schedule,plan,seconds,samples_per_second,speedup_over_dp,predicted_speedup_over_dp,pipeline_efficiency,max_idle_fraction,peak_rss_bytes\n",
+    );
+    let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
+    for r in &report.rows {
+        let max_idle = r.idle_fractions.iter().copied().fold(0.0, f64::max);
+        csv.push_str(&format!(
+            "{},\"{}\",{:.3},{:.1},{},{},{:.4},{:.4},{}\n",
+            r.schedule,
+            r.plan,
+            r.seconds,
+            r.samples_per_second,
+            opt(r.speedup_over_dp),
+            opt(r.predicted_speedup_over_dp),
+            r.pipeline_efficiency,
+            max_idle,
+            r.peak_rss_bytes.map_or(String::new(), |b| b.to_string())
+        ));
+    }
+    csv
+}
+
+/// Predicted seconds per step of `plan` from single-device block costs:
+/// each phase takes as long as its slowest stage, and a stage's cost is its
+/// data loading, teacher blocks and student steps, divided among its
+/// replicas. (Barriers, channel capacity and gradient averaging are not
+/// modelled here.)
+pub fn predict_step_seconds(plan: &Plan, costs: &[BlockCost], data_load: f64) -> f64 {
+    plan.phases
+        .iter()
+        .map(|phase| {
+            phase
+                .stages
+                .iter()
+                .map(|stage| {
+                    let teacher: f64 = costs[stage.teacher_start()..stage.blocks.end].iter().map(|c| c.teacher_forward).sum();
+                    let students: f64 = costs[stage.blocks.clone()].iter().map(|c| c.student_step).sum();
+                    let load = if stage.loads_data { data_load } else { 0.0 };
+                    (load + teacher + students) / stage.replicas() as f64
+                })
+                .fold(0.0, f64::max)
+        })
+        .sum()
+}
+
+/// Mean seconds per step of each block's teacher forward and student step
+/// in `spans`, skipping the first `warmup` steps' worth.
+fn block_costs(spans: &[Span], blocks: usize, steps: usize, warmup: usize) -> (Vec<BlockCost>, f64) {
+    let counted = steps.saturating_sub(warmup).max(1) as f64;
+    let mean = |kind: SpanKind, block: Option<usize>| -> f64 {
+        let matching: Vec<&Span> = spans.iter().filter(|s| s.kind == kind && s.block == block).collect();
+        let skip = matching.len().min(warmup);
+        matching[skip..].iter().map(|s| s.duration_us as f64 * 1e-6).sum::<f64>() / counted
+    };
+    let costs = (1..=blocks)
+        .map(|b| BlockCost {
+            block: b,
+            teacher_forward: mean(SpanKind::TeacherForward, Some(b)),
+            student_step: mean(SpanKind::StudentForwardBackward, Some(b)) + mean(SpanKind::OptimizerStep, Some(b)),
+        })
+        .collect();
+    (costs, mean(SpanKind::DataLoad, None))
+}
+
+/// Peak resident memory since the last reset, from /proc (Linux only).
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+struct BenchJob<'a> {
+    config: &'a RunConfig,
+    schedules: &'a [String],
+    say: &'a mut dyn FnMut(&str),
+}
+
+impl BackendJob for BenchJob<'_> {
+    type Output = BenchReport;
+
+    fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<BenchReport> {
+        let config = self.config;
+        let say = self.say;
+        let device = &devices[0];
+        let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+        let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
+        let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
+        let slots = devices.len();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = match config.runtime.threads_per_worker {
+            0 => (cores / slots).max(1),
+            n => n,
+        };
+        let options = RuntimeOptions { threads_per_worker: threads, ..config.runtime_options() };
+        let settings = config.train_settings();
+        let steps = data.len() / settings.batch_size * settings.epochs;
+        let blocks = teacher.blocks.len();
+
+        let time = |plan: &Plan, say: &mut dyn FnMut(&str)| -> Result<(f64, Vec<Span>, Vec<f64>, Option<u64>)> {
+            say(&format!("{:<8} {}", plan.name, plan.describe()));
+            reset_peak_rss();
+            let start = Instant::now();
+            let fresh = copy_students(&students)?;
+            let out = train_plan(plan, &teacher, fresh, &data, &settings, devices, &options, &mut |_| {})?;
+            let seconds = start.elapsed().as_secs_f64();
+            let idle = out.workers.iter().map(|w| w.idle_fraction).collect();
+            Ok((seconds, out.spans, idle, peak_rss_bytes()))
+        };
+
+        // The single-device reference: teacher once, every block on one slot.
+        let (ideal_seconds, ideal_spans, _, _) = time(&Plan::ideal(blocks), say)?;
+        let (block_costs, data_load) = block_costs(&ideal_spans, blocks, steps, 2);
+        // Stage cuts of `ls`, `tr` and `tr-dpu` balance the measured costs.
+        let measured: Vec<f64> = block_costs.iter().map(|c| c.teacher_forward + c.student_step).collect();
+        let plans = self
+            .schedules
+            .iter()
+            .map(|name| {
+                Plan::named(name, blocks, slots, &measured, &config.stages)
+                    .map_err(|e| Error::Plan { plan: name.clone(), message: e.0 })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let predictions: Vec<f64> = plans.iter().map(|p| predict_step_seconds(p, &block_costs, data_load)).collect();
+        let dp_index = plans.iter().position(|p| p.name == "dp");
+
+        let mut rows = Vec::new();
+        for (plan, &predicted) in plans.iter().zip(&predictions) {
+            let (seconds, _, idle_fractions, peak_rss_bytes) = time(plan, say)?;
+            rows.push(BenchRow {
+                schedule: plan.name.clone(),
+                plan: plan.describe(),
+                seconds,
+                samples_per_second: (steps * settings.batch_size) as f64 / seconds,
+                speedup_over_dp: None,
+                predicted_speedup_over_dp: dp_index.map(|i| predictions[i] / predicted),
+                predicted_step_seconds: predicted,
+                measured_step_seconds: seconds / steps as f64,
+                pipeline_efficiency: ideal_seconds / slots as f64 / seconds,
+                idle_fractions,
+                peak_rss_bytes,
+            });
+        }
+        if let Some(i) = dp_index {
+            let dp_seconds = rows[i].seconds;
+            for row in &mut rows {
+                row.speedup_over_dp = Some(dp_seconds / row.seconds);
+            }
+        }
+        Ok(BenchReport {
+            name: config.name.clone(),
+            devices: config.device_slots(),
+            threads_per_worker: threads,
+            batch_size: settings.batch_size,
+            steps,
+            block_costs,
+            data_load,
+            ideal_seconds,
+            rows,
+        })
+    }
+}
+
+/// Independent copies of the initial students, so every schedule starts
+/// from the same weights.
+fn copy_students<B: AutodiffBackend>(
+    students: &Students<B, pipebd_students::StudentBlock<B>>,
+) -> Result<Students<B, pipebd_students::StudentBlock<B>>> {
+    let blocks = students.blocks.iter().map(detached_copy).collect();
+    Students::new(blocks, students.specs.clone(), &students.specs)
+}
