@@ -239,18 +239,20 @@ impl<B: AutodiffBackend, S: StudentModule<B>> Students<B, S> {
     }
 }
 
+/// Fails unless there are as many student blocks as teacher blocks.
+pub fn check_block_count(students: usize, teacher: usize) -> Result<()> {
+    if students == teacher {
+        return Ok(());
+    }
+    Err(Error::Block {
+        block: students.min(teacher) + 1,
+        message: format!("the teacher has {teacher} blocks but {students} student blocks are configured"),
+    })
+}
+
 /// Checks student specs against teacher specs block by block.
 pub fn check_against_teacher(student: &[BlockSpec], teacher: &[BlockSpec]) -> Result<()> {
-    if student.len() != teacher.len() {
-        return Err(Error::Block {
-            block: student.len().min(teacher.len()) + 1,
-            message: format!(
-                "the teacher has {} blocks but {} student blocks are configured",
-                teacher.len(),
-                student.len()
-            ),
-        });
-    }
+    check_block_count(student.len(), teacher.len())?;
     for (k, (s, t)) in student.iter().zip(teacher).enumerate() {
         if s.input_shape != t.input_shape {
             return Err(Error::ShapeMismatch {

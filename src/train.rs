@@ -63,6 +63,14 @@ impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         }
     }
 
+    fn lost(&self) -> Error {
+        Error::Training {
+            block: self.index + 1,
+            step: self.step,
+            message: "the block was lost by an earlier failed step".into(),
+        }
+    }
+
     /// Learning rate of the next step.
     pub fn current_lr(&self) -> f64 {
         self.lr.at(self.step)
@@ -92,11 +100,7 @@ impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         weight: f32,
     ) -> Result<(f32, GradientsParams)> {
         let block = self.index + 1;
-        let module = self.module.as_ref().ok_or_else(|| Error::Training {
-            block,
-            step: self.step,
-            message: "the block was lost by an earlier failed step".into(),
-        })?;
+        let module = self.module.as_ref().ok_or_else(|| self.lost())?;
         let output = module.forward(Activation::from_inner(input)).map_err(|e| relabel(e, block))?;
         let loss = block_loss(self.spec.loss, output, Activation::from_inner(target), block)?;
         let value: f32 = loss.clone().into_scalar().elem();
@@ -111,12 +115,7 @@ impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     /// (summed, in the given order), at this step's learning rate.
     /// `losses` are the replicas' weighted losses (summed into the logged loss).
     pub fn apply(&mut self, grads: Vec<GradientsParams>, losses: &[f32]) -> Result<()> {
-        let block = self.index + 1;
-        let module = self.module.take().ok_or_else(|| Error::Training {
-            block,
-            step: self.step,
-            message: "the block was lost by an earlier failed step".into(),
-        })?;
+        let module = self.module.take().ok_or_else(|| self.lost())?;
         let lr = self.lr.at(self.step);
         let device = module.devices().into_iter().next().unwrap_or_default();
         let module = if grads.len() == 1 {

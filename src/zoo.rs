@@ -7,9 +7,9 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use pipebd_students::{StudentBlock, StudentBlockConfig, StudentOutput};
 use pipebd_teachers::mnist_cnn::{self, MnistBlock, MnistCnn};
 
-use crate::block::{check_against_teacher, Activation, Block, BlockSpec, LossKind, Students, Teacher};
+use crate::block::{check_against_teacher, check_block_count, Activation, Block, BlockSpec, LossKind, Students, Teacher};
 use crate::config::TeacherConfig;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 impl<B: Backend> Block<B> for MnistBlock<B> {
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
@@ -90,16 +90,7 @@ pub(crate) fn init_student_blocks<B: Backend>(
     teacher: &[BlockSpec],
     device: &B::Device,
 ) -> Result<(Vec<StudentBlock<B>>, Vec<BlockSpec>)> {
-    if configs.len() != teacher.len() {
-        return Err(Error::Block {
-            block: configs.len().min(teacher.len()) + 1,
-            message: format!(
-                "the teacher has {} blocks but {} student blocks are configured",
-                teacher.len(),
-                configs.len()
-            ),
-        });
-    }
+    check_block_count(configs.len(), teacher.len())?;
     let mut blocks = Vec::new();
     let mut specs = Vec::new();
     for (k, (config, t)) in configs.iter().zip(teacher).enumerate() {

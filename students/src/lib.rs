@@ -202,13 +202,16 @@ impl StudentBlockConfig {
                 Ok(())
             }
         };
+        let image = || {
+            image_shape(input_shape).ok_or_else(|| {
+                invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
+            })
+        };
         match *self {
             Self::Conv { width, out_channels, downsample } => {
                 positive("width", width)?;
                 positive("out_channels", out_channels)?;
-                let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
-                    invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
-                })?;
+                let [c, h, w] = image()?;
                 let (module, flops) = ConvBlock::new(c, width, out_channels, h, w, downsample, device);
                 let (oh, ow) = downsample.output(h, w);
                 Ok(BuiltStudent { module: StudentBlock::Conv(module), output_shape: vec![out_channels, oh, ow], flops })
@@ -216,9 +219,7 @@ impl StudentBlockConfig {
             Self::Separable { out_channels, depth_multiplier, inner_relu, downsample } => {
                 positive("out_channels", out_channels)?;
                 positive("depth_multiplier", depth_multiplier)?;
-                let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
-                    invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
-                })?;
+                let [c, h, w] = image()?;
                 let (module, flops) =
                     SeparableBlock::new(c, depth_multiplier, out_channels, h, w, inner_relu, downsample, device);
                 let (oh, ow) = downsample.output(h, w);
@@ -231,9 +232,7 @@ impl StudentBlockConfig {
             Self::Bottleneck { rank, out_channels, inner_relu, downsample } => {
                 positive("rank", rank)?;
                 positive("out_channels", out_channels)?;
-                let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
-                    invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
-                })?;
+                let [c, h, w] = image()?;
                 let (module, flops) = BottleneckBlock::new(c, rank, out_channels, h, w, inner_relu, downsample, device);
                 let (oh, ow) = downsample.output(h, w);
                 Ok(BuiltStudent {
@@ -245,9 +244,7 @@ impl StudentBlockConfig {
             Self::Head { hidden, classes } => {
                 positive("hidden", hidden)?;
                 positive("classes", classes)?;
-                let [c, h, w] = image_shape(input_shape).ok_or_else(|| {
-                    invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
-                })?;
+                let [c, h, w] = image()?;
                 let features = c * h * w;
                 let (module, flops) = HeadBlock::new(features, hidden, classes, device);
                 Ok(BuiltStudent { module: StudentBlock::Head(module), output_shape: vec![classes], flops })
