@@ -31,6 +31,7 @@ pub mod device;
 pub mod error;
 pub mod optim;
 pub mod plan;
+pub mod planner;
 pub mod report;
 pub mod run;
 pub mod runtime;
