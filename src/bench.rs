@@ -83,7 +83,12 @@ pub struct BenchReport {
 
 /// Runs `schedules` on the config's workload and device slots; writes
 /// `bench.json` and `bench.csv` into `out_dir`. `say` receives progress lines.
-pub fn bench(config: &RunConfig, schedules: &[String], out_dir: &Path, say: &mut dyn FnMut(&str)) -> Result<BenchReport> {
+pub fn bench(
+    config: &RunConfig,
+    schedules: &[String],
+    out_dir: &Path,
+    say: &mut dyn FnMut(&str),
+) -> Result<BenchReport> {
     let (devices, _) = preflight(config)?;
     for name in schedules {
         // Fail early, before any timing, on a schedule that cannot be built.
@@ -92,9 +97,18 @@ pub fn bench(config: &RunConfig, schedules: &[String], out_dir: &Path, say: &mut
         preflight(&c)?;
     }
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    let report = dispatch(&devices, BenchJob { config, schedules, say })?;
-    let json = serde_json::to_string_pretty(&report)
-        .map_err(|e| Error::Data { path: out_dir.join("bench.json"), message: e.to_string() })?;
+    let report = dispatch(
+        &devices,
+        BenchJob {
+            config,
+            schedules,
+            say,
+        },
+    )?;
+    let json = serde_json::to_string_pretty(&report).map_err(|e| Error::Data {
+        path: out_dir.join("bench.json"),
+        message: e.to_string(),
+    })?;
     write_atomic(&out_dir.join("bench.json"), json.as_bytes())?;
     write_atomic(&out_dir.join("bench.csv"), bench_csv(&report).as_bytes())?;
     Ok(report)
@@ -136,8 +150,14 @@ pub fn predict_step_seconds(plan: &Plan, costs: &[BlockCost], data_load: f64) ->
                 .stages
                 .iter()
                 .map(|stage| {
-                    let teacher: f64 = costs[stage.teacher_start()..stage.blocks.end].iter().map(|c| c.teacher_forward).sum();
-                    let students: f64 = costs[stage.blocks.clone()].iter().map(|c| c.student_step).sum();
+                    let teacher: f64 = costs[stage.teacher_start()..stage.blocks.end]
+                        .iter()
+                        .map(|c| c.teacher_forward)
+                        .sum();
+                    let students: f64 = costs[stage.blocks.clone()]
+                        .iter()
+                        .map(|c| c.student_step)
+                        .sum();
                     let load = if stage.loads_data { data_load } else { 0.0 };
                     (load + teacher + students) / stage.replicas() as f64
                 })
@@ -148,18 +168,31 @@ pub fn predict_step_seconds(plan: &Plan, costs: &[BlockCost], data_load: f64) ->
 
 /// Mean seconds per step of each block's teacher forward and student step
 /// in `spans`, skipping the first `warmup` steps' worth.
-fn block_costs(spans: &[Span], blocks: usize, steps: usize, warmup: usize) -> (Vec<BlockCost>, f64) {
+fn block_costs(
+    spans: &[Span],
+    blocks: usize,
+    steps: usize,
+    warmup: usize,
+) -> (Vec<BlockCost>, f64) {
     let counted = steps.saturating_sub(warmup).max(1) as f64;
     let mean = |kind: SpanKind, block: Option<usize>| -> f64 {
-        let matching: Vec<&Span> = spans.iter().filter(|s| s.kind == kind && s.block == block).collect();
+        let matching: Vec<&Span> = spans
+            .iter()
+            .filter(|s| s.kind == kind && s.block == block)
+            .collect();
         let skip = matching.len().min(warmup);
-        matching[skip..].iter().map(|s| s.duration_us as f64 * 1e-6).sum::<f64>() / counted
+        matching[skip..]
+            .iter()
+            .map(|s| s.duration_us as f64 * 1e-6)
+            .sum::<f64>()
+            / counted
     };
     let costs = (1..=blocks)
         .map(|b| BlockCost {
             block: b,
             teacher_forward: mean(SpanKind::TeacherForward, Some(b)),
-            student_step: mean(SpanKind::StudentForwardBackward, Some(b)) + mean(SpanKind::OptimizerStep, Some(b)),
+            student_step: mean(SpanKind::StudentForwardBackward, Some(b))
+                + mean(SpanKind::OptimizerStep, Some(b)),
         })
         .collect();
     (costs, mean(SpanKind::DataLoad, None))
@@ -190,7 +223,8 @@ impl BackendJob for BenchJob<'_> {
         let config = self.config;
         let say = self.say;
         let device = &devices[0];
-        let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+        let data =
+            ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
         let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
         let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
         let slots = devices.len();
@@ -199,17 +233,31 @@ impl BackendJob for BenchJob<'_> {
             0 => (cores / slots).max(1),
             n => n,
         };
-        let options = RuntimeOptions { threads_per_worker: threads, ..config.runtime_options() };
+        let options = RuntimeOptions {
+            threads_per_worker: threads,
+            ..config.runtime_options()
+        };
         let settings = config.train_settings();
         let steps = data.len() / settings.batch_size * settings.epochs;
         let blocks = teacher.blocks.len();
 
-        let time = |plan: &Plan, say: &mut dyn FnMut(&str)| -> Result<(f64, Vec<Span>, Vec<f64>, Option<u64>)> {
+        let time = |plan: &Plan,
+                    say: &mut dyn FnMut(&str)|
+         -> Result<(f64, Vec<Span>, Vec<f64>, Option<u64>)> {
             say(&format!("{:<8} {}", plan.name, plan.describe()));
             reset_peak_rss();
             let start = Instant::now();
             let fresh = copy_students(&students)?;
-            let out = train_plan(plan, &teacher, fresh, &data, &settings, devices, &options, &mut |_| {})?;
+            let out = train_plan(
+                plan,
+                &teacher,
+                fresh,
+                &data,
+                &settings,
+                devices,
+                &options,
+                &mut |_| {},
+            )?;
             let seconds = start.elapsed().as_secs_f64();
             let idle = out.workers.iter().map(|w| w.idle_fraction).collect();
             Ok((seconds, out.spans, idle, peak_rss_bytes()))
@@ -219,16 +267,26 @@ impl BackendJob for BenchJob<'_> {
         let (ideal_seconds, ideal_spans, _, _) = time(&Plan::ideal(blocks), say)?;
         let (block_costs, data_load) = block_costs(&ideal_spans, blocks, steps, 2);
         // Stage cuts of `ls`, `tr` and `tr-dpu` balance the measured costs.
-        let measured: Vec<f64> = block_costs.iter().map(|c| c.teacher_forward + c.student_step).collect();
+        let measured: Vec<f64> = block_costs
+            .iter()
+            .map(|c| c.teacher_forward + c.student_step)
+            .collect();
         let plans = self
             .schedules
             .iter()
             .map(|name| {
-                Plan::named(name, blocks, slots, &measured, &config.stages)
-                    .map_err(|e| Error::Plan { plan: name.clone(), message: e.0 })
+                Plan::named(name, blocks, slots, &measured, &config.stages).map_err(|e| {
+                    Error::Plan {
+                        plan: name.clone(),
+                        message: e.0,
+                    }
+                })
             })
             .collect::<Result<Vec<_>>>()?;
-        let predictions: Vec<f64> = plans.iter().map(|p| predict_step_seconds(p, &block_costs, data_load)).collect();
+        let predictions: Vec<f64> = plans
+            .iter()
+            .map(|p| predict_step_seconds(p, &block_costs, data_load))
+            .collect();
         let dp_index = plans.iter().position(|p| p.name == "dp");
 
         let mut rows = Vec::new();

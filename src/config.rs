@@ -77,7 +77,11 @@ pub struct RuntimeConfig {
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        Self { channel_capacity: default_capacity(), timeout_seconds: default_timeout(), threads_per_worker: 0 }
+        Self {
+            channel_capacity: default_capacity(),
+            timeout_seconds: default_timeout(),
+            threads_per_worker: 0,
+        }
     }
 }
 
@@ -207,8 +211,17 @@ impl RunConfig {
 
     fn validate(&self, text: &str, path: &Path) -> Result<()> {
         let fail = |table: &str, key: &str, message: String| {
-            let field = if table.is_empty() { key.to_string() } else { format!("{table}.{key}") };
-            Err(Error::Config { path: path.to_path_buf(), line: find_key_line(text, table, key), field: Some(field), message })
+            let field = if table.is_empty() {
+                key.to_string()
+            } else {
+                format!("{table}.{key}")
+            };
+            Err(Error::Config {
+                path: path.to_path_buf(),
+                line: find_key_line(text, table, key),
+                field: Some(field),
+                message,
+            })
         };
         if self.train.epochs == 0 {
             return fail("train", "epochs", "must be at least 1".into());
@@ -220,32 +233,70 @@ impl RunConfig {
             return fail("train", "log_every", "must be at least 1".into());
         }
         if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
-            return fail("optimizer", "lr", format!("must be a positive number, got {}", self.optimizer.lr));
+            return fail(
+                "optimizer",
+                "lr",
+                format!("must be a positive number, got {}", self.optimizer.lr),
+            );
         }
         if !(0.0..=self.optimizer.lr).contains(&self.optimizer.min_lr) {
-            return fail("optimizer", "min_lr", format!("must be between 0 and lr ({}), got {}", self.optimizer.lr, self.optimizer.min_lr));
+            return fail(
+                "optimizer",
+                "min_lr",
+                format!(
+                    "must be between 0 and lr ({}), got {}",
+                    self.optimizer.lr, self.optimizer.min_lr
+                ),
+            );
         }
         if !(0.0..1.0).contains(&self.optimizer.momentum) {
-            return fail("optimizer", "momentum", format!("must be in [0, 1), got {}", self.optimizer.momentum));
+            return fail(
+                "optimizer",
+                "momentum",
+                format!("must be in [0, 1), got {}", self.optimizer.momentum),
+            );
         }
         if self.optimizer.weight_decay < 0.0 {
-            return fail("optimizer", "weight_decay", format!("must not be negative, got {}", self.optimizer.weight_decay));
+            return fail(
+                "optimizer",
+                "weight_decay",
+                format!("must not be negative, got {}", self.optimizer.weight_decay),
+            );
         }
         if self.data.dataset != "mnist" {
-            return fail("data", "dataset", format!("unknown dataset `{}`: expected `mnist`", self.data.dataset));
+            return fail(
+                "data",
+                "dataset",
+                format!("unknown dataset `{}`: expected `mnist`", self.data.dataset),
+            );
         }
         if self.teacher.kind != "mnist-cnn" {
-            return fail("teacher", "kind", format!("unknown teacher `{}`: expected `mnist-cnn`", self.teacher.kind));
+            return fail(
+                "teacher",
+                "kind",
+                format!(
+                    "unknown teacher `{}`: expected `mnist-cnn`",
+                    self.teacher.kind
+                ),
+            );
         }
         if !crate::plan::SCHEDULES.contains(&self.schedule.as_str()) {
             return fail(
                 "",
                 "schedule",
-                format!("unknown schedule `{}`: expected one of {}", self.schedule, crate::plan::SCHEDULES.join(", ")),
+                format!(
+                    "unknown schedule `{}`: expected one of {}",
+                    self.schedule,
+                    crate::plan::SCHEDULES.join(", ")
+                ),
             );
         }
         if self.schedule == "hybrid" && self.stages.is_empty() {
-            return fail("", "schedule", "`hybrid` needs [[stages]] entries (blocks = [..], replicas = N)".into());
+            return fail(
+                "",
+                "schedule",
+                "`hybrid` needs [[stages]] entries (blocks = [..], replicas = N)".into(),
+            );
         }
         if let Err(e) = crate::device::DeviceSpec::parse(&self.device) {
             return fail("", "device", e);
@@ -259,17 +310,30 @@ impl RunConfig {
             return fail("runtime", "channel_capacity", "must be at least 1".into());
         }
         if !(self.runtime.timeout_seconds > 0.0 && self.runtime.timeout_seconds.is_finite()) {
-            return fail("runtime", "timeout_seconds", format!("must be a positive number, got {}", self.runtime.timeout_seconds));
+            return fail(
+                "runtime",
+                "timeout_seconds",
+                format!(
+                    "must be a positive number, got {}",
+                    self.runtime.timeout_seconds
+                ),
+            );
         }
         if self.students.is_empty() {
-            return fail("", "students", "at least one [[students]] block is required".into());
+            return fail(
+                "",
+                "students",
+                "at least one [[students]] block is required".into(),
+            );
         }
         Ok(())
     }
 
     /// The device slots: `devices`, or `[device]`.
     pub fn device_slots(&self) -> Vec<String> {
-        self.devices.clone().unwrap_or_else(|| vec![self.device.clone()])
+        self.devices
+            .clone()
+            .unwrap_or_else(|| vec![self.device.clone()])
     }
 
     /// The runtime settings as the runtime takes them.
@@ -301,9 +365,16 @@ impl RunConfig {
 /// Turns a TOML parse error into an [`Error::Config`] with line and field.
 fn parse_error(text: &str, path: &Path, error: &toml::de::Error) -> Error {
     let message = error.message().trim().to_string();
-    let line = error.span().map(|span| refine_line(text, line_of(text, span.start), &message));
+    let line = error
+        .span()
+        .map(|span| refine_line(text, line_of(text, span.start), &message));
     let field = line.and_then(|l| field_at_line(text, l));
-    Error::Config { path: path.to_path_buf(), line, field, message }
+    Error::Config {
+        path: path.to_path_buf(),
+        line,
+        field,
+        message,
+    }
 }
 
 /// serde reports errors inside internally tagged tables (the `[[students]]`
@@ -311,7 +382,9 @@ fn parse_error(text: &str, path: &Path, error: &toml::de::Error) -> Error {
 /// that holds the offending key (`unknown field `x``) or value (`unknown
 /// variant `x``), searching forward from `line`.
 fn refine_line(text: &str, line: usize, message: &str) -> usize {
-    let Some(token) = message.split('`').nth(1) else { return line };
+    let Some(token) = message.split('`').nth(1) else {
+        return line;
+    };
     let is_key = message.starts_with("unknown field");
     let is_value = message.starts_with("unknown variant");
     if !is_key && !is_value {
@@ -363,7 +436,11 @@ fn field_at_line(text: &str, line: usize) -> Option<String> {
             if key.is_empty() || key.starts_with('#') {
                 return (!table.is_empty()).then_some(table);
             }
-            return Some(if table.is_empty() { key.to_string() } else { format!("{table}.{key}") });
+            return Some(if table.is_empty() {
+                key.to_string()
+            } else {
+                format!("{table}.{key}")
+            });
         }
     }
     None

@@ -33,13 +33,20 @@ impl DeviceSpec {
             ("cpu", None) => Ok(Self::Cpu),
             ("cuda", index) => Ok(Self::Cuda(index.unwrap_or(0))),
             ("wgpu", index) => Ok(Self::Wgpu(index)),
-            _ => Err(format!("unknown device `{text}`: expected `cpu`, `cuda[:N]` or `wgpu[:N]`")),
+            _ => Err(format!(
+                "unknown device `{text}`: expected `cpu`, `cuda[:N]` or `wgpu[:N]`"
+            )),
         }
     }
 
     /// Checks that this build and this machine can use the device.
     pub fn check_available(&self) -> Result<()> {
-        let unavailable = |message: String| Err(Error::Device { device: self.to_string(), message });
+        let unavailable = |message: String| {
+            Err(Error::Device {
+                device: self.to_string(),
+                message,
+            })
+        };
         match self {
             Self::Cpu => Ok(()),
             Self::Cuda(_) => {
@@ -93,7 +100,10 @@ fn cuda_driver_present() -> bool {
     ] {
         dirs.push(d.into());
     }
-    if dirs.iter().any(|d| d.join("libcuda.so.1").exists() || d.join("libcuda.so").exists()) {
+    if dirs
+        .iter()
+        .any(|d| d.join("libcuda.so.1").exists() || d.join("libcuda.so").exists())
+    {
         return true;
     }
     std::process::Command::new("ldconfig")
@@ -109,10 +119,15 @@ pub fn parse_slots(slots: &[String]) -> std::result::Result<Vec<DeviceSpec>, Str
     if slots.is_empty() {
         return Err("at least one device slot is needed".into());
     }
-    let specs = slots.iter().map(|s| DeviceSpec::parse(s)).collect::<std::result::Result<Vec<_>, _>>()?;
+    let specs = slots
+        .iter()
+        .map(|s| DeviceSpec::parse(s))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let kind = |d: &DeviceSpec| std::mem::discriminant(d);
     if specs.iter().any(|d| kind(d) != kind(&specs[0])) {
-        return Err(format!("device slots {slots:?} mix kinds; one run uses one backend"));
+        return Err(format!(
+            "device slots {slots:?} mix kinds; one run uses one backend"
+        ));
     }
     Ok(specs)
 }

@@ -32,6 +32,7 @@ pub mod error;
 pub mod optim;
 pub mod plan;
 pub mod planner;
+pub mod profile;
 pub mod report;
 pub mod run;
 pub mod runtime;

@@ -61,6 +61,34 @@ enum Command {
         #[arg(long, default_value = "runs/bench")]
         out: PathBuf,
     },
+    /// Measure every block's costs at the batch share of 1..W replicas (the planner's input).
+    Profile {
+        /// The run config (data, teacher, students, batch size, device slots).
+        config: PathBuf,
+        /// Override the config's device slots; W is their number.
+        #[arg(long, value_delimiter = ',')]
+        devices: Option<Vec<String>>,
+        /// Where to write the profile.
+        #[arg(long, default_value = "runs/profile.json")]
+        out: PathBuf,
+    },
+    /// Choose stage cuts and replica counts for W device slots from a profile (AHD).
+    Plan {
+        /// A profile written by `pipebd profile`.
+        profile: PathBuf,
+        /// Number of device slots W to plan for (may exceed the profiled ones).
+        #[arg(long)]
+        devices: usize,
+        /// Memory per device slot in bytes; stages that need more are rejected.
+        #[arg(long)]
+        memory_per_device: Option<u64>,
+        /// How many plans to show, best first.
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+        /// Where to write the chosen plan (TOML, the runtime's `[[stages]]` format).
+        #[arg(long, default_value = "runs/plan.toml")]
+        out: PathBuf,
+    },
     /// Reload the student saved by `pipebd run` and score it on the test set.
     Eval {
         /// The run folder given to `pipebd run --out`.
@@ -111,18 +139,24 @@ fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
         message,
     };
     if let Some(device) = overrides.device {
-        pipe_bd::device::DeviceSpec::parse(&device).map_err(|m| flag_error("--device", "device", m))?;
+        pipe_bd::device::DeviceSpec::parse(&device)
+            .map_err(|m| flag_error("--device", "device", m))?;
         config.devices = None;
         config.device = device;
     }
     if let Some(devices) = overrides.devices {
-        pipe_bd::device::parse_slots(&devices).map_err(|m| flag_error("--devices", "devices", m))?;
+        pipe_bd::device::parse_slots(&devices)
+            .map_err(|m| flag_error("--devices", "devices", m))?;
         config.devices = Some(devices);
     }
     if let Some(schedule) = overrides.schedule {
         if !pipe_bd::plan::SCHEDULES.contains(&schedule.as_str()) {
             let expected = pipe_bd::plan::SCHEDULES.join(", ");
-            return Err(flag_error("--schedule", "schedule", format!("unknown schedule `{schedule}`: expected one of {expected}")));
+            return Err(flag_error(
+                "--schedule",
+                "schedule",
+                format!("unknown schedule `{schedule}`: expected one of {expected}"),
+            ));
         }
         config.schedule = schedule;
     }
@@ -143,17 +177,46 @@ fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
 
 fn execute(command: Command) -> Result<(), Error> {
     match command {
-        Command::Run { config, out, device, devices, schedule, trace, epochs, quiet } => {
-            let config = load_config(&config, Overrides { device, devices, schedule, epochs })?;
+        Command::Run {
+            config,
+            out,
+            device,
+            devices,
+            schedule,
+            trace,
+            epochs,
+            quiet,
+        } => {
+            let config = load_config(
+                &config,
+                Overrides {
+                    device,
+                    devices,
+                    schedule,
+                    epochs,
+                },
+            )?;
             let bar = progress_bar(quiet);
             let mut observer = |p: &Progress| {
                 if let Some(bar) = &bar {
                     let per_phase = p.epochs * p.steps_per_epoch;
                     bar.set_length((p.phases * per_phase) as u64);
-                    bar.set_position((p.phase * per_phase + p.epoch * p.steps_per_epoch + p.step_in_epoch + 1) as u64);
+                    bar.set_position(
+                        (p.phase * per_phase + p.epoch * p.steps_per_epoch + p.step_in_epoch + 1)
+                            as u64,
+                    );
                     let losses: Vec<String> = p.losses.iter().map(|l| format!("{l:.4}")).collect();
-                    let phase = if p.phases > 1 { format!("phase {}/{} ", p.phase + 1, p.phases) } else { String::new() };
-                    bar.set_message(format!("{phase}epoch {}/{} losses [{}]", p.epoch + 1, p.epochs, losses.join(" ")));
+                    let phase = if p.phases > 1 {
+                        format!("phase {}/{} ", p.phase + 1, p.phases)
+                    } else {
+                        String::new()
+                    };
+                    bar.set_message(format!(
+                        "{phase}epoch {}/{} losses [{}]",
+                        p.epoch + 1,
+                        p.epochs,
+                        losses.join(" ")
+                    ));
                 }
             };
             let options = pipe_bd::run::RunOptions { trace };
@@ -161,7 +224,10 @@ fn execute(command: Command) -> Result<(), Error> {
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
-            println!("run `{}`: schedule {} {} on {}", report.name, report.schedule, report.plan, report.device);
+            println!(
+                "run `{}`: schedule {} {} on {}",
+                report.name, report.schedule, report.plan, report.device
+            );
             println!(
                 "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
                 100.0 * report.teacher_accuracy,
@@ -172,7 +238,15 @@ fn execute(command: Command) -> Result<(), Error> {
             for b in &report.blocks {
                 println!(
                     "{:>5}  {:<7}  {:<9} {:>8}/{:<8} {:>9}/{:<9} {:>7.1}x  {:.5}",
-                    b.block, b.teacher, b.student, b.teacher_params, b.params, b.teacher_flops, b.flops, b.flops_reduction, b.final_loss
+                    b.block,
+                    b.teacher,
+                    b.student,
+                    b.teacher_params,
+                    b.params,
+                    b.teacher_flops,
+                    b.flops,
+                    b.flops_reduction,
+                    b.final_loss
                 );
             }
             println!(
@@ -180,18 +254,134 @@ fn execute(command: Command) -> Result<(), Error> {
                 report.steps, report.train_seconds, report.samples_per_second, report.wall_seconds
             );
             for w in &report.workers {
-                println!("worker {} ({}, slot {}): busy {:.0}%", w.worker, w.role, w.slot, 100.0 * w.busy_fraction);
+                println!(
+                    "worker {} ({}, slot {}): busy {:.0}%",
+                    w.worker,
+                    w.role,
+                    w.slot,
+                    100.0 * w.busy_fraction
+                );
             }
             let trace_note = if trace { ", trace.json" } else { "" };
-            println!("wrote {}/report.json, metrics.csv, student/{trace_note}", out.display());
+            println!(
+                "wrote {}/report.json, metrics.csv, student/{trace_note}",
+                out.display()
+            );
             Ok(())
         }
-        Command::Bench { config, schedules, devices, out } => {
-            let config = load_config(&config, Overrides { devices, ..Default::default() })?;
+        Command::Bench {
+            config,
+            schedules,
+            devices,
+            out,
+        } => {
+            let config = load_config(
+                &config,
+                Overrides {
+                    devices,
+                    ..Default::default()
+                },
+            )?;
             let mut say = |line: &str| eprintln!("bench: {line}");
             let report = pipe_bd::bench::bench(&config, &schedules, &out, &mut say)?;
             print_bench(&report);
             println!("wrote {}/bench.json and bench.csv", out.display());
+            Ok(())
+        }
+        Command::Profile {
+            config,
+            devices,
+            out,
+        } => {
+            let config = load_config(
+                &config,
+                Overrides {
+                    devices,
+                    ..Default::default()
+                },
+            )?;
+            let slots = config.device_slots().len();
+            let mut say = |line: &str| eprintln!("profile: {line}");
+            let profile = pipe_bd::profile::profile(&config, slots, &out, &mut say)?;
+            println!("block  g  batch  teacher fwd (ms)  student step (ms)  grad avg (ms)  input (ms)  peak MiB");
+            let ms = |t: &Option<pipe_bd::profile::Timing>| {
+                t.map_or("infeasible".to_string(), |t| {
+                    format!("{:.2} ±{:.0}%", 1e3 * t.median, 100.0 * t.spread)
+                })
+            };
+            for (k, row) in profile.entries.iter().enumerate() {
+                for e in row {
+                    println!(
+                        "{:>5} {:>2} {:>6}  {:>16}  {:>17}  {:>13}  {:>10}  {:>8}",
+                        k + 1,
+                        e.replicas,
+                        e.batch,
+                        ms(&e.teacher_forward),
+                        ms(&e.student_step),
+                        ms(&e.gradient_average),
+                        ms(&e.input_transfer),
+                        e.peak_memory_bytes
+                            .map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
+                    );
+                }
+            }
+            println!("wrote {}", out.display());
+            Ok(())
+        }
+        Command::Plan {
+            profile,
+            devices,
+            memory_per_device,
+            top,
+            out,
+        } => {
+            let profile = pipe_bd::profile::Profile::read(&profile)?;
+            let table = profile.cost_table(devices);
+            let start = std::time::Instant::now();
+            let plans = pipe_bd::planner::plan(&table, devices, memory_per_device, top.max(1));
+            let seconds = start.elapsed().as_secs_f64();
+            let Some(best) = plans.first() else {
+                return Err(Error::Plan {
+                    plan: "auto".into(),
+                    message: format!("no plan of the {} blocks on {devices} slots fits (memory limit {memory_per_device:?})", table.blocks()),
+                });
+            };
+            println!(
+                "{} blocks on {devices} slots (searched in {:.3} ms):",
+                table.blocks(),
+                1e3 * seconds
+            );
+            for (i, c) in plans.iter().enumerate() {
+                let mark = if i == 0 { "chosen" } else { "      " };
+                println!(
+                    "{mark} {:<40} predicted {:.2} ms per step",
+                    c.describe(),
+                    1e3 * c.step_seconds
+                );
+            }
+            let mut text = format!(
+                "# Written by `pipebd plan`: {} blocks on {devices} device slots, predicted {:.2} ms per step.\n# Use it in a run config with {devices} entries in `devices`.\nschedule = \"hybrid\"\n",
+                table.blocks(),
+                1e3 * best.step_seconds
+            );
+            for stage in &best.stages {
+                let blocks: Vec<String> =
+                    stage.blocks.clone().map(|k| (k + 1).to_string()).collect();
+                text.push_str(&format!(
+                    "\n[[stages]]\nblocks = [{}]\nreplicas = {}\n",
+                    blocks.join(", "),
+                    stage.replicas
+                ));
+            }
+            if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+                    action: "creating directory",
+                    path: dir.to_path_buf(),
+                    source: e,
+                })?;
+            }
+            pipe_bd::report::write_atomic(&out, text.as_bytes())?;
+            println!("wrote {}", out.display());
             Ok(())
         }
         Command::Eval { run_dir } => {
@@ -228,14 +418,30 @@ fn print_bench(report: &pipe_bd::bench::BenchReport) {
         report.batch_size,
         report.steps
     );
-    println!("single-device costs per step (ms): data {:.1}", 1e3 * report.data_load);
+    println!(
+        "single-device costs per step (ms): data {:.1}",
+        1e3 * report.data_load
+    );
     for c in &report.block_costs {
-        println!("  block {}: teacher forward {:.1}, student step {:.1}", c.block, 1e3 * c.teacher_forward, 1e3 * c.student_step);
+        println!(
+            "  block {}: teacher forward {:.1}, student step {:.1}",
+            c.block,
+            1e3 * c.teacher_forward,
+            1e3 * c.student_step
+        );
     }
     println!("ideal (one slot): {:.2} s", report.ideal_seconds);
     println!(
         "{:<8} {:<34} {:>8} {:>10} {:>9} {:>9} {:>7} {:>11} {:>9}",
-        "schedule", "plan", "seconds", "samples/s", "speedup", "predicted", "effic.", "max idle", "peak MiB"
+        "schedule",
+        "plan",
+        "seconds",
+        "samples/s",
+        "speedup",
+        "predicted",
+        "effic.",
+        "max idle",
+        "peak MiB"
     );
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}x"));
     for r in &report.rows {
@@ -250,7 +456,8 @@ fn print_bench(report: &pipe_bd::bench::BenchReport) {
             opt(r.predicted_speedup_over_dp),
             100.0 * r.pipeline_efficiency,
             100.0 * idle,
-            r.peak_rss_bytes.map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0))
+            r.peak_rss_bytes
+                .map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0))
         );
     }
 }
@@ -261,8 +468,10 @@ fn progress_bar(quiet: bool) -> Option<ProgressBar> {
     }
     let bar = ProgressBar::new(0);
     bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps (eta {eta}) {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30}] {pos}/{len} steps (eta {eta}) {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     Some(bar)
 }

@@ -16,13 +16,15 @@ use crate::block::{BlockSpec, Students};
 use crate::config::RunConfig;
 use crate::data::{ImageDataset, Split};
 use crate::device::{parse_slots, DeviceSpec};
+use crate::error::{Error, Result};
 use crate::plan::{flops_cost, Plan};
+use crate::report::{write_metrics, BlockReport, RunReport};
 use crate::runtime::train_plan;
 use crate::trace::write_chrome_trace;
-use crate::error::{Error, Result};
-use crate::report::{write_metrics, BlockReport, RunReport};
 use crate::train::{accuracy, inference_blocks, Progress};
-use crate::zoo::{build_students, build_teacher, init_student_blocks, student_specs, teacher_specs};
+use crate::zoo::{
+    build_students, build_teacher, init_student_blocks, student_specs, teacher_specs,
+};
 
 /// Test images per evaluation chunk.
 const EVAL_CHUNK: usize = 1000;
@@ -32,7 +34,10 @@ const EVAL_CHUNK: usize = 1000;
 /// the plan.
 pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Plan)> {
     let slots = config.device_slots();
-    let devices = parse_slots(&slots).map_err(|message| Error::Device { device: slots.join(","), message })?;
+    let devices = parse_slots(&slots).map_err(|message| Error::Device {
+        device: slots.join(","),
+        message,
+    })?;
     for device in &devices {
         device.check_available()?;
     }
@@ -43,10 +48,24 @@ pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Plan)> {
 }
 
 /// The plan a config asks for, over `slots` device slots.
-pub fn plan_for(config: &RunConfig, teacher: &[BlockSpec], students: &[BlockSpec], slots: usize) -> Result<Plan> {
+pub fn plan_for(
+    config: &RunConfig,
+    teacher: &[BlockSpec],
+    students: &[BlockSpec],
+    slots: usize,
+) -> Result<Plan> {
     let cost = flops_cost(teacher, students);
-    Plan::named(&config.schedule, teacher.len(), slots, &cost, &config.stages)
-        .map_err(|e| Error::Plan { plan: config.schedule.clone(), message: e.0 })
+    Plan::named(
+        &config.schedule,
+        teacher.len(),
+        slots,
+        &cost,
+        &config.stages,
+    )
+    .map_err(|e| Error::Plan {
+        plan: config.schedule.clone(),
+        message: e.0,
+    })
 }
 
 /// Options of a run that are not part of its config.
@@ -68,7 +87,16 @@ pub fn run(
 ) -> Result<RunReport> {
     let (devices, plan) = preflight(config)?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    dispatch(&devices, Job { config, plan: &plan, out_dir, options, observer })
+    dispatch(
+        &devices,
+        Job {
+            config,
+            plan: &plan,
+            out_dir,
+            options,
+            observer,
+        },
+    )
 }
 
 /// Work that runs on whichever burn backend the device slots name.
@@ -81,9 +109,17 @@ pub trait BackendJob {
 
 /// Picks the burn backend for `devices` (all of one kind) and runs `job` on it.
 pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Output> {
-    let first = *devices.first().ok_or_else(|| Error::Device { device: String::new(), message: "no device slots".into() })?;
+    let first = *devices.first().ok_or_else(|| Error::Device {
+        device: String::new(),
+        message: "no device slots".into(),
+    })?;
     match first {
-        DeviceSpec::Cpu => job.run::<burn::backend::Autodiff<burn::backend::Flex>>(&vec![Default::default(); devices.len()]),
+        DeviceSpec::Cpu => {
+            job.run::<burn::backend::Autodiff<burn::backend::Flex>>(&vec![
+                Default::default();
+                devices.len()
+            ])
+        }
         #[cfg(feature = "cuda")]
         DeviceSpec::Cuda(_) => {
             let slots: Vec<_> = devices
@@ -107,7 +143,10 @@ pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Outp
             job.run::<burn::backend::Autodiff<burn::backend::Wgpu>>(&slots)
         }
         #[allow(unreachable_patterns)]
-        other => Err(Error::Device { device: other.to_string(), message: "not compiled in".into() }),
+        other => Err(Error::Device {
+            device: other.to_string(),
+            message: "not compiled in".into(),
+        }),
     }
 }
 
@@ -134,7 +173,8 @@ impl BackendJob for Job<'_> {
         let config = self.config;
         let start = Instant::now();
         let device = &devices[0];
-        let train = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+        let train =
+            ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
         let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
         let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
         let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
@@ -192,7 +232,12 @@ impl BackendJob for Job<'_> {
     }
 }
 
-fn block_report(k: usize, teacher: &BlockSpec, student: &BlockSpec, final_loss: f32) -> BlockReport {
+fn block_report(
+    k: usize,
+    teacher: &BlockSpec,
+    student: &BlockSpec,
+    final_loss: f32,
+) -> BlockReport {
     BlockReport {
         block: k + 1,
         teacher: teacher.name.clone(),
@@ -218,7 +263,10 @@ fn recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
 }
 
 /// Saves every trained student block (inference copy) as a burn record.
-pub fn save_students<B: AutodiffBackend>(run_dir: &Path, students: &Students<B, StudentBlock<B>>) -> Result<()> {
+pub fn save_students<B: AutodiffBackend>(
+    run_dir: &Path,
+    students: &Students<B, StudentBlock<B>>,
+) -> Result<()> {
     let dir = run_dir.join("student");
     std::fs::create_dir_all(&dir).map_err(|e| Error::io("creating directory", &dir, e))?;
     for (k, block) in students.blocks.iter().enumerate() {
@@ -227,7 +275,10 @@ pub fn save_students<B: AutodiffBackend>(run_dir: &Path, students: &Students<B, 
         block
             .valid()
             .save_file(path.with_extension(""), &recorder())
-            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+            .map_err(|e| Error::Record {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
     }
     Ok(())
 }
@@ -257,15 +308,25 @@ pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
     for (k, block) in blocks.into_iter().enumerate() {
         let path = student_record_path(run_dir, k);
         if !path.is_file() {
-            return Err(Error::Record { path, message: "missing: was this run folder written by `pipebd run`?".into() });
+            return Err(Error::Record {
+                path,
+                message: "missing: was this run folder written by `pipebd run`?".into(),
+            });
         }
         let block = block
             .load_file(path.with_extension(""), &recorder(), &device)
-            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+            .map_err(|e| Error::Record {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
         loaded.push(block);
     }
     let student_accuracy = accuracy::<B, _>(&loaded, &test, &device, EVAL_CHUNK)?;
-    Ok(EvalResult { student_accuracy, recorded_accuracy: report.student_accuracy, test_samples: test.len() })
+    Ok(EvalResult {
+        student_accuracy,
+        recorded_accuracy: report.student_accuracy,
+        test_samples: test.len(),
+    })
 }
 
 /// Scores the configured teacher on the test split (on the CPU).
@@ -274,5 +335,8 @@ pub fn eval_teacher(config: &RunConfig) -> Result<(f64, usize)> {
     let device = Default::default();
     let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
     let teacher = build_teacher::<B>(&config.teacher, &device)?;
-    Ok((accuracy(&teacher.blocks, &test, &device, EVAL_CHUNK)?, test.len()))
+    Ok((
+        accuracy(&teacher.blocks, &test, &device, EVAL_CHUNK)?,
+        test.len(),
+    ))
 }

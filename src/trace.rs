@@ -61,7 +61,13 @@ impl SpanKind {
 
     /// True for waiting, false for work.
     pub fn is_idle(self) -> bool {
-        matches!(self, SpanKind::SendWait | SpanKind::RecvWait | SpanKind::BarrierWait | SpanKind::GradientAverage)
+        matches!(
+            self,
+            SpanKind::SendWait
+                | SpanKind::RecvWait
+                | SpanKind::BarrierWait
+                | SpanKind::GradientAverage
+        )
     }
 }
 
@@ -92,7 +98,11 @@ pub struct SpanRecorder {
 impl SpanRecorder {
     /// A recorder for `worker`, timing from `origin`.
     pub fn new(worker: usize, origin: Instant) -> Self {
-        Self { worker, origin, spans: Vec::new() }
+        Self {
+            worker,
+            origin,
+            spans: Vec::new(),
+        }
     }
 
     /// Runs `f` and records it as a span.
@@ -107,7 +117,13 @@ impl SpanRecorder {
     pub fn record(&mut self, kind: SpanKind, block: Option<usize>, start: Instant) {
         let start_us = start.duration_since(self.origin).as_micros() as u64;
         let duration_us = start.elapsed().as_micros() as u64;
-        self.spans.push(Span { worker: self.worker, kind, block, start_us, duration_us });
+        self.spans.push(Span {
+            worker: self.worker,
+            kind,
+            block,
+            start_us,
+            duration_us,
+        });
     }
 }
 
@@ -133,7 +149,13 @@ pub struct WorkerSummary {
 }
 
 /// Summarises one worker's spans.
-pub fn summarise(worker: usize, role: String, slot: usize, spans: &[Span], wall_seconds: f64) -> WorkerSummary {
+pub fn summarise(
+    worker: usize,
+    role: String,
+    slot: usize,
+    spans: &[Span],
+    wall_seconds: f64,
+) -> WorkerSummary {
     let (mut busy, mut idle) = (0u64, 0u64);
     for s in spans.iter().filter(|s| s.worker == worker) {
         if s.kind.is_idle() {
@@ -203,7 +225,11 @@ pub fn write_chrome_trace(path: &Path, spans: &[Span], roles: &[String]) -> Resu
             args: s.block.map(|b| serde_json::json!({ "block": b })),
         });
     }
-    let json = serde_json::to_vec(&serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }))
-        .map_err(|e| crate::Error::Data { path: path.to_path_buf(), message: e.to_string() })?;
+    let json =
+        serde_json::to_vec(&serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }))
+            .map_err(|e| crate::Error::Data {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
     write_atomic(path, &json)
 }

@@ -1,0 +1,405 @@
+//! `pipebd profile`: what each block costs on one device slot, at the batch
+//! share of every replica count g = 1..W; the input of the AHD planner.
+//!
+//! Per block and g (batch `B / g`): teacher forward, student forward +
+//! backward + step, the extra time of summing g replicas' gradients, the
+//! time to hand the block's input activation to another worker thread, and
+//! the peak resident memory of the student step. Each time is the median of
+//! several repeats after a warm-up, with its spread. A measurement that
+//! fails (out of memory, a kernel error, a panic) marks the entry
+//! infeasible instead of aborting the profile.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+use serde::{Deserialize, Serialize};
+
+use crate::block::{Activation, Block};
+use crate::config::RunConfig;
+use crate::data::{epoch_order, ImageDataset, Split};
+use crate::error::{Error, Result};
+use crate::planner::CostTable;
+use crate::report::write_atomic;
+use crate::run::{dispatch, preflight, BackendJob};
+use crate::train::{detached_copy, BlockTrainer};
+use crate::zoo::{build_students, build_teacher};
+
+/// Median and spread of repeated timings, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    /// Median seconds.
+    pub median: f64,
+    /// `(max - min) / median` over the repeats.
+    pub spread: f64,
+    /// Repeats measured (after the warm-up).
+    pub repeats: usize,
+}
+
+impl Timing {
+    fn of(mut seconds: Vec<f64>) -> Option<Self> {
+        if seconds.is_empty() {
+            return None;
+        }
+        seconds.sort_by(f64::total_cmp);
+        let median = seconds[seconds.len() / 2];
+        let spread = (seconds[seconds.len() - 1] - seconds[0]) / median.max(1e-12);
+        Some(Self {
+            median,
+            spread,
+            repeats: seconds.len(),
+        })
+    }
+}
+
+/// One block at one replica count.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Replicas g (each runs `batch / g` samples).
+    pub replicas: usize,
+    /// Samples per replica.
+    pub batch: usize,
+    /// Teacher forward.
+    pub teacher_forward: Option<Timing>,
+    /// Student forward + backward + optimizer step.
+    pub student_step: Option<Timing>,
+    /// Extra time of a step that sums g replicas' gradients (0 for g = 1).
+    pub gradient_average: Option<Timing>,
+    /// Handing the block's input to another worker thread (the data load for block 1).
+    pub input_transfer: Option<Timing>,
+    /// Peak resident memory growth during the student step, bytes.
+    pub peak_memory_bytes: Option<u64>,
+    /// Why the entry is infeasible, if it is.
+    pub error: Option<String>,
+}
+
+/// A whole profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// Config name.
+    pub name: String,
+    /// The device the costs were measured on.
+    pub device: String,
+    /// Global batch size.
+    pub batch_size: usize,
+    /// Largest replica count measured.
+    pub max_replicas: usize,
+    /// `entries[k][g - 1]`.
+    pub entries: Vec<Vec<Entry>>,
+}
+
+/// Repeats measured per entry, after one warm-up run.
+const REPEATS: usize = 5;
+
+/// Measures the config's blocks for g = 1..=`max_replicas` and writes the
+/// profile as JSON to `out`.
+pub fn profile(
+    config: &RunConfig,
+    max_replicas: usize,
+    out: &Path,
+    say: &mut dyn FnMut(&str),
+) -> Result<Profile> {
+    let (devices, _) = preflight(config)?;
+    if max_replicas == 0 || max_replicas > config.train.batch_size {
+        return Err(Error::Config {
+            path: "--devices".into(),
+            line: None,
+            field: Some("devices".into()),
+            message: format!(
+                "profile needs 1 to batch size ({}) replicas, got {max_replicas}",
+                config.train.batch_size
+            ),
+        });
+    }
+    // Measure under the runtime's conditions: each of W workers gets its
+    // share of the cores (`runtime.threads_per_worker`, 0 = cores / W).
+    let threads = match config.runtime.threads_per_worker {
+        0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / devices.len()).max(1),
+        n => n,
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| Error::Device {
+            device: config.device_slots().join(","),
+            message: e.to_string(),
+        })?;
+    let profile = dispatch(
+        &devices[..1],
+        ProfileJob {
+            config,
+            max_replicas,
+            say,
+            pool,
+        },
+    )?;
+    let json = serde_json::to_string_pretty(&profile).map_err(|e| Error::Data {
+        path: out.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("creating directory", dir, e))?;
+    }
+    write_atomic(out, json.as_bytes())?;
+    Ok(profile)
+}
+
+impl Profile {
+    /// Reads a profile written by [`profile`].
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io("reading", path, e))?;
+        serde_json::from_str(&text).map_err(|e| Error::Data {
+            path: path.to_path_buf(),
+            message: format!("not a pipebd profile: {e}"),
+        })
+    }
+
+    /// The planner's cost table for up to `slots` replicas. Replica counts
+    /// beyond the measured ones are extrapolated from the largest measured
+    /// g: work and transfers shrink linearly with the batch share, gradient
+    /// averaging grows linearly with g - 1.
+    pub fn cost_table(&self, slots: usize) -> CostTable {
+        let mut table = CostTable {
+            teacher_forward: Vec::new(),
+            student_step: Vec::new(),
+            gradient_average: Vec::new(),
+            input_transfer: Vec::new(),
+            memory: Vec::new(),
+        };
+        for row in &self.entries {
+            let (mut t, mut s, mut a, mut x, mut m) = (vec![], vec![], vec![], vec![], vec![]);
+            for g in 1..=slots {
+                let (entry, scale) = match row.get(g - 1) {
+                    Some(e) => (e, 1.0),
+                    None => {
+                        let last = &row[row.len() - 1];
+                        (last, last.replicas as f64 / g as f64)
+                    }
+                };
+                let median = |timing: &Option<Timing>| timing.map(|t| t.median * scale);
+                t.push(median(&entry.teacher_forward));
+                s.push(median(&entry.student_step));
+                let average = entry.gradient_average.map_or(0.0, |t| t.median);
+                let measured_g = entry.replicas.max(1);
+                a.push(if g == 1 || measured_g == 1 {
+                    0.0
+                } else {
+                    average * (g - 1) as f64 / (measured_g - 1) as f64
+                });
+                x.push(median(&entry.input_transfer).unwrap_or(0.0));
+                m.push(entry.peak_memory_bytes.map(|b| (b as f64 * scale) as u64));
+            }
+            table.teacher_forward.push(t);
+            table.student_step.push(s);
+            table.gradient_average.push(a);
+            table.input_transfer.push(x);
+            table.memory.push(m);
+        }
+        table
+    }
+}
+
+fn resident_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// Runs `f` once to warm up, then [`REPEATS`] times; a panic or error makes
+/// the timing infeasible, with the reason.
+fn time_repeated(mut f: impl FnMut() -> Result<()>) -> std::result::Result<Timing, String> {
+    let mut seconds = Vec::with_capacity(REPEATS);
+    for i in 0..=REPEATS {
+        let start = Instant::now();
+        match catch_unwind(AssertUnwindSafe(&mut f)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e.to_string()),
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "panic".into());
+                return Err(format!("panicked: {message}"));
+            }
+        }
+        if i > 0 {
+            seconds.push(start.elapsed().as_secs_f64());
+        }
+    }
+    Timing::of(seconds).ok_or_else(|| "no repeats".into())
+}
+
+struct ProfileJob<'a> {
+    config: &'a RunConfig,
+    max_replicas: usize,
+    say: &'a mut dyn FnMut(&str),
+    pool: rayon::ThreadPool,
+}
+
+impl BackendJob for ProfileJob<'_> {
+    type Output = Profile;
+
+    fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<Profile> {
+        let config = self.config;
+        let device = &devices[0];
+        let data =
+            ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+        let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
+        let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
+        let batch = config.train.batch_size;
+        let order = epoch_order(data.len(), config.seed, 0);
+        let blocks = teacher.blocks.len();
+        let mut entries: Vec<Vec<Entry>> = vec![Vec::new(); blocks];
+        for g in 1..=self.max_replicas {
+            let share = batch / g;
+            (self.say)(&format!("replicas {g}: batch share {share}"));
+            let row = self.pool.install(|| -> Result<Vec<Entry>> {
+                let mut row = Vec::with_capacity(blocks);
+                let indices = &order[..share.min(order.len())];
+                let mut x = Activation::Maps(data.images::<B::InnerBackend>(indices, device));
+                let load = time_repeated(|| {
+                    let _ = data.images::<B::InnerBackend>(indices, device).into_data();
+                    Ok(())
+                });
+                for k in 0..blocks {
+                    let input = x.clone();
+                    let teacher_forward = time_repeated(|| {
+                        let y = teacher.blocks[k].forward(input.clone())?;
+                        sync(y);
+                        Ok(())
+                    });
+                    let y = teacher.blocks[k].forward(input.clone())?;
+                    let mut trainer = BlockTrainer::new(
+                        k,
+                        students.specs[k].clone(),
+                        detached_copy(&students.blocks[k]),
+                        &config.optimizer,
+                        usize::MAX / 2,
+                    );
+                    let before = resident_bytes("VmRSS:");
+                    let _ = std::fs::write("/proc/self/clear_refs", "5");
+                    let student_step =
+                        time_repeated(|| trainer.step(input.clone(), y.clone()).map(|_| ()));
+                    let peak = resident_bytes("VmHWM:")
+                        .zip(before)
+                        .map(|(p, b)| p.saturating_sub(b));
+                    let gradient_average = if g == 1 {
+                        Ok(Timing {
+                            median: 0.0,
+                            spread: 0.0,
+                            repeats: 0,
+                        })
+                    } else {
+                        // The extra cost of an update that sums g replicas' gradients.
+                        match (
+                            time_update(&mut trainer, &input, &y, g),
+                            time_update(&mut trainer, &input, &y, 1),
+                        ) {
+                            (Ok(multi), Ok(single)) => Ok(Timing {
+                                median: (multi.median - single.median).max(0.0),
+                                ..multi
+                            }),
+                            (Err(e), _) | (_, Err(e)) => Err(e),
+                        }
+                    };
+                    let input_transfer = if k == 0 {
+                        load.clone()
+                    } else {
+                        handoff_time(&input)
+                    };
+                    let error = [&teacher_forward, &student_step, &gradient_average]
+                        .iter()
+                        .find_map(|r| r.as_ref().err().cloned());
+                    row.push(Entry {
+                        replicas: g,
+                        batch: share,
+                        teacher_forward: teacher_forward.ok(),
+                        student_step: student_step.ok(),
+                        gradient_average: gradient_average.ok(),
+                        input_transfer: input_transfer.ok(),
+                        peak_memory_bytes: peak,
+                        error,
+                    });
+                    x = y;
+                }
+                Ok(row)
+            })?;
+            for (k, entry) in row.into_iter().enumerate() {
+                entries[k].push(entry);
+            }
+        }
+        Ok(Profile {
+            name: config.name.clone(),
+            device: config.device_slots()[0].clone(),
+            batch_size: batch,
+            max_replicas: self.max_replicas,
+            entries,
+        })
+    }
+}
+
+/// Times only the optimizer update of a step that sums `g` gradient sets
+/// (the backward passes that produce them are not timed).
+fn time_update<B: AutodiffBackend, S: crate::block::StudentModule<B>>(
+    trainer: &mut BlockTrainer<B, S>,
+    input: &Activation<B::InnerBackend>,
+    target: &Activation<B::InnerBackend>,
+    g: usize,
+) -> std::result::Result<Timing, String> {
+    let mut seconds = Vec::with_capacity(REPEATS);
+    for i in 0..=REPEATS {
+        let mut grads = Vec::with_capacity(g);
+        for _ in 0..g {
+            let (_, grad) = trainer
+                .compute_grads(input.clone(), target.clone(), 1.0 / g as f32)
+                .map_err(|e| e.to_string())?;
+            grads.push(grad);
+        }
+        let start = Instant::now();
+        trainer.apply(grads, &[0.0]).map_err(|e| e.to_string())?;
+        if i > 0 {
+            seconds.push(start.elapsed().as_secs_f64());
+        }
+    }
+    Timing::of(seconds).ok_or_else(|| "no repeats".into())
+}
+
+/// Waits for a tensor's values (backends may run asynchronously).
+fn sync<B: burn::tensor::backend::Backend>(activation: Activation<B>) {
+    let _ = match activation {
+        Activation::Flat(t) => t.into_data(),
+        Activation::Sequence(t) => t.into_data(),
+        Activation::Maps(t) => t.into_data(),
+    };
+}
+
+/// Time to hand an activation to another thread through a bounded channel
+/// and have it acknowledged there (what a stage boundary costs).
+fn handoff_time<B: burn::tensor::backend::Backend>(
+    activation: &Activation<B>,
+) -> std::result::Result<Timing, String> {
+    let (to_peer, from_here) = crossbeam_channel::bounded::<Activation<B>>(1);
+    let (ack, acked) = crossbeam_channel::bounded::<()>(1);
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            while let Ok(received) = from_here.recv() {
+                drop(received);
+                let _ = ack.send(());
+            }
+        });
+        let timing = time_repeated(|| {
+            to_peer
+                .send(activation.clone())
+                .map_err(|_| Error::Timeout {
+                    message: "profile peer hung up".into(),
+                })?;
+            acked.recv().map_err(|_| Error::Timeout {
+                message: "profile peer hung up".into(),
+            })
+        });
+        drop(to_peer);
+        timing
+    })
+}
