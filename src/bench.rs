@@ -13,14 +13,16 @@ use crate::config::RunConfig;
 use crate::data::{ImageDataset, Split};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
+use crate::planner::CostTable;
+use crate::simulate::simulate;
 use crate::report::write_atomic;
 use crate::run::{dispatch, preflight, BackendJob};
 use crate::runtime::{train_plan, RuntimeOptions};
-use crate::trace::{Span, SpanKind};
+use crate::trace::Span;
 use crate::train::detached_copy;
 use crate::zoo::{build_students, build_teacher};
 
-/// Single-device cost of one block at the full batch, from the `ideal` run.
+/// Single-replica cost of one block at the full batch, from the profile.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BlockCost {
     /// One-based block.
@@ -44,12 +46,19 @@ pub struct BenchRow {
     pub samples_per_second: f64,
     /// Measured speedup over `dp` (when `dp` was benched).
     pub speedup_over_dp: Option<f64>,
-    /// Speedup over `dp` that the single-device block costs predict.
+    /// Speedup over `dp` that the simulator predicts from the profile.
     pub predicted_speedup_over_dp: Option<f64>,
-    /// Predicted seconds per step.
+    /// Speedup over `dp` of the simple cost model: single-replica block costs,
+    /// each phase as slow as its slowest stage, replicas dividing the work.
+    pub cost_model_speedup_over_dp: Option<f64>,
+    /// Predicted seconds per step (simulator).
     pub predicted_step_seconds: f64,
     /// Measured seconds per step.
     pub measured_step_seconds: f64,
+    /// Measured over predicted step time.
+    pub measured_over_predicted: f64,
+    /// Predicted idle fraction of each worker.
+    pub predicted_idle_fractions: Vec<f64>,
     /// Single-device work divided by the slots, over the measured time.
     pub pipeline_efficiency: f64,
     /// Idle fraction of each worker (waiting or untracked time).
@@ -73,8 +82,8 @@ pub struct BenchReport {
     pub steps: usize,
     /// Per-block single-device costs (from the `ideal` run).
     pub block_costs: Vec<BlockCost>,
-    /// Data loading, seconds per step.
-    pub data_load: f64,
+    /// Data loading, seconds per step, at each replica count's batch share.
+    pub data_load: Vec<f64>,
     /// Training time of the `ideal` schedule on one slot.
     pub ideal_seconds: f64,
     /// One row per benched schedule.
@@ -97,14 +106,10 @@ pub fn bench(
         preflight(&c)?;
     }
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    let report = dispatch(
-        &devices,
-        BenchJob {
-            config,
-            schedules,
-            say,
-        },
-    )?;
+    say("profiling every block at the batch share of 1..W replicas");
+    let profile = crate::profile::measure(config, devices.len(), say)?;
+    let costs = profile.cost_table(devices.len());
+    let report = dispatch(&devices, BenchJob { config, schedules, say, costs })?;
     let json = serde_json::to_string_pretty(&report).map_err(|e| Error::Data {
         path: out_dir.join("bench.json"),
         message: e.to_string(),
@@ -137,12 +142,10 @@ fn bench_csv(report: &BenchReport) -> String {
     csv
 }
 
-/// Predicted seconds per step of `plan` from single-device block costs:
-/// each phase takes as long as its slowest stage, and a stage's cost is its
-/// data loading, teacher blocks and student steps, divided among its
-/// replicas. (Barriers, channel capacity and gradient averaging are not
-/// modelled here.)
-pub fn predict_step_seconds(plan: &Plan, costs: &[BlockCost], data_load: f64) -> f64 {
+/// Seconds per step of `plan` in the simple cost model: each phase takes
+/// as long as its slowest stage; a stage's cost is its teacher blocks and
+/// student steps at the full batch, divided among its replicas.
+pub fn cost_model_step_seconds(plan: &Plan, costs: &[BlockCost]) -> f64 {
     plan.phases
         .iter()
         .map(|phase| {
@@ -150,52 +153,14 @@ pub fn predict_step_seconds(plan: &Plan, costs: &[BlockCost], data_load: f64) ->
                 .stages
                 .iter()
                 .map(|stage| {
-                    let teacher: f64 = costs[stage.teacher_start()..stage.blocks.end]
-                        .iter()
-                        .map(|c| c.teacher_forward)
-                        .sum();
-                    let students: f64 = costs[stage.blocks.clone()]
-                        .iter()
-                        .map(|c| c.student_step)
-                        .sum();
-                    let load = if stage.loads_data { data_load } else { 0.0 };
-                    (load + teacher + students) / stage.replicas() as f64
+                    let teacher: f64 =
+                        costs[stage.teacher_start()..stage.blocks.end].iter().map(|c| c.teacher_forward).sum();
+                    let students: f64 = costs[stage.blocks.clone()].iter().map(|c| c.student_step).sum();
+                    (teacher + students) / stage.replicas() as f64
                 })
                 .fold(0.0, f64::max)
         })
         .sum()
-}
-
-/// Mean seconds per step of each block's teacher forward and student step
-/// in `spans`, skipping the first `warmup` steps' worth.
-fn block_costs(
-    spans: &[Span],
-    blocks: usize,
-    steps: usize,
-    warmup: usize,
-) -> (Vec<BlockCost>, f64) {
-    let counted = steps.saturating_sub(warmup).max(1) as f64;
-    let mean = |kind: SpanKind, block: Option<usize>| -> f64 {
-        let matching: Vec<&Span> = spans
-            .iter()
-            .filter(|s| s.kind == kind && s.block == block)
-            .collect();
-        let skip = matching.len().min(warmup);
-        matching[skip..]
-            .iter()
-            .map(|s| s.duration_us as f64 * 1e-6)
-            .sum::<f64>()
-            / counted
-    };
-    let costs = (1..=blocks)
-        .map(|b| BlockCost {
-            block: b,
-            teacher_forward: mean(SpanKind::TeacherForward, Some(b)),
-            student_step: mean(SpanKind::StudentForwardBackward, Some(b))
-                + mean(SpanKind::OptimizerStep, Some(b)),
-        })
-        .collect();
-    (costs, mean(SpanKind::DataLoad, None))
 }
 
 /// Peak resident memory since the last reset, from /proc (Linux only).
@@ -214,6 +179,7 @@ struct BenchJob<'a> {
     config: &'a RunConfig,
     schedules: &'a [String],
     say: &'a mut dyn FnMut(&str),
+    costs: CostTable,
 }
 
 impl BackendJob for BenchJob<'_> {
@@ -264,43 +230,56 @@ impl BackendJob for BenchJob<'_> {
         };
 
         // The single-device reference: teacher once, every block on one slot.
-        let (ideal_seconds, ideal_spans, _, _) = time(&Plan::ideal(blocks), say)?;
-        let (block_costs, data_load) = block_costs(&ideal_spans, blocks, steps, 2);
-        // Stage cuts of `ls`, `tr` and `tr-dpu` balance the measured costs.
-        let measured: Vec<f64> = block_costs
-            .iter()
-            .map(|c| c.teacher_forward + c.student_step)
+        let (ideal_seconds, _, _, _) = time(&Plan::ideal(blocks), say)?;
+        let costs = &self.costs;
+        let block_costs: Vec<BlockCost> = (0..blocks)
+            .map(|k| BlockCost {
+                block: k + 1,
+                teacher_forward: costs.teacher_forward[k][0].unwrap_or(f64::NAN),
+                student_step: costs.student_step[k][0].unwrap_or(f64::NAN),
+            })
             .collect();
+        let data_load: Vec<f64> = costs.input_transfer[0].clone();
+        // Stage cuts of `ls`, `tr` and `tr-dpu` balance the measured costs.
+        let measured: Vec<f64> = block_costs.iter().map(|c| c.teacher_forward + c.student_step).collect();
         let plans = self
             .schedules
             .iter()
             .map(|name| {
-                Plan::named(name, blocks, slots, &measured, &config.stages).map_err(|e| {
-                    Error::Plan {
-                        plan: name.clone(),
-                        message: e.0,
-                    }
+                Plan::named(name, blocks, slots, &measured, &config.stages)
+                    .map_err(|e| Error::Plan { plan: name.clone(), message: e.0 })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let capacity = options.channel_capacity;
+        let predictions = plans
+            .iter()
+            .map(|p| {
+                simulate(p, costs, &data_load, steps, capacity).ok_or_else(|| Error::Plan {
+                    plan: p.name.clone(),
+                    message: "uses a block the profile marks infeasible".into(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let predictions: Vec<f64> = plans
-            .iter()
-            .map(|p| predict_step_seconds(p, &block_costs, data_load))
-            .collect();
         let dp_index = plans.iter().position(|p| p.name == "dp");
+        let cost_model: Vec<f64> = plans.iter().map(|p| cost_model_step_seconds(p, &block_costs)).collect();
 
         let mut rows = Vec::new();
-        for (plan, &predicted) in plans.iter().zip(&predictions) {
+        for ((plan, predicted), modelled) in plans.iter().zip(&predictions).zip(&cost_model) {
             let (seconds, _, idle_fractions, peak_rss_bytes) = time(plan, say)?;
+            let measured_step_seconds = seconds / steps as f64;
             rows.push(BenchRow {
                 schedule: plan.name.clone(),
                 plan: plan.describe(),
                 seconds,
                 samples_per_second: (steps * settings.batch_size) as f64 / seconds,
                 speedup_over_dp: None,
-                predicted_speedup_over_dp: dp_index.map(|i| predictions[i] / predicted),
-                predicted_step_seconds: predicted,
-                measured_step_seconds: seconds / steps as f64,
+                predicted_speedup_over_dp: dp_index
+                    .map(|i| predictions[i].step_seconds / predicted.step_seconds),
+                cost_model_speedup_over_dp: dp_index.map(|i| cost_model[i] / modelled),
+                predicted_step_seconds: predicted.step_seconds,
+                measured_step_seconds,
+                measured_over_predicted: measured_step_seconds / predicted.step_seconds,
+                predicted_idle_fractions: predicted.idle_fractions.clone(),
                 pipeline_efficiency: ideal_seconds / slots as f64 / seconds,
                 idle_fractions,
                 peak_rss_bytes,

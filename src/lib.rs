@@ -35,6 +35,7 @@ pub mod planner;
 pub mod profile;
 pub mod report;
 pub mod run;
+pub mod simulate;
 pub mod runtime;
 pub mod trace;
 pub mod train;

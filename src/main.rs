@@ -418,10 +418,7 @@ fn print_bench(report: &pipe_bd::bench::BenchReport) {
         report.batch_size,
         report.steps
     );
-    println!(
-        "single-device costs per step (ms): data {:.1}",
-        1e3 * report.data_load
-    );
+    println!("profiled costs per step at the full batch, one replica (ms):");
     for c in &report.block_costs {
         println!(
             "  block {}: teacher forward {:.1}, student step {:.1}",
@@ -432,32 +429,28 @@ fn print_bench(report: &pipe_bd::bench::BenchReport) {
     }
     println!("ideal (one slot): {:.2} s", report.ideal_seconds);
     println!(
-        "{:<8} {:<34} {:>8} {:>10} {:>9} {:>9} {:>7} {:>11} {:>9}",
-        "schedule",
-        "plan",
-        "seconds",
-        "samples/s",
-        "speedup",
-        "predicted",
-        "effic.",
-        "max idle",
-        "peak MiB"
+        "{:<8} {:>8} {:>10} {:>8} {:>9} {:>6} {:>9} {:>9} {:>6} {:>7} {:>11} {:>8}  plan",
+        "schedule", "seconds", "samples/s", "speedup", "simulated", "model", "step ms", "sim ms", "ratio", "effic.", "idle/sim", "peak MiB"
     );
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}x"));
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     for r in &report.rows {
-        let idle = r.idle_fractions.iter().copied().fold(0.0, f64::max);
         println!(
-            "{:<8} {:<34} {:>8.2} {:>10.1} {:>9} {:>9} {:>6.0}% {:>10.0}% {:>9}",
+            "{:<8} {:>8.2} {:>10.1} {:>8} {:>9} {:>6} {:>9.1} {:>9.1} {:>6.2} {:>6.0}% {:>4.0}%/{:>3.0}%  {:>8}  {}",
             r.schedule,
-            r.plan,
             r.seconds,
             r.samples_per_second,
             opt(r.speedup_over_dp),
             opt(r.predicted_speedup_over_dp),
+            opt(r.cost_model_speedup_over_dp),
+            1e3 * r.measured_step_seconds,
+            1e3 * r.predicted_step_seconds,
+            r.measured_over_predicted,
             100.0 * r.pipeline_efficiency,
-            100.0 * idle,
-            r.peak_rss_bytes
-                .map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0))
+            100.0 * max(&r.idle_fractions),
+            100.0 * max(&r.predicted_idle_fractions),
+            r.peak_rss_bytes.map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0)),
+            r.plan
         );
     }
 }

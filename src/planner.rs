@@ -28,6 +28,9 @@ pub struct CostTable {
     pub input_transfer: Vec<Vec<f64>>,
     /// Peak bytes a replica needs for block `k` (teacher and student).
     pub memory: Vec<Vec<Option<u64>>>,
+    /// The optimizer-update part of `student_step` (what a barrier delays).
+    #[serde(default)]
+    pub update: Vec<Vec<f64>>,
 }
 
 impl CostTable {
@@ -272,6 +275,7 @@ mod tests {
             gradient_average: vec![],
             input_transfer: vec![],
             memory: vec![],
+            update: vec![],
         };
         for _ in 0..blocks {
             let t: f64 = rng.random_range(0.1..10.0);
@@ -361,6 +365,7 @@ mod tests {
             gradient_average: vec![vec![0.0, 0.1]; 2],
             input_transfer: vec![vec![0.0, 0.0]; 2],
             memory: vec![vec![Some(60), Some(30)]; 2],
+            update: vec![vec![0.0, 0.0]; 2],
         };
         let unlimited = plan(&table, 2, None, 1);
         let limited = plan(&table, 1, Some(100), 1);

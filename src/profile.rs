@@ -10,6 +10,7 @@
 //! infeasible instead of aborting the profile.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::path::Path;
 use std::time::Instant;
 
@@ -66,6 +67,9 @@ pub struct Entry {
     pub student_step: Option<Timing>,
     /// Extra time of a step that sums g replicas' gradients (0 for g = 1).
     pub gradient_average: Option<Timing>,
+    /// The optimizer update alone (part of `student_step`).
+    #[serde(default)]
+    pub optimizer_update: Option<Timing>,
     /// Handing the block's input to another worker thread (the data load for block 1).
     pub input_transfer: Option<Timing>,
     /// Peak resident memory growth during the student step, bytes.
@@ -100,6 +104,23 @@ pub fn profile(
     out: &Path,
     say: &mut dyn FnMut(&str),
 ) -> Result<Profile> {
+    let profile = measure(config, max_replicas, say)?;
+    let json = serde_json::to_string_pretty(&profile)
+        .map_err(|e| Error::Data { path: out.to_path_buf(), message: e.to_string() })?;
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("creating directory", dir, e))?;
+    }
+    write_atomic(out, json.as_bytes())?;
+    Ok(profile)
+}
+
+/// Measures the config's blocks for g = 1..=`max_replicas` on the first
+/// device slot, with each worker's share of the cores.
+pub fn measure(
+    config: &RunConfig,
+    max_replicas: usize,
+    say: &mut dyn FnMut(&str),
+) -> Result<Profile> {
     let (devices, _) = preflight(config)?;
     if max_replicas == 0 || max_replicas > config.train.batch_size {
         return Err(Error::Config {
@@ -115,34 +136,13 @@ pub fn profile(
     // Measure under the runtime's conditions: each of W workers gets its
     // share of the cores (`runtime.threads_per_worker`, 0 = cores / W).
     let threads = match config.runtime.threads_per_worker {
-        0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / devices.len()).max(1),
+        0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / max_replicas).max(1),
         n => n,
     };
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| Error::Device {
-            device: config.device_slots().join(","),
-            message: e.to_string(),
-        })?;
-    let profile = dispatch(
-        &devices[..1],
-        ProfileJob {
-            config,
-            max_replicas,
-            say,
-            pool,
-        },
-    )?;
-    let json = serde_json::to_string_pretty(&profile).map_err(|e| Error::Data {
-        path: out.to_path_buf(),
-        message: e.to_string(),
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| {
+        Error::Device { device: config.device_slots().join(","), message: e.to_string() }
     })?;
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io("creating directory", dir, e))?;
-    }
-    write_atomic(out, json.as_bytes())?;
-    Ok(profile)
+    dispatch(&devices[..1], ProfileJob { config, max_replicas, say, pool, threads })
 }
 
 impl Profile {
@@ -166,9 +166,10 @@ impl Profile {
             gradient_average: Vec::new(),
             input_transfer: Vec::new(),
             memory: Vec::new(),
+            update: Vec::new(),
         };
         for row in &self.entries {
-            let (mut t, mut s, mut a, mut x, mut m) = (vec![], vec![], vec![], vec![], vec![]);
+            let (mut t, mut s, mut a, mut x, mut m, mut u) = (vec![], vec![], vec![], vec![], vec![], vec![]);
             for g in 1..=slots {
                 let (entry, scale) = match row.get(g - 1) {
                     Some(e) => (e, 1.0),
@@ -189,12 +190,14 @@ impl Profile {
                 });
                 x.push(median(&entry.input_transfer).unwrap_or(0.0));
                 m.push(entry.peak_memory_bytes.map(|b| (b as f64 * scale) as u64));
+                u.push(entry.optimizer_update.map_or(0.0, |t| t.median));
             }
             table.teacher_forward.push(t);
             table.student_step.push(s);
             table.gradient_average.push(a);
             table.input_transfer.push(x);
             table.memory.push(m);
+            table.update.push(u);
         }
         table
     }
@@ -236,6 +239,53 @@ struct ProfileJob<'a> {
     max_replicas: usize,
     say: &'a mut dyn FnMut(&str),
     pool: rayon::ThreadPool,
+    threads: usize,
+}
+
+type Measured = (
+    std::result::Result<Timing, String>,
+    std::result::Result<Timing, String>,
+    std::result::Result<Timing, String>,
+    std::result::Result<Timing, String>,
+    Option<u64>,
+);
+
+impl ProfileJob<'_> {
+    /// Teacher forward, student step, optimizer update, gradient averaging
+    /// and peak memory of one block at replica count `g`.
+    fn measure_block<B: AutodiffBackend, T: Block<B::InnerBackend> + Sync, S: crate::block::StudentModule<B>>(
+        &self,
+        g: usize,
+        teacher: &T,
+        trainer: &mut BlockTrainer<B, S>,
+        input: &Activation<B::InnerBackend>,
+        y: &Activation<B::InnerBackend>,
+    ) -> Measured {
+        self.pool.install(|| {
+            let teacher_forward = time_repeated(|| {
+                sync(teacher.forward(input.clone())?);
+                Ok(())
+            });
+            let before = resident_bytes("VmRSS:");
+            let _ = std::fs::write("/proc/self/clear_refs", "5");
+            let student_step = time_repeated(|| trainer.step(input.clone(), y.clone()).map(|_| ()));
+            let peak = resident_bytes("VmHWM:").zip(before).map(|(p, b)| p.saturating_sub(b));
+            let single = time_update(trainer, input, y, 1);
+            let gradient_average = if g == 1 {
+                Ok(Timing { median: 0.0, spread: 0.0, repeats: 0 })
+            } else {
+                // The extra cost of an update that sums g replicas' gradients.
+                match (time_update(trainer, input, y, g), &single) {
+                    (Ok(multi), Ok(single)) => {
+                        Ok(Timing { median: (multi.median - single.median).max(0.0), ..multi })
+                    }
+                    (Err(e), _) => Err(e),
+                    (_, Err(e)) => Err(e.clone()),
+                }
+            };
+            (teacher_forward, student_step, single, gradient_average, peak)
+        })
+    }
 }
 
 impl BackendJob for ProfileJob<'_> {
@@ -255,7 +305,9 @@ impl BackendJob for ProfileJob<'_> {
         for g in 1..=self.max_replicas {
             let share = batch / g;
             (self.say)(&format!("replicas {g}: batch share {share}"));
-            let row = self.pool.install(|| -> Result<Vec<Entry>> {
+            let threads = self.threads;
+            let others = self.max_replicas - 1;
+            let row = (|| -> Result<Vec<Entry>> {
                 let mut row = Vec::with_capacity(blocks);
                 let indices = &order[..share.min(order.len())];
                 let mut x = Activation::Maps(data.images::<B::InnerBackend>(indices, device));
@@ -265,11 +317,6 @@ impl BackendJob for ProfileJob<'_> {
                 });
                 for k in 0..blocks {
                     let input = x.clone();
-                    let teacher_forward = time_repeated(|| {
-                        let y = teacher.blocks[k].forward(input.clone())?;
-                        sync(y);
-                        Ok(())
-                    });
                     let y = teacher.blocks[k].forward(input.clone())?;
                     let mut trainer = BlockTrainer::new(
                         k,
@@ -278,38 +325,43 @@ impl BackendJob for ProfileJob<'_> {
                         &config.optimizer,
                         usize::MAX / 2,
                     );
-                    let before = resident_bytes("VmRSS:");
-                    let _ = std::fs::write("/proc/self/clear_refs", "5");
-                    let student_step =
-                        time_repeated(|| trainer.step(input.clone(), y.clone()).map(|_| ()));
-                    let peak = resident_bytes("VmHWM:")
-                        .zip(before)
-                        .map(|(p, b)| p.saturating_sub(b));
-                    let gradient_average = if g == 1 {
-                        Ok(Timing {
-                            median: 0.0,
-                            spread: 0.0,
-                            repeats: 0,
-                        })
-                    } else {
-                        // The extra cost of an update that sums g replicas' gradients.
-                        match (
-                            time_update(&mut trainer, &input, &y, g),
-                            time_update(&mut trainer, &input, &y, 1),
-                        ) {
-                            (Ok(multi), Ok(single)) => Ok(Timing {
-                                median: (multi.median - single.median).max(0.0),
-                                ..multi
-                            }),
-                            (Err(e), _) | (_, Err(e)) => Err(e),
+                    // The other W - 1 workers are busy too when the runtime runs:
+                    // keep as many threads doing the same block's work meanwhile,
+                    // so that shared caches and memory bandwidth are contended.
+                    let stop = AtomicBool::new(false);
+                    let measured = std::thread::scope(|scope| {
+                        for _ in 0..others {
+                            let (stop, input, y, block) = (&stop, &input, &y, &teacher.blocks[k]);
+                            let module = detached_copy(&students.blocks[k]);
+                            let spec = students.specs[k].clone();
+                            scope.spawn(move || {
+                                let mut other = BlockTrainer::new(k, spec, module, &config.optimizer, usize::MAX / 2);
+                                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                                let mut work = || {
+                                    while !stop.load(Ordering::Relaxed) {
+                                        let busy = block.forward(input.clone()).map(sync);
+                                        if busy.is_err() || other.step(input.clone(), y.clone()).is_err() {
+                                            break;
+                                        }
+                                    }
+                                };
+                                match pool {
+                                    Ok(pool) => pool.install(work),
+                                    Err(_) => work(),
+                                }
+                            });
                         }
-                    };
+                        let measured = self.measure_block(g, &teacher.blocks[k], &mut trainer, &input, &y);
+                        stop.store(true, Ordering::Relaxed);
+                        measured
+                    });
+                    let (teacher_forward, student_step, optimizer_update, gradient_average, peak) = measured;
                     let input_transfer = if k == 0 {
                         load.clone()
                     } else {
                         handoff_time(&input)
                     };
-                    let error = [&teacher_forward, &student_step, &gradient_average]
+                    let error = [&teacher_forward, &student_step, &optimizer_update, &gradient_average]
                         .iter()
                         .find_map(|r| r.as_ref().err().cloned());
                     row.push(Entry {
@@ -318,6 +370,7 @@ impl BackendJob for ProfileJob<'_> {
                         teacher_forward: teacher_forward.ok(),
                         student_step: student_step.ok(),
                         gradient_average: gradient_average.ok(),
+                        optimizer_update: optimizer_update.ok(),
                         input_transfer: input_transfer.ok(),
                         peak_memory_bytes: peak,
                         error,
@@ -325,7 +378,7 @@ impl BackendJob for ProfileJob<'_> {
                     x = y;
                 }
                 Ok(row)
-            })?;
+            })()?;
             for (k, entry) in row.into_iter().enumerate() {
                 entries[k].push(entry);
             }

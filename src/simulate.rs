@@ -1,0 +1,163 @@
+//! Predicts how long a [`Plan`] takes from measured block costs, without
+//! running it: the pipeline fill, bounded channels, replica gradient
+//! averaging and global barriers are modelled step by step.
+//!
+//! Each stage is represented by one of its replicas (they are symmetric).
+//! For step `i` of stage `s`:
+//! - it starts when it finished step `i - 1` and its input is there (the data
+//!   for stages that read it, else the previous stage's send of step `i`);
+//! - it loads data (if it does), runs its teacher blocks, then hands the
+//!   activation on: the send completes once the channel has room, that is,
+//!   once the next stage has taken step `i - capacity`;
+//! - it trains its student blocks (forward, backward, gradient averaging,
+//!   update); with a barrier, every stage finishes step `i` together, when
+//!   the last one gets there.
+//!
+//! Phases (only `dp` has several) run one after another.
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::Plan;
+use crate::planner::CostTable;
+
+/// What the simulator predicts for a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    /// Seconds for all steps of all phases.
+    pub total_seconds: f64,
+    /// `total_seconds / steps`.
+    pub step_seconds: f64,
+    /// Idle fraction of each worker, in the order the runtime numbers them
+    /// (phase by phase, stage by stage, replica by replica).
+    pub idle_fractions: Vec<f64>,
+}
+
+/// Predicts `plan` running `steps` steps with channels of `capacity`, from
+/// `costs` (which must cover every replica count the plan uses) and the
+/// data-loading time `data_load[g - 1]` per step at batch share `B / g`.
+/// Returns `None` if the plan uses an infeasible entry of `costs`.
+pub fn simulate(plan: &Plan, costs: &CostTable, data_load: &[f64], steps: usize, capacity: usize) -> Option<Prediction> {
+    let steps = steps.max(1);
+    let capacity = capacity.max(1);
+    let mut total = 0.0;
+    let mut busy_per_worker: Vec<(f64, f64)> = Vec::new(); // (busy seconds, phase seconds)
+    for phase in &plan.phases {
+        let stages = &phase.stages;
+        let n = stages.len();
+        // Per stage: time before the send (data + teacher) and after it (students).
+        let mut before = Vec::with_capacity(n);
+        let mut after = Vec::with_capacity(n);
+        let mut updates = Vec::with_capacity(n);
+        for stage in stages {
+            let gi = stage.replicas().checked_sub(1)?;
+            let mut head = if stage.loads_data { *data_load.get(gi).unwrap_or(&0.0) } else { 0.0 };
+            if !stage.loads_data {
+                head += *costs.input_transfer.get(stage.blocks.start)?.get(gi)?;
+            }
+            for k in stage.teacher_start()..stage.blocks.end {
+                head += costs.teacher_forward.get(k)?.get(gi).copied()??;
+            }
+            let mut tail = 0.0;
+            let mut update = 0.0;
+            for k in stage.blocks.clone() {
+                tail += costs.student_step.get(k)?.get(gi).copied()??;
+                tail += costs.gradient_average.get(k)?.get(gi).copied()?;
+                update += costs.update.get(k).and_then(|row| row.get(gi)).copied().unwrap_or(0.0);
+            }
+            before.push(head);
+            after.push(tail);
+            updates.push(update.min(tail));
+        }
+        let relays: Vec<bool> = (0..n).map(|s| s + 1 < n && !stages[s + 1].loads_data).collect();
+        let mut start = vec![vec![0.0f64; steps]; n];
+        let mut sent = vec![vec![0.0f64; steps]; n];
+        let mut finish = vec![vec![0.0f64; steps]; n];
+        for i in 0..steps {
+            for s in 0..n {
+                let free = if i > 0 { finish[s][i - 1] } else { 0.0 };
+                let input = if s > 0 && relays[s - 1] { sent[s - 1][i] } else { 0.0 };
+                start[s][i] = free.max(input);
+                let ready = start[s][i] + before[s];
+                // The channel to the next stage holds `capacity` steps.
+                let room = if relays[s] && i >= capacity { start[s + 1][i - capacity] } else { 0.0 };
+                sent[s][i] = ready.max(room);
+                finish[s][i] = sent[s][i] + after[s];
+            }
+            if phase.barrier {
+                // Everyone reaches the barrier before its optimizer updates;
+                // the updates run after the last one arrives.
+                let last = (0..n).map(|s| finish[s][i] - updates[s]).fold(0.0, f64::max);
+                for (s, row) in finish.iter_mut().enumerate() {
+                    row[i] = last + updates[s];
+                }
+            }
+        }
+        let phase_seconds = (0..n).map(|s| finish[s][steps - 1]).fold(0.0, f64::max);
+        total += phase_seconds;
+        for (s, stage) in stages.iter().enumerate() {
+            let busy = steps as f64 * (before[s] + after[s]);
+            for _ in 0..stage.replicas() {
+                busy_per_worker.push((busy, phase_seconds));
+            }
+        }
+    }
+    let idle_fractions =
+        busy_per_worker.iter().map(|(busy, wall)| (1.0 - busy / wall.max(1e-12)).clamp(0.0, 1.0)).collect();
+    Some(Prediction { total_seconds: total, step_seconds: total / steps as f64, idle_fractions })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn uniform(blocks: usize, teacher: f64, student: f64) -> CostTable {
+        let g = 4;
+        CostTable {
+            teacher_forward: vec![(1..=g).map(|r| Some(teacher / r as f64)).collect(); blocks],
+            student_step: vec![(1..=g).map(|r| Some(student / r as f64)).collect(); blocks],
+            gradient_average: vec![vec![0.0; g]; blocks],
+            input_transfer: vec![vec![0.0; g]; blocks],
+            memory: vec![vec![Some(1); g]; blocks],
+            update: vec![vec![0.0; g]; blocks],
+        }
+    }
+
+    #[test]
+    fn a_balanced_pipeline_approaches_its_slowest_stage() {
+        let costs = uniform(4, 1.0, 1.0);
+        let steps = 1000;
+        let ideal = simulate(&Plan::ideal(4), &costs, &[0.0; 4], steps, 2).unwrap();
+        assert!((ideal.step_seconds - 8.0).abs() < 1e-9);
+        let tr = simulate(&Plan::tr(&[1.0; 4], 2, true), &costs, &[0.0; 4], steps, 2).unwrap();
+        // Two stages of 4 s each, plus a fill of one stage's teacher part.
+        assert!((tr.step_seconds - 4.0).abs() < 0.01, "{}", tr.step_seconds);
+        // DP: phase k recomputes k teacher blocks, halved over 2 replicas.
+        let dp = simulate(&Plan::dp(4, 2), &costs, &[0.0; 4], steps, 2).unwrap();
+        let expected = (1..=4).map(|k| (k as f64 + 1.0) / 2.0).sum::<f64>();
+        assert!((dp.step_seconds - expected).abs() < 1e-9, "{} vs {expected}", dp.step_seconds);
+    }
+
+    #[test]
+    fn a_barrier_makes_the_fast_stage_wait_for_the_slow_one() {
+        let costs = uniform(2, 1.0, 3.0);
+        let steps = 200;
+        let decoupled = simulate(&Plan::tr(&[1.0, 1.0], 2, true), &costs, &[0.0; 4], steps, 2).unwrap();
+        let barrier = simulate(&Plan::tr(&[1.0, 1.0], 2, false), &costs, &[0.0; 4], steps, 2).unwrap();
+        // Without the barrier each stage needs 4 s per step; with it, stage 2
+        // cannot start step i before stage 1 sent it (1 s in), so 5 s.
+        assert!((decoupled.step_seconds - 4.0).abs() < 0.05, "{}", decoupled.step_seconds);
+        assert!((barrier.step_seconds - 5.0).abs() < 0.05, "{}", barrier.step_seconds);
+        assert!(barrier.idle_fractions[0] > decoupled.idle_fractions[0]);
+    }
+
+    #[test]
+    fn a_small_channel_throttles_a_fast_producer() {
+        // Stage 1 produces every 1 s, stage 2 consumes every 3 s: with any
+        // capacity the steady state is stage 2's pace, and stage 1 idles.
+        let mut costs = uniform(2, 0.5, 0.5);
+        costs.student_step[1] = vec![Some(2.5); 4];
+        let p = simulate(&Plan::tr(&[1.0, 1.0], 2, true), &costs, &[0.0; 4], 300, 1).unwrap();
+        assert!((p.step_seconds - 3.0).abs() < 0.05, "{}", p.step_seconds);
+        assert!(p.idle_fractions[0] > 0.6, "{:?}", p.idle_fractions);
+    }
+}
