@@ -8,24 +8,12 @@ use pipe_bd::planner::{plan, CostTable};
 fn table(blocks: usize, slots: usize) -> CostTable {
     let cost = |k: usize, g: usize, base: f64| Some(base * (1.0 + (k % 7) as f64) / g as f64);
     CostTable {
-        teacher_forward: (0..blocks)
-            .map(|k| (1..=slots).map(|g| cost(k, g, 1.0)).collect())
-            .collect(),
-        student_step: (0..blocks)
-            .map(|k| (1..=slots).map(|g| cost(k, g, 2.0)).collect())
-            .collect(),
-        gradient_average: (0..blocks)
-            .map(|_| (1..=slots).map(|g| 0.01 * (g - 1) as f64).collect())
-            .collect(),
-        input_transfer: (0..blocks)
-            .map(|_| (1..=slots).map(|g| 0.05 / g as f64).collect())
-            .collect(),
+        teacher_forward: (0..blocks).map(|k| (1..=slots).map(|g| cost(k, g, 1.0)).collect()).collect(),
+        student_step: (0..blocks).map(|k| (1..=slots).map(|g| cost(k, g, 2.0)).collect()).collect(),
+        gradient_average: (0..blocks).map(|_| (1..=slots).map(|g| 0.01 * (g - 1) as f64).collect()).collect(),
+        input_transfer: (0..blocks).map(|_| (1..=slots).map(|g| 0.05 / g as f64).collect()).collect(),
         memory: (0..blocks)
-            .map(|k| {
-                (1..=slots)
-                    .map(|g| Some((100 + k as u64 * 10) / g as u64 + 1))
-                    .collect()
-            })
+            .map(|k| (1..=slots).map(|g| Some((100 + k as u64 * 10) / g as u64 + 1)).collect())
             .collect(),
     }
 }

@@ -14,10 +14,10 @@ use crate::data::{ImageDataset, Split};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::planner::CostTable;
-use crate::simulate::simulate;
 use crate::report::write_atomic;
 use crate::run::{dispatch, preflight, BackendJob};
 use crate::runtime::{train_plan, RuntimeOptions};
+use crate::simulate::simulate;
 use crate::trace::Span;
 use crate::train::detached_copy;
 use crate::zoo::{build_students, build_teacher};
@@ -110,10 +110,8 @@ pub fn bench(
     let profile = crate::profile::measure(config, devices.len(), say)?;
     let costs = profile.cost_table(devices.len());
     let report = dispatch(&devices, BenchJob { config, schedules, say, costs })?;
-    let json = serde_json::to_string_pretty(&report).map_err(|e| Error::Data {
-        path: out_dir.join("bench.json"),
-        message: e.to_string(),
-    })?;
+    let json = serde_json::to_string_pretty(&report)
+        .map_err(|e| Error::Data { path: out_dir.join("bench.json"), message: e.to_string() })?;
     write_atomic(&out_dir.join("bench.json"), json.as_bytes())?;
     write_atomic(&out_dir.join("bench.csv"), bench_csv(&report).as_bytes())?;
     Ok(report)
@@ -153,8 +151,10 @@ pub fn cost_model_step_seconds(plan: &Plan, costs: &[BlockCost]) -> f64 {
                 .stages
                 .iter()
                 .map(|stage| {
-                    let teacher: f64 =
-                        costs[stage.teacher_start()..stage.blocks.end].iter().map(|c| c.teacher_forward).sum();
+                    let teacher: f64 = costs[stage.teacher_start()..stage.blocks.end]
+                        .iter()
+                        .map(|c| c.teacher_forward)
+                        .sum();
                     let students: f64 = costs[stage.blocks.clone()].iter().map(|c| c.student_step).sum();
                     (teacher + students) / stage.replicas() as f64
                 })
@@ -189,8 +189,7 @@ impl BackendJob for BenchJob<'_> {
         let config = self.config;
         let say = self.say;
         let device = &devices[0];
-        let data =
-            ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+        let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
         let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
         let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
         let slots = devices.len();
@@ -199,10 +198,7 @@ impl BackendJob for BenchJob<'_> {
             0 => (cores / slots).max(1),
             n => n,
         };
-        let options = RuntimeOptions {
-            threads_per_worker: threads,
-            ..config.runtime_options()
-        };
+        let options = RuntimeOptions { threads_per_worker: threads, ..config.runtime_options() };
         let settings = config.train_settings();
         let steps = data.len() / settings.batch_size * settings.epochs;
         let blocks = teacher.blocks.len();
@@ -214,16 +210,7 @@ impl BackendJob for BenchJob<'_> {
             reset_peak_rss();
             let start = Instant::now();
             let fresh = copy_students(&students)?;
-            let out = train_plan(
-                plan,
-                &teacher,
-                fresh,
-                &data,
-                &settings,
-                devices,
-                &options,
-                &mut |_| {},
-            )?;
+            let out = train_plan(plan, &teacher, fresh, &data, &settings, devices, &options, &mut |_| {})?;
             let seconds = start.elapsed().as_secs_f64();
             let idle = out.workers.iter().map(|w| w.idle_fraction).collect();
             Ok((seconds, out.spans, idle, peak_rss_bytes()))

@@ -51,10 +51,7 @@ impl<B: Backend> Activation<B> {
             Self::Maps(t) => Ok(t),
             other => Err(Error::Block {
                 block,
-                message: format!(
-                    "expected feature maps [batch, c, h, w], got shape {:?}",
-                    other.dims()
-                ),
+                message: format!("expected feature maps [batch, c, h, w], got shape {:?}", other.dims()),
             }),
         }
     }
@@ -183,11 +180,7 @@ impl<B: Backend, T: Block<B>> Teacher<B, T> {
         if blocks.len() != specs.len() || blocks.is_empty() {
             return Err(Error::Block {
                 block: 0,
-                message: format!(
-                    "teacher has {} blocks but {} specs",
-                    blocks.len(),
-                    specs.len()
-                ),
+                message: format!("teacher has {} blocks but {} specs", blocks.len(), specs.len()),
             });
         }
         for (k, pair) in specs.windows(2).enumerate() {
@@ -200,11 +193,7 @@ impl<B: Backend, T: Block<B>> Teacher<B, T> {
                 });
             }
         }
-        Ok(Self {
-            blocks,
-            specs,
-            _backend: std::marker::PhantomData,
-        })
+        Ok(Self { blocks, specs, _backend: std::marker::PhantomData })
     }
 
     /// Runs the whole teacher; returns every block's output.
@@ -264,11 +253,7 @@ impl<B: AutodiffBackend, S: StudentModule<B>> Students<B, S> {
                 message: format!("{} student modules but {} specs", blocks.len(), specs.len()),
             });
         }
-        Ok(Self {
-            blocks,
-            specs,
-            _backend: std::marker::PhantomData,
-        })
+        Ok(Self { blocks, specs, _backend: std::marker::PhantomData })
     }
 }
 
@@ -279,9 +264,7 @@ pub fn check_block_count(students: usize, teacher: usize) -> Result<()> {
     }
     Err(Error::Block {
         block: students.min(teacher) + 1,
-        message: format!(
-            "the teacher has {teacher} blocks but {students} student blocks are configured"
-        ),
+        message: format!("the teacher has {teacher} blocks but {students} student blocks are configured"),
     })
 }
 
@@ -327,11 +310,7 @@ pub fn block_loss<B: Backend>(
     use pipebd_kernels::loss;
     let mismatch = |s: &Activation<B>, t: &Activation<B>| Error::Block {
         block,
-        message: format!(
-            "student output {:?} and teacher output {:?} differ",
-            s.dims(),
-            t.dims()
-        ),
+        message: format!("student output {:?} and teacher output {:?} differ", s.dims(), t.dims()),
     };
     if student.dims() != teacher.dims() {
         return Err(mismatch(&student, &teacher));
@@ -345,11 +324,7 @@ pub fn block_loss<B: Backend>(
         }
         (kind, s, t) => Err(Error::Block {
             block,
-            message: format!(
-                "loss {kind:?} cannot compare {:?} with {:?}",
-                s.dims(),
-                t.dims()
-            ),
+            message: format!("loss {kind:?} cannot compare {:?} with {:?}", s.dims(), t.dims()),
         }),
     }
 }

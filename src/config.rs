@@ -211,11 +211,7 @@ impl RunConfig {
 
     fn validate(&self, text: &str, path: &Path) -> Result<()> {
         let fail = |table: &str, key: &str, message: String| {
-            let field = if table.is_empty() {
-                key.to_string()
-            } else {
-                format!("{table}.{key}")
-            };
+            let field = if table.is_empty() { key.to_string() } else { format!("{table}.{key}") };
             Err(Error::Config {
                 path: path.to_path_buf(),
                 line: find_key_line(text, table, key),
@@ -233,20 +229,13 @@ impl RunConfig {
             return fail("train", "log_every", "must be at least 1".into());
         }
         if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
-            return fail(
-                "optimizer",
-                "lr",
-                format!("must be a positive number, got {}", self.optimizer.lr),
-            );
+            return fail("optimizer", "lr", format!("must be a positive number, got {}", self.optimizer.lr));
         }
         if !(0.0..=self.optimizer.lr).contains(&self.optimizer.min_lr) {
             return fail(
                 "optimizer",
                 "min_lr",
-                format!(
-                    "must be between 0 and lr ({}), got {}",
-                    self.optimizer.lr, self.optimizer.min_lr
-                ),
+                format!("must be between 0 and lr ({}), got {}", self.optimizer.lr, self.optimizer.min_lr),
             );
         }
         if !(0.0..1.0).contains(&self.optimizer.momentum) {
@@ -274,10 +263,7 @@ impl RunConfig {
             return fail(
                 "teacher",
                 "kind",
-                format!(
-                    "unknown teacher `{}`: expected `mnist-cnn`",
-                    self.teacher.kind
-                ),
+                format!("unknown teacher `{}`: expected `mnist-cnn`", self.teacher.kind),
             );
         }
         if !crate::plan::SCHEDULES.contains(&self.schedule.as_str()) {
@@ -313,27 +299,18 @@ impl RunConfig {
             return fail(
                 "runtime",
                 "timeout_seconds",
-                format!(
-                    "must be a positive number, got {}",
-                    self.runtime.timeout_seconds
-                ),
+                format!("must be a positive number, got {}", self.runtime.timeout_seconds),
             );
         }
         if self.students.is_empty() {
-            return fail(
-                "",
-                "students",
-                "at least one [[students]] block is required".into(),
-            );
+            return fail("", "students", "at least one [[students]] block is required".into());
         }
         Ok(())
     }
 
     /// The device slots: `devices`, or `[device]`.
     pub fn device_slots(&self) -> Vec<String> {
-        self.devices
-            .clone()
-            .unwrap_or_else(|| vec![self.device.clone()])
+        self.devices.clone().unwrap_or_else(|| vec![self.device.clone()])
     }
 
     /// The runtime settings as the runtime takes them.
@@ -365,16 +342,9 @@ impl RunConfig {
 /// Turns a TOML parse error into an [`Error::Config`] with line and field.
 fn parse_error(text: &str, path: &Path, error: &toml::de::Error) -> Error {
     let message = error.message().trim().to_string();
-    let line = error
-        .span()
-        .map(|span| refine_line(text, line_of(text, span.start), &message));
+    let line = error.span().map(|span| refine_line(text, line_of(text, span.start), &message));
     let field = line.and_then(|l| field_at_line(text, l));
-    Error::Config {
-        path: path.to_path_buf(),
-        line,
-        field,
-        message,
-    }
+    Error::Config { path: path.to_path_buf(), line, field, message }
 }
 
 /// serde reports errors inside internally tagged tables (the `[[students]]`
@@ -436,11 +406,7 @@ fn field_at_line(text: &str, line: usize) -> Option<String> {
             if key.is_empty() || key.starts_with('#') {
                 return (!table.is_empty()).then_some(table);
             }
-            return Some(if table.is_empty() {
-                key.to_string()
-            } else {
-                format!("{table}.{key}")
-            });
+            return Some(if table.is_empty() { key.to_string() } else { format!("{table}.{key}") });
         }
     }
     None

@@ -30,19 +30,13 @@ pub struct IdxImages {
 }
 
 fn data_error(path: &Path, message: impl Into<String>) -> Error {
-    Error::Data {
-        path: path.to_path_buf(),
-        message: message.into(),
-    }
+    Error::Data { path: path.to_path_buf(), message: message.into() }
 }
 
 fn read_file(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
-            data_error(
-                path,
-                "not found (run scripts/setup-data.sh, or fix `data.dir` in the config)",
-            )
+            data_error(path, "not found (run scripts/setup-data.sh, or fix `data.dir` in the config)")
         } else {
             Error::io("reading", path, e)
         }
@@ -53,17 +47,10 @@ fn header(path: &Path, bytes: &[u8], words: usize) -> Result<Vec<u32>> {
     if bytes.len() < 4 * words {
         return Err(data_error(
             path,
-            format!(
-                "truncated header: {} bytes, expected at least {}",
-                bytes.len(),
-                4 * words
-            ),
+            format!("truncated header: {} bytes, expected at least {}", bytes.len(), 4 * words),
         ));
     }
-    Ok(bytes[..4 * words]
-        .chunks_exact(4)
-        .map(|w| u32::from_be_bytes([w[0], w[1], w[2], w[3]]))
-        .collect())
+    Ok(bytes[..4 * words].chunks_exact(4).map(|w| u32::from_be_bytes([w[0], w[1], w[2], w[3]])).collect())
 }
 
 fn check_magic(path: &Path, found: u32, expected: u32, what: &str) -> Result<()> {
@@ -78,15 +65,8 @@ fn check_magic(path: &Path, found: u32, expected: u32, what: &str) -> Result<()>
 
 fn check_length(path: &Path, actual: usize, expected: usize) -> Result<()> {
     if actual != expected {
-        let kind = if actual < expected {
-            "truncated"
-        } else {
-            "too long"
-        };
-        return Err(data_error(
-            path,
-            format!("{kind}: {actual} bytes, the header announces {expected}"),
-        ));
+        let kind = if actual < expected { "truncated" } else { "too long" };
+        return Err(data_error(path, format!("{kind}: {actual} bytes, the header announces {expected}")));
     }
     Ok(())
 }
@@ -94,21 +74,11 @@ fn check_length(path: &Path, actual: usize, expected: usize) -> Result<()> {
 /// Reads an uncompressed IDX3 image file (`*-images-idx3-ubyte`).
 pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
     let bytes = read_file(path)?;
-    check_magic(
-        path,
-        header(path, &bytes, 1)?[0],
-        IMAGES_MAGIC,
-        "image (idx3, u8)",
-    )?;
+    check_magic(path, header(path, &bytes, 1)?[0], IMAGES_MAGIC, "image (idx3, u8)")?;
     let h = header(path, &bytes, 4)?;
     let (count, rows, cols) = (h[1] as usize, h[2] as usize, h[3] as usize);
     check_length(path, bytes.len(), 16 + count * rows * cols)?;
-    Ok(IdxImages {
-        count,
-        rows,
-        cols,
-        pixels: bytes[16..].to_vec(),
-    })
+    Ok(IdxImages { count, rows, cols, pixels: bytes[16..].to_vec() })
 }
 
 /// Reads an uncompressed IDX1 label file (`*-labels-idx1-ubyte`).
@@ -116,21 +86,13 @@ pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
 /// Labels must be below `classes`.
 pub fn read_idx_labels(path: &Path, classes: u8) -> Result<Vec<u8>> {
     let bytes = read_file(path)?;
-    check_magic(
-        path,
-        header(path, &bytes, 1)?[0],
-        LABELS_MAGIC,
-        "label (idx1, u8)",
-    )?;
+    check_magic(path, header(path, &bytes, 1)?[0], LABELS_MAGIC, "label (idx1, u8)")?;
     let h = header(path, &bytes, 2)?;
     let count = h[1] as usize;
     check_length(path, bytes.len(), 8 + count)?;
     let labels = bytes[8..].to_vec();
     if let Some((i, bad)) = labels.iter().enumerate().find(|(_, &l)| l >= classes) {
-        return Err(data_error(
-            path,
-            format!("label {bad} at index {i} is not below {classes}"),
-        ));
+        return Err(data_error(path, format!("label {bad} at index {i} is not below {classes}")));
     }
     Ok(labels)
 }
@@ -172,12 +134,7 @@ impl ImageDataset {
         if images.count != labels.len() {
             return Err(data_error(
                 &labels_path,
-                format!(
-                    "{} labels for {} images in {}",
-                    labels.len(),
-                    images.count,
-                    images_path.display()
-                ),
+                format!("{} labels for {} images in {}", labels.len(), images.count, images_path.display()),
             ));
         }
         if let Some(limit) = limit {
@@ -187,12 +144,7 @@ impl ImageDataset {
             labels.truncate(n);
         }
         use pipebd_teachers::mnist_cnn::{PIXEL_MEAN, PIXEL_STD};
-        Ok(Self {
-            images,
-            labels,
-            mean: PIXEL_MEAN,
-            std: PIXEL_STD,
-        })
+        Ok(Self { images, labels, mean: PIXEL_MEAN, std: PIXEL_STD })
     }
 
     /// Number of samples.
@@ -220,10 +172,7 @@ impl ImageDataset {
             let image = &self.images.pixels[i * pixels_per_image..(i + 1) * pixels_per_image];
             values.extend(image.iter().map(|&p| p as f32 * scale - shift));
         }
-        let data = TensorData::new(
-            values,
-            [indices.len(), 1, self.images.rows, self.images.cols],
-        );
+        let data = TensorData::new(values, [indices.len(), 1, self.images.rows, self.images.cols]);
         Tensor::from_data(data, device)
     }
 

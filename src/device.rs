@@ -33,25 +33,20 @@ impl DeviceSpec {
             ("cpu", None) => Ok(Self::Cpu),
             ("cuda", index) => Ok(Self::Cuda(index.unwrap_or(0))),
             ("wgpu", index) => Ok(Self::Wgpu(index)),
-            _ => Err(format!(
-                "unknown device `{text}`: expected `cpu`, `cuda[:N]` or `wgpu[:N]`"
-            )),
+            _ => Err(format!("unknown device `{text}`: expected `cpu`, `cuda[:N]` or `wgpu[:N]`")),
         }
     }
 
     /// Checks that this build and this machine can use the device.
     pub fn check_available(&self) -> Result<()> {
-        let unavailable = |message: String| {
-            Err(Error::Device {
-                device: self.to_string(),
-                message,
-            })
-        };
+        let unavailable = |message: String| Err(Error::Device { device: self.to_string(), message });
         match self {
             Self::Cpu => Ok(()),
             Self::Cuda(_) => {
                 if !cfg!(feature = "cuda") {
-                    return unavailable("this pipebd was built without CUDA support; rebuild with `--features cuda`".into());
+                    return unavailable(
+                        "this pipebd was built without CUDA support; rebuild with `--features cuda`".into(),
+                    );
                 }
                 if !cuda_driver_present() {
                     return unavailable(
@@ -62,7 +57,9 @@ impl DeviceSpec {
             }
             Self::Wgpu(_) => {
                 if !cfg!(feature = "wgpu") {
-                    return unavailable("this pipebd was built without wgpu support; rebuild with `--features wgpu`".into());
+                    return unavailable(
+                        "this pipebd was built without wgpu support; rebuild with `--features wgpu`".into(),
+                    );
                 }
                 Ok(())
             }
@@ -84,9 +81,8 @@ impl fmt::Display for DeviceSpec {
 /// burn 0.21 loads libcuda lazily on a worker thread and panics there when it
 /// is missing, so we look for the library ourselves before touching CUDA.
 fn cuda_driver_present() -> bool {
-    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
-        .map(|v| std::env::split_paths(&v).collect())
-        .unwrap_or_default();
+    let mut dirs: Vec<std::path::PathBuf> =
+        std::env::var_os("LD_LIBRARY_PATH").map(|v| std::env::split_paths(&v).collect()).unwrap_or_default();
     for d in [
         "/usr/lib/x86_64-linux-gnu",
         "/usr/lib64",
@@ -100,10 +96,7 @@ fn cuda_driver_present() -> bool {
     ] {
         dirs.push(d.into());
     }
-    if dirs
-        .iter()
-        .any(|d| d.join("libcuda.so.1").exists() || d.join("libcuda.so").exists())
-    {
+    if dirs.iter().any(|d| d.join("libcuda.so.1").exists() || d.join("libcuda.so").exists()) {
         return true;
     }
     std::process::Command::new("ldconfig")
@@ -119,15 +112,10 @@ pub fn parse_slots(slots: &[String]) -> std::result::Result<Vec<DeviceSpec>, Str
     if slots.is_empty() {
         return Err("at least one device slot is needed".into());
     }
-    let specs = slots
-        .iter()
-        .map(|s| DeviceSpec::parse(s))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let specs = slots.iter().map(|s| DeviceSpec::parse(s)).collect::<std::result::Result<Vec<_>, _>>()?;
     let kind = |d: &DeviceSpec| std::mem::discriminant(d);
     if specs.iter().any(|d| kind(d) != kind(&specs[0])) {
-        return Err(format!(
-            "device slots {slots:?} mix kinds; one run uses one backend"
-        ));
+        return Err(format!("device slots {slots:?} mix kinds; one run uses one backend"));
     }
     Ok(specs)
 }

@@ -37,9 +37,7 @@ pub enum Error {
         source: std::io::Error,
     },
     /// A student block's shapes do not match its teacher block's.
-    #[error(
-        "block {block}: student {what} shape {student:?} does not match the teacher's {teacher:?}"
-    )]
+    #[error("block {block}: student {what} shape {student:?} does not match the teacher's {teacher:?}")]
     ShapeMismatch {
         /// One-based block number.
         block: usize,
@@ -134,16 +132,8 @@ impl Error {
         )
     }
 
-    pub(crate) fn io(
-        action: &'static str,
-        path: impl Into<PathBuf>,
-        source: std::io::Error,
-    ) -> Self {
-        Error::Io {
-            action,
-            path: path.into(),
-            source,
-        }
+    pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { action, path: path.into(), source }
     }
 }
 

@@ -139,14 +139,12 @@ fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
         message,
     };
     if let Some(device) = overrides.device {
-        pipe_bd::device::DeviceSpec::parse(&device)
-            .map_err(|m| flag_error("--device", "device", m))?;
+        pipe_bd::device::DeviceSpec::parse(&device).map_err(|m| flag_error("--device", "device", m))?;
         config.devices = None;
         config.device = device;
     }
     if let Some(devices) = overrides.devices {
-        pipe_bd::device::parse_slots(&devices)
-            .map_err(|m| flag_error("--devices", "devices", m))?;
+        pipe_bd::device::parse_slots(&devices).map_err(|m| flag_error("--devices", "devices", m))?;
         config.devices = Some(devices);
     }
     if let Some(schedule) = overrides.schedule {
@@ -177,33 +175,15 @@ fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
 
 fn execute(command: Command) -> Result<(), Error> {
     match command {
-        Command::Run {
-            config,
-            out,
-            device,
-            devices,
-            schedule,
-            trace,
-            epochs,
-            quiet,
-        } => {
-            let config = load_config(
-                &config,
-                Overrides {
-                    device,
-                    devices,
-                    schedule,
-                    epochs,
-                },
-            )?;
+        Command::Run { config, out, device, devices, schedule, trace, epochs, quiet } => {
+            let config = load_config(&config, Overrides { device, devices, schedule, epochs })?;
             let bar = progress_bar(quiet);
             let mut observer = |p: &Progress| {
                 if let Some(bar) = &bar {
                     let per_phase = p.epochs * p.steps_per_epoch;
                     bar.set_length((p.phases * per_phase) as u64);
                     bar.set_position(
-                        (p.phase * per_phase + p.epoch * p.steps_per_epoch + p.step_in_epoch + 1)
-                            as u64,
+                        (p.phase * per_phase + p.epoch * p.steps_per_epoch + p.step_in_epoch + 1) as u64,
                     );
                     let losses: Vec<String> = p.losses.iter().map(|l| format!("{l:.4}")).collect();
                     let phase = if p.phases > 1 {
@@ -234,7 +214,9 @@ fn execute(command: Command) -> Result<(), Error> {
                 100.0 * report.student_accuracy,
                 report.test_samples
             );
-            println!("block  teacher  student     params (t/s)       FLOPs (t/s)         cheaper  final loss");
+            println!(
+                "block  teacher  student     params (t/s)       FLOPs (t/s)         cheaper  final loss"
+            );
             for b in &report.blocks {
                 println!(
                     "{:>5}  {:<7}  {:<9} {:>8}/{:<8} {:>9}/{:<9} {:>7.1}x  {:.5}",
@@ -263,47 +245,25 @@ fn execute(command: Command) -> Result<(), Error> {
                 );
             }
             let trace_note = if trace { ", trace.json" } else { "" };
-            println!(
-                "wrote {}/report.json, metrics.csv, student/{trace_note}",
-                out.display()
-            );
+            println!("wrote {}/report.json, metrics.csv, student/{trace_note}", out.display());
             Ok(())
         }
-        Command::Bench {
-            config,
-            schedules,
-            devices,
-            out,
-        } => {
-            let config = load_config(
-                &config,
-                Overrides {
-                    devices,
-                    ..Default::default()
-                },
-            )?;
+        Command::Bench { config, schedules, devices, out } => {
+            let config = load_config(&config, Overrides { devices, ..Default::default() })?;
             let mut say = |line: &str| eprintln!("bench: {line}");
             let report = pipe_bd::bench::bench(&config, &schedules, &out, &mut say)?;
             print_bench(&report);
             println!("wrote {}/bench.json and bench.csv", out.display());
             Ok(())
         }
-        Command::Profile {
-            config,
-            devices,
-            out,
-        } => {
-            let config = load_config(
-                &config,
-                Overrides {
-                    devices,
-                    ..Default::default()
-                },
-            )?;
+        Command::Profile { config, devices, out } => {
+            let config = load_config(&config, Overrides { devices, ..Default::default() })?;
             let slots = config.device_slots().len();
             let mut say = |line: &str| eprintln!("profile: {line}");
             let profile = pipe_bd::profile::profile(&config, slots, &out, &mut say)?;
-            println!("block  g  batch  teacher fwd (ms)  student step (ms)  grad avg (ms)  input (ms)  peak MiB");
+            println!(
+                "block  g  batch  teacher fwd (ms)  student step (ms)  grad avg (ms)  input (ms)  peak MiB"
+            );
             let ms = |t: &Option<pipe_bd::profile::Timing>| {
                 t.map_or("infeasible".to_string(), |t| {
                     format!("{:.2} ±{:.0}%", 1e3 * t.median, 100.0 * t.spread)
@@ -320,21 +280,14 @@ fn execute(command: Command) -> Result<(), Error> {
                         ms(&e.student_step),
                         ms(&e.gradient_average),
                         ms(&e.input_transfer),
-                        e.peak_memory_bytes
-                            .map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
+                        e.peak_memory_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
                     );
                 }
             }
             println!("wrote {}", out.display());
             Ok(())
         }
-        Command::Plan {
-            profile,
-            devices,
-            memory_per_device,
-            top,
-            out,
-        } => {
+        Command::Plan { profile, devices, memory_per_device, top, out } => {
             let profile = pipe_bd::profile::Profile::read(&profile)?;
             let table = profile.cost_table(devices);
             let start = std::time::Instant::now();
@@ -346,18 +299,10 @@ fn execute(command: Command) -> Result<(), Error> {
                     message: format!("no plan of the {} blocks on {devices} slots fits (memory limit {memory_per_device:?})", table.blocks()),
                 });
             };
-            println!(
-                "{} blocks on {devices} slots (searched in {:.3} ms):",
-                table.blocks(),
-                1e3 * seconds
-            );
+            println!("{} blocks on {devices} slots (searched in {:.3} ms):", table.blocks(), 1e3 * seconds);
             for (i, c) in plans.iter().enumerate() {
                 let mark = if i == 0 { "chosen" } else { "      " };
-                println!(
-                    "{mark} {:<40} predicted {:.2} ms per step",
-                    c.describe(),
-                    1e3 * c.step_seconds
-                );
+                println!("{mark} {:<40} predicted {:.2} ms per step", c.describe(), 1e3 * c.step_seconds);
             }
             let mut text = format!(
                 "# Written by `pipebd plan`: {} blocks on {devices} device slots, predicted {:.2} ms per step.\n# Use it in a run config with {devices} entries in `devices`.\nschedule = \"hybrid\"\n",
@@ -365,8 +310,7 @@ fn execute(command: Command) -> Result<(), Error> {
                 1e3 * best.step_seconds
             );
             for stage in &best.stages {
-                let blocks: Vec<String> =
-                    stage.blocks.clone().map(|k| (k + 1).to_string()).collect();
+                let blocks: Vec<String> = stage.blocks.clone().map(|k| (k + 1).to_string()).collect();
                 text.push_str(&format!(
                     "\n[[stages]]\nblocks = [{}]\nreplicas = {}\n",
                     blocks.join(", "),
@@ -430,7 +374,18 @@ fn print_bench(report: &pipe_bd::bench::BenchReport) {
     println!("ideal (one slot): {:.2} s", report.ideal_seconds);
     println!(
         "{:<8} {:>8} {:>10} {:>8} {:>9} {:>6} {:>9} {:>9} {:>6} {:>7} {:>11} {:>8}  plan",
-        "schedule", "seconds", "samples/s", "speedup", "simulated", "model", "step ms", "sim ms", "ratio", "effic.", "idle/sim", "peak MiB"
+        "schedule",
+        "seconds",
+        "samples/s",
+        "speedup",
+        "simulated",
+        "model",
+        "step ms",
+        "sim ms",
+        "ratio",
+        "effic.",
+        "idle/sim",
+        "peak MiB"
     );
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}x"));
     let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
@@ -461,10 +416,8 @@ fn progress_bar(quiet: bool) -> Option<ProgressBar> {
     }
     let bar = ProgressBar::new(0);
     bar.set_style(
-        ProgressStyle::with_template(
-            "{elapsed_precise} [{bar:30}] {pos}/{len} steps (eta {eta}) {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps (eta {eta}) {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     Some(bar)
 }

@@ -4,9 +4,7 @@ use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{
-    Adam, AdamConfig, GradientsParams, MultiGradientsParams, Optimizer, Sgd, SgdConfig,
-};
+use burn::optim::{Adam, AdamConfig, GradientsParams, MultiGradientsParams, Optimizer, Sgd, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::{LrSchedule, OptimizerConfig, OptimizerKind};
@@ -23,8 +21,7 @@ pub enum BlockOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
 impl<B: AutodiffBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
     /// A fresh optimizer as configured.
     pub fn new(config: &OptimizerConfig) -> Self {
-        let decay =
-            (config.weight_decay > 0.0).then(|| WeightDecayConfig::new(config.weight_decay as f32));
+        let decay = (config.weight_decay > 0.0).then(|| WeightDecayConfig::new(config.weight_decay as f32));
         match config.kind {
             OptimizerKind::Sgd => {
                 let momentum = (config.momentum > 0.0).then(|| MomentumConfig {
@@ -32,12 +29,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
                     dampening: 0.0,
                     nesterov: config.nesterov,
                 });
-                Self::Sgd(
-                    SgdConfig::new()
-                        .with_momentum(momentum)
-                        .with_weight_decay(decay)
-                        .init(),
-                )
+                Self::Sgd(SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init())
             }
             OptimizerKind::Adam => Self::Adam(AdamConfig::new().with_weight_decay(decay).init()),
         }
@@ -76,12 +68,7 @@ pub struct LrPlan {
 impl LrPlan {
     /// The plan for `total_steps` steps under `config`.
     pub fn new(config: &OptimizerConfig, total_steps: usize) -> Self {
-        Self {
-            schedule: config.schedule,
-            lr: config.lr,
-            min_lr: config.min_lr,
-            total_steps,
-        }
+        Self { schedule: config.schedule, lr: config.lr, min_lr: config.min_lr, total_steps }
     }
 
     /// Learning rate at zero-based step `step`.

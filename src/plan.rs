@@ -100,11 +100,7 @@ impl Plan {
         Self {
             name: "ideal".into(),
             phases: vec![Phase {
-                stages: vec![Stage {
-                    blocks: 0..blocks,
-                    slots: vec![0],
-                    loads_data: true,
-                }],
+                stages: vec![Stage { blocks: 0..blocks, slots: vec![0], loads_data: true }],
                 barrier: false,
             }],
         }
@@ -115,18 +111,11 @@ impl Plan {
     pub fn dp(blocks: usize, devices: usize) -> Self {
         let phases = (0..blocks)
             .map(|k| Phase {
-                stages: vec![Stage {
-                    blocks: k..k + 1,
-                    slots: (0..devices).collect(),
-                    loads_data: true,
-                }],
+                stages: vec![Stage { blocks: k..k + 1, slots: (0..devices).collect(), loads_data: true }],
                 barrier: false,
             })
             .collect();
-        Self {
-            name: "dp".into(),
-            phases,
-        }
+        Self { name: "dp".into(), phases }
     }
 
     /// Layer split: a fixed block-to-device map (contiguous ranges balanced
@@ -136,19 +125,9 @@ impl Plan {
         let stages = balanced_ranges(cost, devices)
             .into_iter()
             .enumerate()
-            .map(|(d, blocks)| Stage {
-                blocks,
-                slots: vec![d],
-                loads_data: true,
-            })
+            .map(|(d, blocks)| Stage { blocks, slots: vec![d], loads_data: true })
             .collect();
-        Self {
-            name: "ls".into(),
-            phases: vec![Phase {
-                stages,
-                barrier: false,
-            }],
-        }
+        Self { name: "ls".into(), phases: vec![Phase { stages, barrier: false }] }
     }
 
     /// Teacher relaying: contiguous ranges balanced by `cost`, only the first
@@ -158,20 +137,10 @@ impl Plan {
         let stages = balanced_ranges(cost, devices)
             .into_iter()
             .enumerate()
-            .map(|(d, blocks)| Stage {
-                blocks,
-                slots: vec![d],
-                loads_data: d == 0,
-            })
+            .map(|(d, blocks)| Stage { blocks, slots: vec![d], loads_data: d == 0 })
             .collect();
         let name = if decoupled { "tr-dpu" } else { "tr" };
-        Self {
-            name: name.into(),
-            phases: vec![Phase {
-                stages,
-                barrier: !decoupled,
-            }],
-        }
+        Self { name: name.into(), phases: vec![Phase { stages, barrier: !decoupled }] }
     }
 
     /// A hybrid (AHD-style) plan from user stages: teacher relaying with
@@ -201,20 +170,13 @@ impl Plan {
                 )));
             }
             if spec.replicas == 0 {
-                return Err(PlanError(format!(
-                    "stage {}: `replicas` must be at least 1",
-                    i + 1
-                )));
+                return Err(PlanError(format!("stage {}: `replicas` must be at least 1", i + 1)));
             }
             let range = next_block..next_block + spec.blocks.len();
             next_block = range.end;
             let slots: Vec<usize> = (next_slot..next_slot + spec.replicas).collect();
             next_slot += spec.replicas;
-            stages.push(Stage {
-                blocks: range,
-                slots,
-                loads_data: i == 0,
-            });
+            stages.push(Stage { blocks: range, slots, loads_data: i == 0 });
         }
         if next_block != blocks {
             return Err(PlanError(format!(
@@ -226,13 +188,7 @@ impl Plan {
                 "the stages use {next_slot} device slots (sum of replicas), but {devices} devices are given"
             )));
         }
-        Ok(Self {
-            name: "hybrid".into(),
-            phases: vec![Phase {
-                stages,
-                barrier: false,
-            }],
-        })
+        Ok(Self { name: "hybrid".into(), phases: vec![Phase { stages, barrier: false }] })
     }
 
     /// A plan by name, for `blocks` blocks over `devices` device slots.
@@ -261,9 +217,7 @@ impl Plan {
             "tr-dpu" => Ok(Self::tr(cost, devices, true)),
             "hybrid" => {
                 if hybrid.is_empty() {
-                    return Err(PlanError(
-                        "schedule `hybrid` needs [[stages]] entries in the config".into(),
-                    ));
+                    return Err(PlanError("schedule `hybrid` needs [[stages]] entries in the config".into()));
                 }
                 Self::hybrid(hybrid, blocks, devices)
             }
@@ -276,12 +230,7 @@ impl Plan {
 
     /// Device slots the plan uses.
     pub fn slots(&self) -> usize {
-        self.phases
-            .iter()
-            .flat_map(|p| &p.stages)
-            .flat_map(|s| &s.slots)
-            .max()
-            .map_or(0, |m| m + 1)
+        self.phases.iter().flat_map(|p| &p.stages).flat_map(|s| &s.slots).max().map_or(0, |m| m + 1)
     }
 
     /// A one-line description: `{1 x2 | 2-3 | 4}` per phase.
@@ -298,24 +247,13 @@ impl Plan {
                         } else {
                             format!("{}-{}", s.blocks.start + 1, s.blocks.end)
                         };
-                        let reps = if s.replicas() > 1 {
-                            format!(" x{}", s.replicas())
-                        } else {
-                            String::new()
-                        };
-                        let data = if s.loads_data && s.blocks.start > 0 {
-                            " (recompute)"
-                        } else {
-                            ""
-                        };
+                        let reps =
+                            if s.replicas() > 1 { format!(" x{}", s.replicas()) } else { String::new() };
+                        let data = if s.loads_data && s.blocks.start > 0 { " (recompute)" } else { "" };
                         format!("{blocks}{reps}{data}")
                     })
                     .collect();
-                format!(
-                    "{{{}}}{}",
-                    stages.join(" | "),
-                    if phase.barrier { " barrier" } else { "" }
-                )
+                format!("{{{}}}{}", stages.join(" | "), if phase.barrier { " barrier" } else { "" })
             })
             .collect::<Vec<_>>()
             .join(" then ")
@@ -325,11 +263,7 @@ impl Plan {
 /// A per-block cost proxy from specs: teacher forward FLOPs plus three times
 /// the student's (forward, backward, update).
 pub fn flops_cost(teacher: &[BlockSpec], student: &[BlockSpec]) -> Vec<f64> {
-    teacher
-        .iter()
-        .zip(student)
-        .map(|(t, s)| t.flops as f64 + 3.0 * s.flops as f64)
-        .collect()
+    teacher.iter().zip(student).map(|(t, s)| t.flops as f64 + 3.0 * s.flops as f64).collect()
 }
 
 /// Cuts `cost.len()` blocks into `parts` non-empty contiguous ranges
@@ -380,10 +314,7 @@ mod tests {
         assert_eq!(ranges, vec![0..2, 2..4]);
         let ranges = balanced_ranges(&cost, 3);
         assert_eq!(ranges.len(), 3);
-        let largest = ranges
-            .iter()
-            .map(|r| cost[r.clone()].iter().sum::<f64>())
-            .fold(0.0, f64::max);
+        let largest = ranges.iter().map(|r| cost[r.clone()].iter().sum::<f64>()).fold(0.0, f64::max);
         assert_eq!(largest, 11.0);
     }
 
@@ -395,32 +326,20 @@ mod tests {
             .unwrap_err()
             .0
             .contains("expected block 2"));
-        assert!(Plan::hybrid(&[s(vec![1, 3], 1), s(vec![4], 1)], 4, 2)
-            .unwrap_err()
-            .0
-            .contains("contiguous"));
+        assert!(Plan::hybrid(&[s(vec![1, 3], 1), s(vec![4], 1)], 4, 2).unwrap_err().0.contains("contiguous"));
         assert!(Plan::hybrid(&[s(vec![1, 2], 1), s(vec![3, 4], 1)], 4, 3)
             .unwrap_err()
             .0
             .contains("3 devices"));
-        assert!(Plan::hybrid(&[s(vec![1, 2], 1)], 4, 1)
-            .unwrap_err()
-            .0
-            .contains("4 blocks"));
+        assert!(Plan::hybrid(&[s(vec![1, 2], 1)], 4, 1).unwrap_err().0.contains("4 blocks"));
     }
 
     #[test]
     fn dp_has_one_phase_per_block_over_all_devices() {
         let plan = Plan::dp(3, 2);
         assert_eq!(plan.phases.len(), 3);
-        assert!(plan
-            .phases
-            .iter()
-            .all(|p| p.stages.len() == 1 && p.stages[0].slots == vec![0, 1]));
-        assert_eq!(
-            plan.describe(),
-            "{1 x2} then {2 x2 (recompute)} then {3 x2 (recompute)}"
-        );
+        assert!(plan.phases.iter().all(|p| p.stages.len() == 1 && p.stages[0].slots == vec![0, 1]));
+        assert_eq!(plan.describe(), "{1 x2} then {2 x2 (recompute)} then {3 x2 (recompute)}");
     }
 
     #[test]
@@ -428,23 +347,9 @@ mod tests {
         let cost = [1.0, 1.0, 1.0, 1.0];
         let tr = Plan::tr(&cost, 2, false);
         assert!(tr.phases[0].barrier);
-        assert_eq!(
-            tr.phases[0]
-                .stages
-                .iter()
-                .map(|s| s.teacher_start())
-                .collect::<Vec<_>>(),
-            vec![0, 2]
-        );
+        assert_eq!(tr.phases[0].stages.iter().map(|s| s.teacher_start()).collect::<Vec<_>>(), vec![0, 2]);
         let ls = Plan::ls(&cost, 2);
-        assert_eq!(
-            ls.phases[0]
-                .stages
-                .iter()
-                .map(|s| s.teacher_start())
-                .collect::<Vec<_>>(),
-            vec![0, 0]
-        );
+        assert_eq!(ls.phases[0].stages.iter().map(|s| s.teacher_start()).collect::<Vec<_>>(), vec![0, 0]);
         assert!(Plan::named("tr", 2, 3, &[1.0, 1.0], &[]).is_err());
     }
 }

@@ -46,12 +46,7 @@ impl CostTable {
 
     /// Seconds per step of a stage running `blocks` on `g` replicas, or
     /// `None` if some entry is infeasible or over `memory_limit`.
-    pub fn stage_cost(
-        &self,
-        blocks: Range<usize>,
-        g: usize,
-        memory_limit: Option<u64>,
-    ) -> Option<f64> {
+    pub fn stage_cost(&self, blocks: Range<usize>, g: usize, memory_limit: Option<u64>) -> Option<f64> {
         let gi = g.checked_sub(1)?;
         let mut seconds = *self.input_transfer.get(blocks.start)?.get(gi)?;
         let mut bytes = 0u64;
@@ -120,12 +115,7 @@ struct Entry {
 /// The `keep` best plans of `costs` on exactly `slots` device slots, best
 /// first, each stage within `memory_limit` bytes per replica. Empty when no
 /// plan is feasible.
-pub fn plan(
-    costs: &CostTable,
-    slots: usize,
-    memory_limit: Option<u64>,
-    keep: usize,
-) -> Vec<Candidate> {
+pub fn plan(costs: &CostTable, slots: usize, memory_limit: Option<u64>, keep: usize) -> Vec<Candidate> {
     let k = costs.blocks();
     let keep = keep.max(1);
     if k == 0 || slots == 0 {
@@ -133,10 +123,7 @@ pub fn plan(
     }
     // best[j][w]: up to `keep` entries, ascending bottleneck.
     let mut best: Vec<Vec<Vec<Entry>>> = vec![vec![Vec::new(); slots + 1]; k + 1];
-    best[0][0].push(Entry {
-        bottleneck: 0.0,
-        back: None,
-    });
+    best[0][0].push(Entry { bottleneck: 0.0, back: None });
     let max_g = costs.max_replicas().min(slots);
     for j in 1..=k {
         for i in 0..j {
@@ -150,10 +137,8 @@ pub fn plan(
                     }
                     let mut additions = Vec::new();
                     for (rank, prev) in best[i][w - g].iter().enumerate() {
-                        additions.push(Entry {
-                            bottleneck: prev.bottleneck.max(cost),
-                            back: Some((i, g, rank)),
-                        });
+                        additions
+                            .push(Entry { bottleneck: prev.bottleneck.max(cost), back: Some((i, g, rank)) });
                     }
                     let list = &mut best[j][w];
                     list.extend(additions);
@@ -163,9 +148,7 @@ pub fn plan(
             }
         }
     }
-    (0..best[k][slots].len())
-        .map(|rank| rebuild(&best, k, slots, rank))
-        .collect()
+    (0..best[k][slots].len()).map(|rank| rebuild(&best, k, slots, rank)).collect()
 }
 
 fn rebuild(best: &[Vec<Vec<Entry>>], blocks: usize, slots: usize, rank: usize) -> Candidate {
@@ -173,19 +156,13 @@ fn rebuild(best: &[Vec<Vec<Entry>>], blocks: usize, slots: usize, rank: usize) -
     let mut stages = Vec::new();
     let (mut j, mut w, mut r) = (blocks, slots, rank);
     while let Some((i, g, prev_rank)) = best[j][w][r].back {
-        stages.push(PlannedStage {
-            blocks: i..j,
-            replicas: g,
-        });
+        stages.push(PlannedStage { blocks: i..j, replicas: g });
         j = i;
         w -= g;
         r = prev_rank;
     }
     stages.reverse();
-    Candidate {
-        step_seconds,
-        stages,
-    }
+    Candidate { step_seconds, stages }
 }
 
 /// Every plan by enumeration (for tests and tiny cases): each way to cut the
@@ -205,15 +182,7 @@ pub fn brute_force(costs: &CostTable, slots: usize, memory_limit: Option<u64>) -
         }
         ranges.push(start..k);
         let mut replicas = vec![1; ranges.len()];
-        assign(
-            costs,
-            slots,
-            memory_limit,
-            &ranges,
-            0,
-            &mut replicas,
-            &mut out,
-        );
+        assign(costs, slots, memory_limit, &ranges, 0, &mut replicas, &mut out);
     }
     out.sort_by(|a, b| a.step_seconds.total_cmp(&b.step_seconds));
     out
@@ -242,15 +211,9 @@ fn assign(
         let stages = ranges
             .iter()
             .zip(replicas.iter())
-            .map(|(r, &g)| PlannedStage {
-                blocks: r.clone(),
-                replicas: g,
-            })
+            .map(|(r, &g)| PlannedStage { blocks: r.clone(), replicas: g })
             .collect();
-        out.push(Candidate {
-            step_seconds: worst,
-            stages,
-        });
+        out.push(Candidate { step_seconds: worst, stages });
         return;
     }
     let used: usize = replicas[..s].iter().sum();
@@ -287,30 +250,14 @@ mod tests {
                     .map(|g| feasible(rng).then_some(t / g as f64 * rng.random_range(1.0..1.3)))
                     .collect(),
             );
-            table.student_step.push(
-                (1..=max_g)
-                    .map(|g| Some(s / g as f64 * rng.random_range(1.0..1.3)))
-                    .collect(),
-            );
-            table.gradient_average.push(
-                (1..=max_g)
-                    .map(|g| {
-                        if g == 1 {
-                            0.0
-                        } else {
-                            rng.random_range(0.0..1.0)
-                        }
-                    })
-                    .collect(),
-            );
             table
-                .input_transfer
-                .push((1..=max_g).map(|_| rng.random_range(0.0..0.5)).collect());
-            table.memory.push(
-                (1..=max_g)
-                    .map(|g| Some(m.div_ceil(g as u64) + 10))
-                    .collect(),
-            );
+                .student_step
+                .push((1..=max_g).map(|g| Some(s / g as f64 * rng.random_range(1.0..1.3))).collect());
+            table
+                .gradient_average
+                .push((1..=max_g).map(|g| if g == 1 { 0.0 } else { rng.random_range(0.0..1.0) }).collect());
+            table.input_transfer.push((1..=max_g).map(|_| rng.random_range(0.0..0.5)).collect());
+            table.memory.push((1..=max_g).map(|g| Some(m.div_ceil(g as u64) + 10)).collect());
         }
         table
     }
@@ -337,17 +284,12 @@ mod tests {
                     if let Some(best) = planned.first() {
                         let used: usize = best.stages.iter().map(|s| s.replicas).sum();
                         assert_eq!(used, slots);
-                        let covered: Vec<usize> =
-                            best.stages.iter().flat_map(|s| s.blocks.clone()).collect();
+                        let covered: Vec<usize> = best.stages.iter().flat_map(|s| s.blocks.clone()).collect();
                         assert_eq!(covered, (0..blocks).collect::<Vec<_>>());
                         let worst = best
                             .stages
                             .iter()
-                            .map(|s| {
-                                table
-                                    .stage_cost(s.blocks.clone(), s.replicas, limit)
-                                    .unwrap()
-                            })
+                            .map(|s| table.stage_cost(s.blocks.clone(), s.replicas, limit).unwrap())
                             .fold(0.0, f64::max);
                         assert!((worst - best.step_seconds).abs() < 1e-12);
                     }

@@ -10,8 +10,8 @@
 //! infeasible instead of aborting the profile.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
@@ -46,11 +46,7 @@ impl Timing {
         seconds.sort_by(f64::total_cmp);
         let median = seconds[seconds.len() / 2];
         let spread = (seconds[seconds.len() - 1] - seconds[0]) / median.max(1e-12);
-        Some(Self {
-            median,
-            spread,
-            repeats: seconds.len(),
-        })
+        Some(Self { median, spread, repeats: seconds.len() })
     }
 }
 
@@ -116,11 +112,7 @@ pub fn profile(
 
 /// Measures the config's blocks for g = 1..=`max_replicas` on the first
 /// device slot, with each worker's share of the cores.
-pub fn measure(
-    config: &RunConfig,
-    max_replicas: usize,
-    say: &mut dyn FnMut(&str),
-) -> Result<Profile> {
+pub fn measure(config: &RunConfig, max_replicas: usize, say: &mut dyn FnMut(&str)) -> Result<Profile> {
     let (devices, _) = preflight(config)?;
     if max_replicas == 0 || max_replicas > config.train.batch_size {
         return Err(Error::Config {
@@ -139,9 +131,10 @@ pub fn measure(
         0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / max_replicas).max(1),
         n => n,
     };
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| {
-        Error::Device { device: config.device_slots().join(","), message: e.to_string() }
-    })?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| Error::Device { device: config.device_slots().join(","), message: e.to_string() })?;
     dispatch(&devices[..1], ProfileJob { config, max_replicas, say, pool, threads })
 }
 
@@ -253,7 +246,11 @@ type Measured = (
 impl ProfileJob<'_> {
     /// Teacher forward, student step, optimizer update, gradient averaging
     /// and peak memory of one block at replica count `g`.
-    fn measure_block<B: AutodiffBackend, T: Block<B::InnerBackend> + Sync, S: crate::block::StudentModule<B>>(
+    fn measure_block<
+        B: AutodiffBackend,
+        T: Block<B::InnerBackend> + Sync,
+        S: crate::block::StudentModule<B>,
+    >(
         &self,
         g: usize,
         teacher: &T,
@@ -294,8 +291,7 @@ impl BackendJob for ProfileJob<'_> {
     fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<Profile> {
         let config = self.config;
         let device = &devices[0];
-        let data =
-            ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+        let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
         let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
         let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
         let batch = config.train.batch_size;
@@ -335,7 +331,8 @@ impl BackendJob for ProfileJob<'_> {
                             let module = detached_copy(&students.blocks[k]);
                             let spec = students.specs[k].clone();
                             scope.spawn(move || {
-                                let mut other = BlockTrainer::new(k, spec, module, &config.optimizer, usize::MAX / 2);
+                                let mut other =
+                                    BlockTrainer::new(k, spec, module, &config.optimizer, usize::MAX / 2);
                                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
                                 let mut work = || {
                                     while !stop.load(Ordering::Relaxed) {
@@ -356,11 +353,7 @@ impl BackendJob for ProfileJob<'_> {
                         measured
                     });
                     let (teacher_forward, student_step, optimizer_update, gradient_average, peak) = measured;
-                    let input_transfer = if k == 0 {
-                        load.clone()
-                    } else {
-                        handoff_time(&input)
-                    };
+                    let input_transfer = if k == 0 { load.clone() } else { handoff_time(&input) };
                     let error = [&teacher_forward, &student_step, &optimizer_update, &gradient_average]
                         .iter()
                         .find_map(|r| r.as_ref().err().cloned());
@@ -445,12 +438,8 @@ fn handoff_time<B: burn::tensor::backend::Backend>(
         let timing = time_repeated(|| {
             to_peer
                 .send(activation.clone())
-                .map_err(|_| Error::Timeout {
-                    message: "profile peer hung up".into(),
-                })?;
-            acked.recv().map_err(|_| Error::Timeout {
-                message: "profile peer hung up".into(),
-            })
+                .map_err(|_| Error::Timeout { message: "profile peer hung up".into() })?;
+            acked.recv().map_err(|_| Error::Timeout { message: "profile peer hung up".into() })
         });
         drop(to_peer);
         timing

@@ -77,10 +77,8 @@ pub struct RunReport {
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     let mut file = std::fs::File::create(&tmp).map_err(|e| Error::io("creating", &tmp, e))?;
-    file.write_all(contents)
-        .map_err(|e| Error::io("writing", &tmp, e))?;
-    file.sync_all()
-        .map_err(|e| Error::io("flushing", &tmp, e))?;
+    file.write_all(contents).map_err(|e| Error::io("writing", &tmp, e))?;
+    file.sync_all().map_err(|e| Error::io("flushing", &tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io("renaming into", path, e))
 }
 
@@ -98,10 +96,8 @@ impl RunReport {
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join("report.json");
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io("reading", &path, e))?;
-        serde_json::from_str(&text).map_err(|e| Error::Data {
-            path,
-            message: format!("not a pipebd report: {e}"),
-        })
+        serde_json::from_str(&text)
+            .map_err(|e| Error::Data { path, message: format!("not a pipebd report: {e}") })
     }
 }
 
@@ -109,10 +105,7 @@ impl RunReport {
 pub fn write_metrics(dir: &Path, rows: &[MetricRow]) -> Result<()> {
     let mut text = String::from("epoch,step,block,loss,lr\n");
     for r in rows {
-        text.push_str(&format!(
-            "{},{},{},{},{}\n",
-            r.epoch, r.step, r.block, r.loss, r.lr
-        ));
+        text.push_str(&format!("{},{},{},{},{}\n", r.epoch, r.step, r.block, r.loss, r.lr));
     }
     write_atomic(&dir.join("metrics.csv"), text.as_bytes())
 }

@@ -22,9 +22,7 @@ use crate::report::{write_metrics, BlockReport, RunReport};
 use crate::runtime::train_plan;
 use crate::trace::write_chrome_trace;
 use crate::train::{accuracy, inference_blocks, Progress};
-use crate::zoo::{
-    build_students, build_teacher, init_student_blocks, student_specs, teacher_specs,
-};
+use crate::zoo::{build_students, build_teacher, init_student_blocks, student_specs, teacher_specs};
 
 /// Test images per evaluation chunk.
 const EVAL_CHUNK: usize = 1000;
@@ -34,10 +32,8 @@ const EVAL_CHUNK: usize = 1000;
 /// the plan.
 pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Plan)> {
     let slots = config.device_slots();
-    let devices = parse_slots(&slots).map_err(|message| Error::Device {
-        device: slots.join(","),
-        message,
-    })?;
+    let devices =
+        parse_slots(&slots).map_err(|message| Error::Device { device: slots.join(","), message })?;
     for device in &devices {
         device.check_available()?;
     }
@@ -55,17 +51,8 @@ pub fn plan_for(
     slots: usize,
 ) -> Result<Plan> {
     let cost = flops_cost(teacher, students);
-    Plan::named(
-        &config.schedule,
-        teacher.len(),
-        slots,
-        &cost,
-        &config.stages,
-    )
-    .map_err(|e| Error::Plan {
-        plan: config.schedule.clone(),
-        message: e.0,
-    })
+    Plan::named(&config.schedule, teacher.len(), slots, &cost, &config.stages)
+        .map_err(|e| Error::Plan { plan: config.schedule.clone(), message: e.0 })
 }
 
 /// Options of a run that are not part of its config.
@@ -87,16 +74,7 @@ pub fn run(
 ) -> Result<RunReport> {
     let (devices, plan) = preflight(config)?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    dispatch(
-        &devices,
-        Job {
-            config,
-            plan: &plan,
-            out_dir,
-            options,
-            observer,
-        },
-    )
+    dispatch(&devices, Job { config, plan: &plan, out_dir, options, observer })
 }
 
 /// Work that runs on whichever burn backend the device slots name.
@@ -109,16 +87,12 @@ pub trait BackendJob {
 
 /// Picks the burn backend for `devices` (all of one kind) and runs `job` on it.
 pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Output> {
-    let first = *devices.first().ok_or_else(|| Error::Device {
-        device: String::new(),
-        message: "no device slots".into(),
-    })?;
+    let first = *devices
+        .first()
+        .ok_or_else(|| Error::Device { device: String::new(), message: "no device slots".into() })?;
     match first {
         DeviceSpec::Cpu => {
-            job.run::<burn::backend::Autodiff<burn::backend::Flex>>(&vec![
-                Default::default();
-                devices.len()
-            ])
+            job.run::<burn::backend::Autodiff<burn::backend::Flex>>(&vec![Default::default(); devices.len()])
         }
         #[cfg(feature = "cuda")]
         DeviceSpec::Cuda(_) => {
@@ -143,10 +117,7 @@ pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Outp
             job.run::<burn::backend::Autodiff<burn::backend::Wgpu>>(&slots)
         }
         #[allow(unreachable_patterns)]
-        other => Err(Error::Device {
-            device: other.to_string(),
-            message: "not compiled in".into(),
-        }),
+        other => Err(Error::Device { device: other.to_string(), message: "not compiled in".into() }),
     }
 }
 
@@ -173,8 +144,7 @@ impl BackendJob for Job<'_> {
         let config = self.config;
         let start = Instant::now();
         let device = &devices[0];
-        let train =
-            ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
+        let train = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
         let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
         let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
         let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
@@ -232,12 +202,7 @@ impl BackendJob for Job<'_> {
     }
 }
 
-fn block_report(
-    k: usize,
-    teacher: &BlockSpec,
-    student: &BlockSpec,
-    final_loss: f32,
-) -> BlockReport {
+fn block_report(k: usize, teacher: &BlockSpec, student: &BlockSpec, final_loss: f32) -> BlockReport {
     BlockReport {
         block: k + 1,
         teacher: teacher.name.clone(),
@@ -275,10 +240,7 @@ pub fn save_students<B: AutodiffBackend>(
         block
             .valid()
             .save_file(path.with_extension(""), &recorder())
-            .map_err(|e| Error::Record {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
     }
     Ok(())
 }
@@ -315,18 +277,11 @@ pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
         }
         let block = block
             .load_file(path.with_extension(""), &recorder(), &device)
-            .map_err(|e| Error::Record {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
         loaded.push(block);
     }
     let student_accuracy = accuracy::<B, _>(&loaded, &test, &device, EVAL_CHUNK)?;
-    Ok(EvalResult {
-        student_accuracy,
-        recorded_accuracy: report.student_accuracy,
-        test_samples: test.len(),
-    })
+    Ok(EvalResult { student_accuracy, recorded_accuracy: report.student_accuracy, test_samples: test.len() })
 }
 
 /// Scores the configured teacher on the test split (on the CPU).
@@ -335,8 +290,5 @@ pub fn eval_teacher(config: &RunConfig) -> Result<(f64, usize)> {
     let device = Default::default();
     let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
     let teacher = build_teacher::<B>(&config.teacher, &device)?;
-    Ok((
-        accuracy(&teacher.blocks, &test, &device, EVAL_CHUNK)?,
-        test.len(),
-    ))
+    Ok((accuracy(&teacher.blocks, &test, &device, EVAL_CHUNK)?, test.len()))
 }

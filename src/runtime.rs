@@ -63,11 +63,7 @@ pub struct RuntimeOptions {
 
 impl Default for RuntimeOptions {
     fn default() -> Self {
-        Self {
-            channel_capacity: 2,
-            timeout: Duration::from_secs(120),
-            threads_per_worker: 0,
-        }
+        Self { channel_capacity: 2, timeout: Duration::from_secs(120), threads_per_worker: 0 }
     }
 }
 
@@ -119,10 +115,7 @@ where
 {
     let batch = settings.batch_size;
     let per_epoch = data.len() / batch.max(1);
-    let plan_error = |message: String| Error::Plan {
-        plan: plan.name.clone(),
-        message,
-    };
+    let plan_error = |message: String| Error::Plan { plan: plan.name.clone(), message };
     if batch == 0 || per_epoch == 0 {
         return Err(plan_error(format!(
             "batch size {batch} does not fit the {} training samples",
@@ -130,11 +123,7 @@ where
         )));
     }
     if plan.slots() > devices.len() {
-        return Err(plan_error(format!(
-            "needs {} device slots, {} given",
-            plan.slots(),
-            devices.len()
-        )));
+        return Err(plan_error(format!("needs {} device slots, {} given", plan.slots(), devices.len())));
     }
     let blocks = students.blocks.len();
     for phase in &plan.phases {
@@ -154,24 +143,12 @@ where
         }
     }
     let total_steps = per_epoch * settings.epochs;
-    let Students {
-        blocks: modules,
-        specs,
-        ..
-    } = students;
+    let Students { blocks: modules, specs, .. } = students;
     let mut trainers: Vec<Option<BlockTrainer<B, S>>> = modules
         .into_iter()
         .zip(specs.iter().cloned())
         .enumerate()
-        .map(|(k, (m, spec))| {
-            Some(BlockTrainer::new(
-                k,
-                spec,
-                m,
-                &settings.optimizer,
-                total_steps,
-            ))
-        })
+        .map(|(k, (m, spec))| Some(BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps)))
         .collect();
 
     let origin = Instant::now();
@@ -204,8 +181,7 @@ where
     log.samples = total_steps * batch;
     let mut trained = Vec::with_capacity(blocks);
     for (k, t) in trainers.into_iter().enumerate() {
-        let t =
-            t.ok_or_else(|| plan_error(format!("block {} was not trained by any stage", k + 1)))?;
+        let t = t.ok_or_else(|| plan_error(format!("block {} was not trained by any stage", k + 1)))?;
         log.final_losses.push(t.recent_loss());
         let index = t.index;
         trained.push(t.into_module().ok_or(Error::Training {
@@ -214,12 +190,7 @@ where
             message: "module missing after training".into(),
         })?);
     }
-    Ok(PlanOutput {
-        students: Students::new(trained, specs.clone(), &specs)?,
-        log,
-        spans,
-        workers,
-    })
+    Ok(PlanOutput { students: Students::new(trained, specs.clone(), &specs)?, log, spans, workers })
 }
 
 struct PhaseContext<'a, B: AutodiffBackend, T: Block<B::InnerBackend>> {
@@ -251,10 +222,7 @@ struct Stop {
 
 impl Stop {
     fn new() -> Self {
-        Self {
-            raised: AtomicBool::new(false),
-            first: Mutex::new(None),
-        }
+        Self { raised: AtomicBool::new(false), first: Mutex::new(None) }
     }
     fn raise(&self, error: Error) {
         let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
@@ -294,11 +262,7 @@ struct StepBarrier {
 
 impl StepBarrier {
     fn new(parties: usize) -> Self {
-        Self {
-            parties,
-            state: Mutex::new((0, 0)),
-            turned: Condvar::new(),
-        }
+        Self { parties, state: Mutex::new((0, 0)), turned: Condvar::new() }
     }
 
     fn wait(&self, stop: &Stop, timeout: Duration, who: &str) -> Flow<()> {
@@ -313,10 +277,7 @@ impl StepBarrier {
             return Ok(());
         }
         loop {
-            let (next, _) = self
-                .turned
-                .wait_timeout(state, POLL)
-                .unwrap_or_else(|p| p.into_inner());
+            let (next, _) = self.turned.wait_timeout(state, POLL).unwrap_or_else(|p| p.into_inner());
             state = next;
             if state.0 != generation {
                 return Ok(());
@@ -326,22 +287,14 @@ impl StepBarrier {
             }
             if start.elapsed() > timeout {
                 return Err(Halt::Failed(Error::Timeout {
-                    message: format!(
-                        "{who} waited {:.0} s at the step barrier",
-                        timeout.as_secs_f64()
-                    ),
+                    message: format!("{who} waited {:.0} s at the step barrier", timeout.as_secs_f64()),
                 }));
             }
         }
     }
 }
 
-fn receive<M>(
-    rx: &Receiver<M>,
-    stop: &Stop,
-    timeout: Duration,
-    what: impl Fn() -> String,
-) -> Flow<M> {
+fn receive<M>(rx: &Receiver<M>, stop: &Stop, timeout: Duration, what: impl Fn() -> String) -> Flow<M> {
     let start = Instant::now();
     loop {
         match rx.recv_timeout(POLL) {
@@ -412,14 +365,8 @@ struct ProgressMsg {
 
 enum Role<S> {
     Solo,
-    Leader {
-        from_followers: Vec<Receiver<GradientMsg>>,
-        to_followers: Vec<Sender<ModuleMsg<S>>>,
-    },
-    Follower {
-        to_leader: Sender<GradientMsg>,
-        from_leader: Receiver<ModuleMsg<S>>,
-    },
+    Leader { from_followers: Vec<Receiver<GradientMsg>>, to_followers: Vec<Sender<ModuleMsg<S>>> },
+    Follower { to_leader: Sender<GradientMsg>, from_leader: Receiver<ModuleMsg<S>> },
 }
 
 struct Inbound<IB: Backend> {
@@ -496,12 +443,7 @@ where
         }
         let mut replica_trainers = vec![owned];
         for _ in 1..g {
-            replica_trainers.push(
-                replica_trainers[0]
-                    .iter()
-                    .map(BlockTrainer::follower_copy)
-                    .collect(),
-            );
+            replica_trainers.push(replica_trainers[0].iter().map(BlockTrainer::follower_copy).collect());
         }
         for (r, replica) in replica_trainers.into_iter().enumerate() {
             let id = context.first_worker + workers.len();
@@ -528,15 +470,9 @@ where
                 let (module_tx, module_rx) = bounded(1);
                 from_followers.push(grad_rx);
                 to_followers.push(module_tx);
-                workers[w].role = Role::Follower {
-                    to_leader: grad_tx,
-                    from_leader: module_rx,
-                };
+                workers[w].role = Role::Follower { to_leader: grad_tx, from_leader: module_rx };
             }
-            workers[ids[0]].role = Role::Leader {
-                from_followers,
-                to_followers,
-            };
+            workers[ids[0]].role = Role::Leader { from_followers, to_followers };
         }
         stage_workers.push(ids);
     }
@@ -599,8 +535,7 @@ where
                 scope.spawn(move || {
                     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
                     match pool {
-                        Ok(pool) => pool
-                            .install(|| run_worker(context, worker, stop, barrier, &progress_tx)),
+                        Ok(pool) => pool.install(|| run_worker(context, worker, stop, barrier, &progress_tx)),
                         Err(_) => run_worker(context, worker, stop, barrier, &progress_tx),
                     }
                 })
@@ -639,15 +574,9 @@ where
     if let Some(error) = stop.take() {
         return Err(error);
     }
-    let mut outcome = PhaseOutcome {
-        rows: Vec::new(),
-        spans: Vec::new(),
-        workers: Vec::new(),
-    };
+    let mut outcome = PhaseOutcome { rows: Vec::new(), spans: Vec::new(), workers: Vec::new() };
     for result in results {
-        let result = result.map_err(|_| Error::Timeout {
-            message: "a worker thread died".into(),
-        })?;
+        let result = result.map_err(|_| Error::Timeout { message: "a worker thread died".into() })?;
         for (k, trainer) in result.trainers {
             trainers[k] = Some(trainer);
         }
@@ -693,16 +622,7 @@ where
     let mut rows = Vec::new();
     let mut position = Position::default();
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        worker_loop(
-            context,
-            &mut worker,
-            stop,
-            barrier,
-            progress,
-            &mut recorder,
-            &mut rows,
-            &mut position,
-        )
+        worker_loop(context, &mut worker, stop, barrier, progress, &mut recorder, &mut rows, &mut position)
     }));
     let failure = match outcome {
         Ok(Ok(())) => None,
@@ -840,9 +760,7 @@ where
         for (offset, block) in teacher_blocks.iter().enumerate() {
             let k = teacher_start + offset;
             position.block = Some(k + 1);
-            let y = recorder.time(SpanKind::TeacherForward, Some(k + 1), || {
-                block.forward(x.clone())
-            });
+            let y = recorder.time(SpanKind::TeacherForward, Some(k + 1), || block.forward(x.clone()));
             let y = y.map_err(|e| relabel(e, k + 1))?;
             if k >= stage.blocks.start {
                 pairs.push((x, y.clone()));
@@ -853,13 +771,8 @@ where
         // 3. Relay the boundary activation at once.
         for out in &worker.outbound {
             let started = Instant::now();
-            let msg = ActivationMsg {
-                step,
-                activation: x.clone().narrow_batch(out.start, out.len),
-            };
-            send(&out.tx, msg, stop, timeout, || {
-                format!("{name} could not hand step {step} to {}", out.to)
-            })?;
+            let msg = ActivationMsg { step, activation: x.clone().narrow_batch(out.start, out.len) };
+            send(&out.tx, msg, stop, timeout, || format!("{name} could not hand step {step} to {}", out.to))?;
             recorder.record(SpanKind::SendWait, None, started);
         }
         drop(x);
@@ -880,22 +793,11 @@ where
 
         // 5. Gradient exchange, barrier, optimizer step.
         match &worker.role {
-            Role::Follower {
-                to_leader,
-                from_leader,
-            } => {
+            Role::Follower { to_leader, from_leader } => {
                 let started = Instant::now();
-                send(
-                    to_leader,
-                    GradientMsg {
-                        step,
-                        grads,
-                        weighted_losses,
-                    },
-                    stop,
-                    timeout,
-                    || format!("{name} could not hand its gradients of step {step} to replica 0"),
-                )?;
+                send(to_leader, GradientMsg { step, grads, weighted_losses }, stop, timeout, || {
+                    format!("{name} could not hand its gradients of step {step} to replica 0")
+                })?;
                 if let Some(barrier) = barrier {
                     barrier.wait(stop, timeout, &name)?;
                 }
@@ -916,7 +818,10 @@ where
                     let started = Instant::now();
                     for (i, rx) in from_followers.iter().enumerate() {
                         let msg = receive(rx, stop, timeout, || {
-                            format!("{name} timed out waiting for the gradients of replica {} at step {step}", i + 1)
+                            format!(
+                                "{name} timed out waiting for the gradients of replica {} at step {step}",
+                                i + 1
+                            )
                         })?;
                         debug_assert_eq!(msg.step, step);
                         per_replica.push(msg.grads.into_iter());
@@ -935,47 +840,29 @@ where
                 let mut report = Vec::with_capacity(worker.trainers.len());
                 for (trainer, &loss) in worker.trainers.iter_mut().zip(&losses) {
                     position.block = Some(trainer.index + 1);
-                    let block_grads: Vec<GradientsParams> = per_replica
-                        .iter_mut()
-                        .map(|g| g.next().unwrap_or_default())
-                        .collect();
+                    let block_grads: Vec<GradientsParams> =
+                        per_replica.iter_mut().map(|g| g.next().unwrap_or_default()).collect();
                     let lr = trainer.current_lr();
                     recorder.time(SpanKind::OptimizerStep, Some(trainer.index + 1), || {
                         trainer.apply(block_grads, &[loss])
                     })?;
                     if log_this {
-                        rows.push(MetricRow {
-                            epoch,
-                            step,
-                            block: trainer.index + 1,
-                            loss,
-                            lr,
-                        });
+                        rows.push(MetricRow { epoch, step, block: trainer.index + 1, loss, lr });
                     }
                     report.push((trainer.index, loss));
                 }
                 if let Role::Leader { to_followers, .. } = &worker.role {
                     let started = Instant::now();
                     for (i, tx) in to_followers.iter().enumerate() {
-                        let modules: Vec<S> = worker
-                            .trainers
-                            .iter()
-                            .filter_map(|t| t.module().map(detached_copy))
-                            .collect();
+                        let modules: Vec<S> =
+                            worker.trainers.iter().filter_map(|t| t.module().map(detached_copy)).collect();
                         send(tx, ModuleMsg { step, modules }, stop, timeout, || {
-                            format!(
-                                "{name} could not hand the update of step {step} to replica {}",
-                                i + 1
-                            )
+                            format!("{name} could not hand the update of step {step} to replica {}", i + 1)
                         })?;
                     }
                     recorder.record(SpanKind::GradientAverage, None, started);
                 }
-                let _ = progress.send(ProgressMsg {
-                    stage: worker.stage,
-                    step,
-                    losses: report,
-                });
+                let _ = progress.send(ProgressMsg { stage: worker.stage, step, losses: report });
             }
         }
     }

@@ -36,7 +36,13 @@ pub struct Prediction {
 /// `costs` (which must cover every replica count the plan uses) and the
 /// data-loading time `data_load[g - 1]` per step at batch share `B / g`.
 /// Returns `None` if the plan uses an infeasible entry of `costs`.
-pub fn simulate(plan: &Plan, costs: &CostTable, data_load: &[f64], steps: usize, capacity: usize) -> Option<Prediction> {
+pub fn simulate(
+    plan: &Plan,
+    costs: &CostTable,
+    data_load: &[f64],
+    steps: usize,
+    capacity: usize,
+) -> Option<Prediction> {
     let steps = steps.max(1);
     let capacity = capacity.max(1);
     let mut total = 0.0;

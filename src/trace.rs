@@ -63,10 +63,7 @@ impl SpanKind {
     pub fn is_idle(self) -> bool {
         matches!(
             self,
-            SpanKind::SendWait
-                | SpanKind::RecvWait
-                | SpanKind::BarrierWait
-                | SpanKind::GradientAverage
+            SpanKind::SendWait | SpanKind::RecvWait | SpanKind::BarrierWait | SpanKind::GradientAverage
         )
     }
 }
@@ -98,11 +95,7 @@ pub struct SpanRecorder {
 impl SpanRecorder {
     /// A recorder for `worker`, timing from `origin`.
     pub fn new(worker: usize, origin: Instant) -> Self {
-        Self {
-            worker,
-            origin,
-            spans: Vec::new(),
-        }
+        Self { worker, origin, spans: Vec::new() }
     }
 
     /// Runs `f` and records it as a span.
@@ -117,13 +110,7 @@ impl SpanRecorder {
     pub fn record(&mut self, kind: SpanKind, block: Option<usize>, start: Instant) {
         let start_us = start.duration_since(self.origin).as_micros() as u64;
         let duration_us = start.elapsed().as_micros() as u64;
-        self.spans.push(Span {
-            worker: self.worker,
-            kind,
-            block,
-            start_us,
-            duration_us,
-        });
+        self.spans.push(Span { worker: self.worker, kind, block, start_us, duration_us });
     }
 }
 
@@ -225,11 +212,7 @@ pub fn write_chrome_trace(path: &Path, spans: &[Span], roles: &[String]) -> Resu
             args: s.block.map(|b| serde_json::json!({ "block": b })),
         });
     }
-    let json =
-        serde_json::to_vec(&serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }))
-            .map_err(|e| crate::Error::Data {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
+    let json = serde_json::to_vec(&serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }))
+        .map_err(|e| crate::Error::Data { path: path.to_path_buf(), message: e.to_string() })?;
     write_atomic(path, &json)
 }

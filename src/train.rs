@@ -107,28 +107,13 @@ impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     ) -> Result<(f32, GradientsParams)> {
         let block = self.index + 1;
         let module = self.module.as_ref().ok_or_else(|| self.lost())?;
-        let output = module
-            .forward(Activation::from_inner(input))
-            .map_err(|e| relabel(e, block))?;
-        let loss = block_loss(
-            self.spec.loss,
-            output,
-            Activation::from_inner(target),
-            block,
-        )?;
+        let output = module.forward(Activation::from_inner(input)).map_err(|e| relabel(e, block))?;
+        let loss = block_loss(self.spec.loss, output, Activation::from_inner(target), block)?;
         let value: f32 = loss.clone().into_scalar().elem();
         if !value.is_finite() {
-            return Err(Error::Training {
-                block,
-                step: self.step,
-                message: format!("loss is {value}"),
-            });
+            return Err(Error::Training { block, step: self.step, message: format!("loss is {value}") });
         }
-        let loss = if weight == 1.0 {
-            loss
-        } else {
-            loss.mul_scalar(weight)
-        };
+        let loss = if weight == 1.0 { loss } else { loss.mul_scalar(weight) };
         Ok((value, GradientsParams::from_grads(loss.backward(), module)))
     }
 
@@ -144,9 +129,7 @@ impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             self.optimizer.step(lr, module, grads)
         } else {
             let id = device.id();
-            let multi = MultiGradientsParams {
-                grads: grads.into_iter().map(|g| (g, id)).collect(),
-            };
+            let multi = MultiGradientsParams { grads: grads.into_iter().map(|g| (g, id)).collect() };
             self.optimizer.step_multi(lr, module, multi)
         };
         self.module = Some(module);
@@ -247,12 +230,7 @@ pub fn steps_per_epoch(len: usize, batch_size: usize) -> usize {
 }
 
 /// Stitches blocks into one network and measures top-1 accuracy on `data`.
-pub fn accuracy<B, M>(
-    blocks: &[M],
-    data: &ImageDataset,
-    device: &B::Device,
-    chunk: usize,
-) -> Result<f64>
+pub fn accuracy<B, M>(blocks: &[M], data: &ImageDataset, device: &B::Device, chunk: usize) -> Result<f64>
 where
     B: burn::tensor::backend::Backend,
     M: Block<B>,
@@ -267,20 +245,13 @@ where
         let Activation::Flat(logits) = x else {
             return Err(Error::Block {
                 block: blocks.len(),
-                message: format!(
-                    "the last block must produce logits [batch, classes], got {:?}",
-                    x.dims()
-                ),
+                message: format!("the last block must produce logits [batch, classes], got {:?}", x.dims()),
             });
         };
         let predicted = logits.argmax(1).into_data();
         let predicted: Vec<i64> = predicted.iter::<i64>().collect();
         let labels = data.labels_at(part);
-        correct += predicted
-            .iter()
-            .zip(&labels)
-            .filter(|(p, l)| **p == **l as i64)
-            .count();
+        correct += predicted.iter().zip(&labels).filter(|(p, l)| **p == **l as i64).count();
     }
     Ok(correct as f64 / data.len().max(1) as f64)
 }

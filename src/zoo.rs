@@ -8,8 +8,7 @@ use pipebd_students::{StudentBlock, StudentBlockConfig, StudentOutput};
 use pipebd_teachers::mnist_cnn::{self, MnistBlock, MnistCnn};
 
 use crate::block::{
-    check_against_teacher, check_block_count, Activation, Block, BlockSpec, LossKind, Students,
-    Teacher,
+    check_against_teacher, check_block_count, Activation, Block, BlockSpec, LossKind, Students, Teacher,
 };
 use crate::config::TeacherConfig;
 use crate::error::Result;
@@ -86,12 +85,8 @@ pub fn teacher_specs(config: &TeacherConfig) -> Vec<BlockSpec> {
 
 /// Specs of the student blocks described by `configs`, built for the
 /// teacher's input shapes. Fails on a block whose shapes do not match.
-pub fn student_specs(
-    configs: &[StudentBlockConfig],
-    teacher: &[BlockSpec],
-) -> Result<Vec<BlockSpec>> {
-    let (_, specs) =
-        init_student_blocks::<burn::backend::Flex>(configs, teacher, &Default::default())?;
+pub fn student_specs(configs: &[StudentBlockConfig], teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
+    let (_, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &Default::default())?;
     Ok(specs)
 }
 
@@ -136,9 +131,6 @@ pub fn build_students<B: AutodiffBackend>(
     // burn initialises parameters lazily, at first use, and a clone of an
     // uninitialised module draws its own values: materialise every
     // parameter now, in order, as a trainable leaf.
-    let blocks = blocks
-        .into_iter()
-        .map(|b| StudentBlock::from_inner(b.valid()))
-        .collect();
+    let blocks = blocks.into_iter().map(|b| StudentBlock::from_inner(b.valid())).collect();
     Students::new(blocks, specs, teacher)
 }

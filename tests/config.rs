@@ -54,14 +54,7 @@ fn parse(text: &str) -> Result<RunConfig, Error> {
 fn assert_config_error(text: &str, line: usize, field: &str, needle: &str) {
     match parse(text) {
         Err(e @ Error::Config { .. }) => {
-            let Error::Config {
-                line: got_line,
-                field: got_field,
-                ..
-            } = &e
-            else {
-                unreachable!()
-            };
+            let Error::Config { line: got_line, field: got_field, .. } = &e else { unreachable!() };
             assert_eq!(*got_line, Some(line), "wrong line in: {e}");
             assert_eq!(got_field.as_deref(), Some(field), "wrong field in: {e}");
             let shown = e.to_string();
@@ -111,18 +104,13 @@ fn unknown_device_is_refused() {
 
 #[test]
 fn unknown_student_kind_names_its_line() {
-    let text = GOOD.replace(
-        "kind = \"separable\"\nout_channels = 64",
-        "kind = \"transformer\"\nout_channels = 64",
-    );
+    let text =
+        GOOD.replace("kind = \"separable\"\nout_channels = 64", "kind = \"transformer\"\nout_channels = 64");
     match parse(&text) {
         Err(e @ Error::Config { .. }) => {
             let shown = e.to_string();
             assert!(shown.contains("transformer"), "{shown}");
-            assert!(
-                shown.contains("students[1]"),
-                "expected the bad entry to be named: {shown}"
-            );
+            assert!(shown.contains("students[1]"), "expected the bad entry to be named: {shown}");
         }
         other => panic!("expected a config error, got {other:?}"),
     }
@@ -146,12 +134,7 @@ fn student_with_wrong_output_shape_is_rejected_before_training() {
     let config = parse(&GOOD.replace("out_channels = 128", "out_channels = 96")).unwrap();
     let err = pipe_bd::run::preflight(&config).unwrap_err();
     match &err {
-        Error::ShapeMismatch {
-            block,
-            student,
-            teacher,
-            ..
-        } => {
+        Error::ShapeMismatch { block, student, teacher, .. } => {
             assert_eq!(*block, 3);
             assert_eq!(student, &vec![96, 3, 3]);
             assert_eq!(teacher, &vec![128, 3, 3]);
@@ -167,17 +150,10 @@ fn student_with_wrong_output_shape_is_rejected_before_training() {
 
 #[test]
 fn wrong_number_of_student_blocks_is_rejected() {
-    let text = GOOD
-        .split("[[students]]\nkind = \"head\"")
-        .next()
-        .unwrap()
-        .to_string();
+    let text = GOOD.split("[[students]]\nkind = \"head\"").next().unwrap().to_string();
     let config = parse(&text).unwrap();
     let err = pipe_bd::run::preflight(&config).unwrap_err();
-    assert!(
-        err.to_string().contains("4 blocks but 3 student blocks"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("4 blocks but 3 student blocks"), "{err}");
 }
 
 #[test]
@@ -188,10 +164,7 @@ fn head_on_a_too_small_input_is_rejected() {
     );
     let config = parse(&text).unwrap();
     let err = pipe_bd::run::preflight(&config).unwrap_err();
-    assert!(
-        matches!(err, Error::ShapeMismatch { block: 4, .. }),
-        "{err}"
-    );
+    assert!(matches!(err, Error::ShapeMismatch { block: 4, .. }), "{err}");
 }
 
 #[test]
@@ -206,42 +179,19 @@ fn cuda_without_the_feature_or_a_driver_is_a_clear_error() {
 fn cli_exits_with_code_2_on_bad_configs() {
     let dir = tempfile::tempdir().unwrap();
     let cases = [
-        (
-            "unknown-field.toml",
-            GOOD.replace("epochs = 1", "epochs = 1\nepoch = 2"),
-            "train.epoch",
-        ),
-        (
-            "bad-shape.toml",
-            GOOD.replace("out_channels = 64", "out_channels = 65"),
-            "block 2",
-        ),
-        (
-            "zero.toml",
-            GOOD.replace("epochs = 1", "epochs = 0"),
-            "train.epochs",
-        ),
+        ("unknown-field.toml", GOOD.replace("epochs = 1", "epochs = 1\nepoch = 2"), "train.epoch"),
+        ("bad-shape.toml", GOOD.replace("out_channels = 64", "out_channels = 65"), "block 2"),
+        ("zero.toml", GOOD.replace("epochs = 1", "epochs = 0"), "train.epochs"),
     ];
     for (name, text, needle) in cases {
         let path = dir.path().join(name);
         std::fs::write(&path, text).unwrap();
         let out_dir = dir.path().join("out");
-        let (code, _, stderr) = common::pipebd(&[
-            "run",
-            path.to_str().unwrap(),
-            "--out",
-            out_dir.to_str().unwrap(),
-            "--quiet",
-        ]);
+        let (code, _, stderr) =
+            common::pipebd(&["run", path.to_str().unwrap(), "--out", out_dir.to_str().unwrap(), "--quiet"]);
         assert_eq!(code, 2, "{name}: {stderr}");
-        assert!(
-            stderr.contains(name) || needle.starts_with("block"),
-            "{name}: file not named: {stderr}"
-        );
-        assert!(
-            stderr.contains(needle),
-            "{name}: `{needle}` not in: {stderr}"
-        );
+        assert!(stderr.contains(name) || needle.starts_with("block"), "{name}: file not named: {stderr}");
+        assert!(stderr.contains(needle), "{name}: `{needle}` not in: {stderr}");
         assert!(!stderr.contains("panicked"), "{name}: {stderr}");
     }
     let (code, _, stderr) = common::pipebd(&["run", "no/such/config.toml", "--quiet"]);

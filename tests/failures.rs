@@ -53,36 +53,25 @@ impl<B: Backend> Block<B> for Faulty<B> {
 }
 
 fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .map(|d| d.count())
-        .unwrap_or(0)
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
 }
 
 /// Trains on 2 slots with `tr-dpu`, block 2 faulty; returns the error and how long the run took.
 fn run_with_fault(mode: usize) -> (Error, Duration) {
-    let config =
-        RunConfig::parse(&common::small_config(640, 100, 1), Path::new("fault.toml")).unwrap();
+    let config = RunConfig::parse(&common::small_config(640, 100, 1), Path::new("fault.toml")).unwrap();
     let device = Default::default();
-    let data =
-        ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config.teacher, &device).unwrap();
-    let students =
-        build_students::<B>(&config.students, &teacher.specs, config.seed, &device).unwrap();
+    let students = build_students::<B>(&config.students, &teacher.specs, config.seed, &device).unwrap();
     let blocks = students
         .blocks
         .into_iter()
         .enumerate()
-        .map(|(k, inner)| Faulty {
-            inner,
-            mode: if k == 1 { mode } else { HEALTHY },
-        })
+        .map(|(k, inner)| Faulty { inner, mode: if k == 1 { mode } else { HEALTHY } })
         .collect();
     let students = Students::new(blocks, students.specs, &teacher.specs).unwrap();
     let plan = Plan::tr(&[1.0, 1.0, 1.0, 1.0], 2, true);
-    let options = RuntimeOptions {
-        threads_per_worker: 1,
-        ..Default::default()
-    };
+    let options = RuntimeOptions { threads_per_worker: 1, ..Default::default() };
     let start = Instant::now();
     let result = train_plan(
         &plan,
@@ -117,27 +106,13 @@ fn a_panicking_or_diverging_block_stops_every_worker_with_a_clear_error() {
     let text = error.to_string();
     assert!(elapsed < Duration::from_secs(5), "took {elapsed:?}: {text}");
     assert!(matches!(error, Error::Worker { stage: 1, .. }), "{text}");
-    assert!(
-        text.contains("block 2") && text.contains("step 2"),
-        "{text}"
-    );
+    assert!(text.contains("block 2") && text.contains("step 2"), "{text}");
     assert!(text.contains("panicked: injected fault"), "{text}");
-    assert_eq!(
-        wait_for_threads(baseline),
-        baseline,
-        "threads left running after the panic"
-    );
+    assert_eq!(wait_for_threads(baseline), baseline, "threads left running after the panic");
 
     let (error, elapsed) = run_with_fault(NAN_FROM_THIRD_STEP);
     let text = error.to_string();
     assert!(elapsed < Duration::from_secs(5), "took {elapsed:?}: {text}");
-    assert!(
-        text.contains("block 2") && text.contains("step 2") && text.contains("NaN"),
-        "{text}"
-    );
-    assert_eq!(
-        wait_for_threads(baseline),
-        baseline,
-        "threads left running after the NaN"
-    );
+    assert!(text.contains("block 2") && text.contains("step 2") && text.contains("NaN"), "{text}");
+    assert_eq!(wait_for_threads(baseline), baseline, "threads left running after the NaN");
 }

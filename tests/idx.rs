@@ -33,10 +33,7 @@ fn data_message(result: Result<impl std::fmt::Debug, Error>, path: &Path) -> Str
     match result {
         Err(e @ Error::Data { .. }) => {
             let text = e.to_string();
-            assert!(
-                text.contains(&path.display().to_string()),
-                "error does not name the file: {text}"
-            );
+            assert!(text.contains(&path.display().to_string()), "error does not name the file: {text}");
             text
         }
         other => panic!("expected a data error, got {other:?}"),
@@ -89,11 +86,7 @@ fn rejects_a_label_file_given_as_images() {
 #[test]
 fn rejects_an_image_file_given_as_labels() {
     let dir = tempfile::tempdir().unwrap();
-    let path = write(
-        dir.path(),
-        "images-not-labels",
-        &idx_images(1, 2, 2, &[0; 4]),
-    );
+    let path = write(dir.path(), "images-not-labels", &idx_images(1, 2, 2, &[0; 4]));
     let text = data_message(read_idx_labels(&path, 10), &path);
     assert!(text.contains("magic"), "{text}");
 }
@@ -109,16 +102,9 @@ fn rejects_out_of_range_labels() {
 #[test]
 fn rejects_mismatched_image_and_label_counts() {
     let dir = tempfile::tempdir().unwrap();
-    write(
-        dir.path(),
-        "t10k-images-idx3-ubyte",
-        &idx_images(3, 2, 2, &[0; 12]),
-    );
+    write(dir.path(), "t10k-images-idx3-ubyte", &idx_images(3, 2, 2, &[0; 12]));
     let labels = write(dir.path(), "t10k-labels-idx1-ubyte", &idx_labels(&[1, 2]));
-    let text = data_message(
-        ImageDataset::load_mnist(dir.path(), Split::Test, None),
-        &labels,
-    );
+    let text = data_message(ImageDataset::load_mnist(dir.path(), Split::Test, None), &labels);
     assert!(text.contains("2 labels for 3 images"), "{text}");
 }
 

@@ -28,15 +28,10 @@ fn config() -> RunConfig {
 fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     let config = config();
     let device = Default::default();
-    let data =
-        ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config.teacher, &device).unwrap();
-    let students =
-        build_students::<B>(&config.students, &teacher.specs, config.seed, &device).unwrap();
-    let options = RuntimeOptions {
-        threads_per_worker: 1,
-        ..Default::default()
-    };
+    let students = build_students::<B>(&config.students, &teacher.specs, config.seed, &device).unwrap();
+    let options = RuntimeOptions { threads_per_worker: 1, ..Default::default() };
     let devices = vec![device; slots];
     let output = train_plan(
         plan,
@@ -50,12 +45,7 @@ fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     )
     .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
     assert_eq!(output.log.steps, 8);
-    output
-        .students
-        .blocks
-        .iter()
-        .map(flat_parameters::<B, _>)
-        .collect()
+    output.students.blocks.iter().map(flat_parameters::<B, _>).collect()
 }
 
 fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
@@ -73,10 +63,7 @@ fn plans(slots: usize) -> Vec<Plan> {
     let teacher = pipe_bd::zoo::teacher_specs(&config.teacher);
     let students = pipe_bd::zoo::student_specs(&config.students, &teacher).unwrap();
     let cost = flops_cost(&teacher, &students);
-    ["dp", "ls", "tr", "tr-dpu"]
-        .iter()
-        .map(|name| Plan::named(name, 4, slots, &cost, &[]).unwrap())
-        .collect()
+    ["dp", "ls", "tr", "tr-dpu"].iter().map(|name| Plan::named(name, 4, slots, &cost, &[]).unwrap()).collect()
 }
 
 fn check_all(slots: usize, hybrid: &[StageSpec]) {
@@ -87,18 +74,10 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
         let config = config();
         let teacher = pipe_bd::zoo::teacher_specs(&config.teacher);
         let students =
-            build_students::<B>(&config.students, &teacher, config.seed, &Default::default())
-                .unwrap();
-        students
-            .blocks
-            .iter()
-            .map(flat_parameters::<B, _>)
-            .collect::<Vec<_>>()
+            build_students::<B>(&config.students, &teacher, config.seed, &Default::default()).unwrap();
+        students.blocks.iter().map(flat_parameters::<B, _>).collect::<Vec<_>>()
     };
-    assert!(
-        max_abs_diff(&reference, &initial) > 1e-3,
-        "training did not move the weights"
-    );
+    assert!(max_abs_diff(&reference, &initial) > 1e-3, "training did not move the weights");
     for plan in plans(slots) {
         let diff = max_abs_diff(&reference, &train(&plan, slots));
         assert!(
@@ -110,37 +89,18 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
     }
     let plan = Plan::hybrid(hybrid, 4, slots).unwrap();
     let diff = max_abs_diff(&reference, &train(&plan, slots));
-    assert!(
-        diff <= 1e-3,
-        "hybrid {} differs from ideal by {diff}",
-        plan.describe()
-    );
+    assert!(diff <= 1e-3, "hybrid {} differs from ideal by {diff}", plan.describe());
 }
 
 #[test]
 fn every_schedule_trains_the_same_students_on_two_slots() {
-    check_all(
-        2,
-        &[StageSpec {
-            blocks: vec![1, 2, 3, 4],
-            replicas: 2,
-        }],
-    );
+    check_all(2, &[StageSpec { blocks: vec![1, 2, 3, 4], replicas: 2 }]);
 }
 
 #[test]
 fn every_schedule_trains_the_same_students_on_three_slots() {
     check_all(
         3,
-        &[
-            StageSpec {
-                blocks: vec![1],
-                replicas: 2,
-            },
-            StageSpec {
-                blocks: vec![2, 3, 4],
-                replicas: 1,
-            },
-        ],
+        &[StageSpec { blocks: vec![1], replicas: 2 }, StageSpec { blocks: vec![2, 3, 4], replicas: 1 }],
     );
 }

@@ -9,10 +9,7 @@ use pipe_bd::zoo::build_teacher;
 mod common;
 
 fn teacher_config() -> TeacherConfig {
-    TeacherConfig {
-        kind: "mnist-cnn".into(),
-        weights: common::teacher_weights(),
-    }
+    TeacherConfig { kind: "mnist-cnn".into(), weights: common::teacher_weights() }
 }
 
 #[test]
@@ -27,15 +24,8 @@ fn imported_teacher_classifies_real_test_images() {
 #[test]
 fn teacher_has_four_chained_blocks_with_the_documented_shapes() {
     let teacher = build_teacher::<Flex>(&teacher_config(), &Default::default()).unwrap();
-    let outputs: Vec<Vec<usize>> = teacher
-        .specs
-        .iter()
-        .map(|s| s.output_shape.clone())
-        .collect();
-    assert_eq!(
-        outputs,
-        vec![vec![32, 14, 14], vec![64, 7, 7], vec![128, 3, 3], vec![10]]
-    );
+    let outputs: Vec<Vec<usize>> = teacher.specs.iter().map(|s| s.output_shape.clone()).collect();
+    assert_eq!(outputs, vec![vec![32, 14, 14], vec![64, 7, 7], vec![128, 3, 3], vec![10]]);
     let params: usize = teacher.specs.iter().map(|s| s.params).sum();
     assert_eq!(params, 390_410, "the state dict holds 390,410 parameters");
 }
@@ -45,10 +35,7 @@ fn corrupt_weights_are_refused_with_the_file_named() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("broken.pth");
     std::fs::write(&path, b"not a pytorch file").unwrap();
-    let config = TeacherConfig {
-        kind: "mnist-cnn".into(),
-        weights: path.clone(),
-    };
+    let config = TeacherConfig { kind: "mnist-cnn".into(), weights: path.clone() };
     let err = build_teacher::<Flex>(&config, &Default::default()).unwrap_err();
     assert!(err.to_string().contains("broken.pth"), "{err}");
 }

@@ -9,10 +9,7 @@ use burn::tensor::Tensor;
 
 /// Mean squared error between a student block's output and the teacher's,
 /// averaged over every element (batch included).
-pub fn mse<B: Backend, const D: usize>(
-    student: Tensor<B, D>,
-    teacher: Tensor<B, D>,
-) -> Tensor<B, 1> {
+pub fn mse<B: Backend, const D: usize>(student: Tensor<B, D>, teacher: Tensor<B, D>) -> Tensor<B, 1> {
     let diff = student - teacher;
     (diff.clone() * diff).mean()
 }
@@ -21,10 +18,7 @@ pub fn mse<B: Backend, const D: usize>(
 /// (temperature 1), averaged over the batch.
 ///
 /// `student` and `teacher` are `[batch, classes]` logits.
-pub fn soft_target_cross_entropy<B: Backend>(
-    student: Tensor<B, 2>,
-    teacher: Tensor<B, 2>,
-) -> Tensor<B, 1> {
+pub fn soft_target_cross_entropy<B: Backend>(student: Tensor<B, 2>, teacher: Tensor<B, 2>) -> Tensor<B, 1> {
     let [batch, _] = student.dims();
     let target = softmax(teacher, 1);
     let log_probs = log_softmax(student, 1);

@@ -33,9 +33,7 @@ fn spatial(
     let config = Conv2dConfig::new([c_in, c_out], [3, 3]).with_groups(groups);
     if downsample == Downsample::Stride {
         let (ph, pw) = (usize::from(h % 2 == 0), usize::from(w % 2 == 0));
-        config
-            .with_stride([2, 2])
-            .with_padding(PaddingConfig2d::Explicit(ph, pw, 0, 0))
+        config.with_stride([2, 2]).with_padding(PaddingConfig2d::Explicit(ph, pw, 0, 0))
     } else {
         config.with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
     }
@@ -100,10 +98,7 @@ impl<B: Backend> ConvBlock<B> {
 
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        maybe_pool(
-            relu(self.project.forward(relu(self.spatial.forward(x)))),
-            &self.pool,
-        )
+        maybe_pool(relu(self.project.forward(relu(self.spatial.forward(x)))), &self.pool)
     }
 }
 

@@ -194,11 +194,7 @@ impl StudentBlockConfig {
         input_shape: &[usize],
         device: &B::Device,
     ) -> Result<BuiltStudent<B>, StudentError> {
-        let invalid = |message: String| StudentError::Invalid {
-            block,
-            kind: self.kind(),
-            message,
-        };
+        let invalid = |message: String| StudentError::Invalid { block, kind: self.kind(), message };
         let positive = |name: &str, value: usize| {
             if value == 0 {
                 Err(invalid(format!("`{name}` must be at least 1")))
@@ -208,22 +204,15 @@ impl StudentBlockConfig {
         };
         let image = || {
             image_shape(input_shape).ok_or_else(|| {
-                invalid(format!(
-                    "expects image-shaped input [channels, height, width], got {input_shape:?}"
-                ))
+                invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
             })
         };
         match *self {
-            Self::Conv {
-                width,
-                out_channels,
-                downsample,
-            } => {
+            Self::Conv { width, out_channels, downsample } => {
                 positive("width", width)?;
                 positive("out_channels", out_channels)?;
                 let [c, h, w] = image()?;
-                let (module, flops) =
-                    ConvBlock::new(c, width, out_channels, h, w, downsample, device);
+                let (module, flops) = ConvBlock::new(c, width, out_channels, h, w, downsample, device);
                 let (oh, ow) = downsample.output(h, w);
                 Ok(BuiltStudent {
                     module: StudentBlock::Conv(module),
@@ -231,12 +220,7 @@ impl StudentBlockConfig {
                     flops,
                 })
             }
-            Self::Separable {
-                out_channels,
-                depth_multiplier,
-                inner_relu,
-                downsample,
-            } => {
+            Self::Separable { out_channels, depth_multiplier, inner_relu, downsample } => {
                 positive("out_channels", out_channels)?;
                 positive("depth_multiplier", depth_multiplier)?;
                 let [c, h, w] = image()?;
@@ -257,25 +241,12 @@ impl StudentBlockConfig {
                     flops,
                 })
             }
-            Self::Bottleneck {
-                rank,
-                out_channels,
-                inner_relu,
-                downsample,
-            } => {
+            Self::Bottleneck { rank, out_channels, inner_relu, downsample } => {
                 positive("rank", rank)?;
                 positive("out_channels", out_channels)?;
                 let [c, h, w] = image()?;
-                let (module, flops) = BottleneckBlock::new(
-                    c,
-                    rank,
-                    out_channels,
-                    h,
-                    w,
-                    inner_relu,
-                    downsample,
-                    device,
-                );
+                let (module, flops) =
+                    BottleneckBlock::new(c, rank, out_channels, h, w, inner_relu, downsample, device);
                 let (oh, ow) = downsample.output(h, w);
                 Ok(BuiltStudent {
                     module: StudentBlock::Bottleneck(module),
@@ -289,11 +260,7 @@ impl StudentBlockConfig {
                 let [c, h, w] = image()?;
                 let features = c * h * w;
                 let (module, flops) = HeadBlock::new(features, hidden, classes, device);
-                Ok(BuiltStudent {
-                    module: StudentBlock::Head(module),
-                    output_shape: vec![classes],
-                    flops,
-                })
+                Ok(BuiltStudent { module: StudentBlock::Head(module), output_shape: vec![classes], flops })
             }
         }
     }
@@ -327,11 +294,7 @@ mod tests {
         for downsample in [Downsample::Pool, Downsample::Stride, Downsample::None] {
             for (c, hw) in [(1, 28), (32, 14), (64, 7)] {
                 let configs = [
-                    StudentBlockConfig::Conv {
-                        width: 4,
-                        out_channels: 8,
-                        downsample,
-                    },
+                    StudentBlockConfig::Conv { width: 4, out_channels: 8, downsample },
                     StudentBlockConfig::Separable {
                         out_channels: 8,
                         depth_multiplier: 1,
@@ -351,13 +314,8 @@ mod tests {
                 }
             }
         }
-        let (declared, actual) = forward_shape(
-            &StudentBlockConfig::Head {
-                hidden: 16,
-                classes: 10,
-            },
-            [128, 3, 3],
-        );
+        let (declared, actual) =
+            forward_shape(&StudentBlockConfig::Head { hidden: 16, classes: 10 }, [128, 3, 3]);
         assert_eq!((declared, actual), (vec![10], vec![10]));
     }
 
@@ -369,12 +327,7 @@ mod tests {
             inner_relu: false,
             downsample: Downsample::Pool,
         };
-        let err = config
-            .init::<Flex>(3, &[32, 14, 14], &Default::default())
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "student block 3 (bottleneck): `rank` must be at least 1"
-        );
+        let err = config.init::<Flex>(3, &[32, 14, 14], &Default::default()).unwrap_err();
+        assert_eq!(err.to_string(), "student block 3 (bottleneck): `rank` must be at least 1");
     }
 }

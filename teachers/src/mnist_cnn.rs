@@ -99,10 +99,7 @@ impl<B: Backend> MnistCnn<B> {
             LinearConfig::new(flat, HEAD_HIDDEN).init(device),
             LinearConfig::new(HEAD_HIDDEN, CLASSES).init(device),
         ];
-        Self {
-            conv_layers,
-            fc_layers,
-        }
+        Self { conv_layers, fc_layers }
     }
 
     /// Loads the published PyTorch state dict (`handwriting_model.pth`).
@@ -111,25 +108,17 @@ impl<B: Backend> MnistCnn<B> {
     /// or does not provide every tensor of the model with the right shape.
     pub fn load_pytorch(path: &Path, device: &B::Device) -> Result<Self, TeacherError> {
         if !path.is_file() {
-            return Err(TeacherError::MissingWeights {
-                path: path.to_path_buf(),
-            });
+            return Err(TeacherError::MissingWeights { path: path.to_path_buf() });
         }
         let mut model = Self::init(device);
         let mut store = PytorchStore::from_file(path);
         let result = model
             .load_from(&mut store)
-            .map_err(|e| TeacherError::BadWeights {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| TeacherError::BadWeights { path: path.to_path_buf(), message: e.to_string() })?;
         if !result.missing.is_empty() || !result.errors.is_empty() {
             return Err(TeacherError::BadWeights {
                 path: path.to_path_buf(),
-                message: format!(
-                    "missing tensors {:?}, errors {:?}",
-                    result.missing, result.errors
-                ),
+                message: format!("missing tensors {:?}, errors {:?}", result.missing, result.errors),
             });
         }
         if result.applied.len() != 10 {
@@ -162,12 +151,7 @@ impl<B: Backend> MnistCnn<B> {
         let mut blocks: Vec<MnistBlock<B>> = self
             .conv_layers
             .into_iter()
-            .map(|conv| {
-                MnistBlock::Conv(ConvStage {
-                    conv,
-                    pool: pool.clone(),
-                })
-            })
+            .map(|conv| MnistBlock::Conv(ConvStage { conv, pool: pool.clone() }))
             .collect();
         let mut fc = self.fc_layers.into_iter();
         if let (Some(hidden), Some(output)) = (fc.next(), fc.next()) {

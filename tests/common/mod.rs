@@ -23,11 +23,7 @@ pub fn mnist_dir() -> PathBuf {
 /// The teacher weights installed by `scripts/setup-data.sh`.
 pub fn teacher_weights() -> PathBuf {
     let path = repo().join("data/teachers/mnist-cnn.pth");
-    assert!(
-        path.is_file(),
-        "{} not found: run `bash scripts/setup-data.sh` first",
-        path.display()
-    );
+    assert!(path.is_file(), "{} not found: run `bash scripts/setup-data.sh` first", path.display());
     path
 }
 
