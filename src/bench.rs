@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::planner::CostTable;
 use crate::report::write_atomic;
-use crate::run::{dispatch, preflight, BackendJob};
+use crate::run::{dispatch, plan_from_candidate, preflight, BackendJob, AUTO};
 use crate::runtime::{train_plan, RuntimeOptions};
 use crate::simulate::simulate;
 use crate::trace::Span;
@@ -233,6 +233,14 @@ impl BackendJob for BenchJob<'_> {
             .schedules
             .iter()
             .map(|name| {
+                if name == AUTO {
+                    let best = crate::planner::plan(costs, slots, config.runtime.memory_per_device, 1);
+                    let best = best.first().ok_or_else(|| Error::Plan {
+                        plan: AUTO.into(),
+                        message: "no feasible plan for the profiled costs".into(),
+                    })?;
+                    return plan_from_candidate(best, blocks, slots);
+                }
                 Plan::named(name, blocks, slots, &measured, &config.stages)
                     .map_err(|e| Error::Plan { plan: name.clone(), message: e.0 })
             })

@@ -73,6 +73,9 @@ pub struct RuntimeConfig {
     /// Intra-op threads per worker; 0 (default) divides the cores evenly.
     #[serde(default)]
     pub threads_per_worker: usize,
+    /// Memory per device slot in bytes, for `schedule = "auto"` (default: no limit).
+    #[serde(default)]
+    pub memory_per_device: Option<u64>,
 }
 
 impl Default for RuntimeConfig {
@@ -81,6 +84,7 @@ impl Default for RuntimeConfig {
             channel_capacity: default_capacity(),
             timeout_seconds: default_timeout(),
             threads_per_worker: 0,
+            memory_per_device: None,
         }
     }
 }

@@ -81,7 +81,7 @@ fn one() -> usize {
 }
 
 /// Names accepted by [`Plan::named`].
-pub const SCHEDULES: [&str; 6] = ["ideal", "dp", "ls", "tr", "tr-dpu", "hybrid"];
+pub const SCHEDULES: [&str; 7] = ["ideal", "dp", "ls", "tr", "tr-dpu", "hybrid", "auto"];
 
 /// Why a plan cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -221,6 +221,7 @@ impl Plan {
                 }
                 Self::hybrid(hybrid, blocks, devices)
             }
+            "auto" => Err(PlanError("`auto` is planned from a profile: use `run::auto_plan`".into())),
             other => Err(PlanError(format!(
                 "unknown schedule `{other}`: expected one of {}",
                 SCHEDULES.join(", ")

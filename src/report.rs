@@ -64,6 +64,13 @@ pub struct RunReport {
     pub train_seconds: f64,
     /// Training samples per second (each sample through every block).
     pub samples_per_second: f64,
+    /// Measured seconds per optimizer step (training time / steps).
+    pub measured_step_seconds: f64,
+    /// Seconds per step the simulator predicted from the profile
+    /// (`schedule = "auto"`).
+    pub predicted_step_seconds: Option<f64>,
+    /// Measured over predicted step time.
+    pub measured_over_predicted: Option<f64>,
     /// Per-block figures.
     pub blocks: Vec<BlockReport>,
     /// Busy and idle time of each pipeline worker.

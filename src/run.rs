@@ -17,9 +17,11 @@ use crate::config::RunConfig;
 use crate::data::{ImageDataset, Split};
 use crate::device::{parse_slots, DeviceSpec};
 use crate::error::{Error, Result};
-use crate::plan::{flops_cost, Plan};
+use crate::plan::{flops_cost, Plan, StageSpec};
+use crate::planner::{Candidate, CostTable};
 use crate::report::{write_metrics, BlockReport, RunReport};
 use crate::runtime::train_plan;
+use crate::simulate::simulate;
 use crate::trace::write_chrome_trace;
 use crate::train::{accuracy, inference_blocks, Progress};
 use crate::zoo::{build_students, build_teacher, init_student_blocks, student_specs, teacher_specs};
@@ -29,8 +31,8 @@ const EVAL_CHUNK: usize = 1000;
 
 /// Checks a config before any heavy work: devices usable, student shapes
 /// matching the teacher's, schedule buildable. Returns the device slots and
-/// the plan.
-pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Plan)> {
+/// the plan (`None` for `schedule = "auto"`, planned from a profile later).
+pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Option<Plan>)> {
     let slots = config.device_slots();
     let devices =
         parse_slots(&slots).map_err(|message| Error::Device { device: slots.join(","), message })?;
@@ -39,9 +41,15 @@ pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Plan)> {
     }
     let teacher = teacher_specs(&config.teacher);
     let students = student_specs(&config.students, &teacher)?;
+    if config.schedule == AUTO {
+        return Ok((devices, None));
+    }
     let plan = plan_for(config, &teacher, &students, devices.len())?;
-    Ok((devices, plan))
+    Ok((devices, Some(plan)))
 }
+
+/// The schedule name that asks for automatic hybrid distribution.
+pub const AUTO: &str = "auto";
 
 /// The plan a config asks for, over `slots` device slots.
 pub fn plan_for(
@@ -53,6 +61,81 @@ pub fn plan_for(
     let cost = flops_cost(teacher, students);
     Plan::named(&config.schedule, teacher.len(), slots, &cost, &config.stages)
         .map_err(|e| Error::Plan { plan: config.schedule.clone(), message: e.0 })
+}
+
+/// Where `schedule = "auto"` keeps profiles, keyed by what they depend on.
+pub const PROFILE_CACHE: &str = "runs/.profile-cache";
+
+/// A stable key for the profile of a config: teacher, students, batch size,
+/// device slots, optimizer and threads (FNV-1a over their JSON).
+pub fn profile_key(config: &RunConfig) -> String {
+    let parts = serde_json::json!({
+        "teacher": config.teacher,
+        "students": config.students,
+        "batch": config.train.batch_size,
+        "devices": config.device_slots(),
+        "optimizer": config.optimizer,
+        "threads": config.runtime.threads_per_worker,
+    });
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in parts.to_string().bytes() {
+        hash ^= byte as u64;
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{}-{hash:016x}", config.name)
+}
+
+/// The profile for `config`: read from [`PROFILE_CACHE`] if one with the
+/// same key exists, else measured and cached.
+pub fn cached_profile(config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<crate::profile::Profile> {
+    let path = Path::new(PROFILE_CACHE).join(format!("{}.json", profile_key(config)));
+    if path.is_file() {
+        if let Ok(profile) = crate::profile::Profile::read(&path) {
+            say(&format!("using the cached profile {}", path.display()));
+            return Ok(profile);
+        }
+    }
+    say(&format!("profiling the blocks (cached in {})", path.display()));
+    crate::profile::profile(config, config.device_slots().len(), &path, say)
+}
+
+/// Plans `schedule = "auto"`: the best hybrid plan for the config's device
+/// slots from its (cached) profile, within `runtime.memory_per_device`.
+pub fn auto_plan(config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<(Plan, CostTable)> {
+    let slots = config.device_slots().len();
+    let profile = cached_profile(config, say)?;
+    let costs = profile.cost_table(slots);
+    let blocks = costs.blocks();
+    let candidates = crate::planner::plan(&costs, slots, config.runtime.memory_per_device, 3);
+    let best = candidates.first().ok_or_else(|| Error::Plan {
+        plan: AUTO.into(),
+        message: format!(
+            "no way to place the {blocks} blocks on {slots} slots fits (memory per device {:?})",
+            config.runtime.memory_per_device
+        ),
+    })?;
+    for (i, c) in candidates.iter().enumerate() {
+        say(&format!(
+            "{} {} (planner bottleneck {:.1} ms)",
+            if i == 0 { "chosen" } else { "runner-up" },
+            c.describe(),
+            1e3 * c.step_seconds
+        ));
+    }
+    Ok((plan_from_candidate(best, blocks, slots)?, costs))
+}
+
+/// The runtime's plan for a planner candidate (named `auto`).
+pub fn plan_from_candidate(candidate: &Candidate, blocks: usize, slots: usize) -> Result<Plan> {
+    let specs: Vec<StageSpec> = candidate
+        .stages
+        .iter()
+        .map(|s| StageSpec { blocks: (s.blocks.start + 1..=s.blocks.end).collect(), replicas: s.replicas })
+        .collect();
+    let mut plan =
+        Plan::hybrid(&specs, blocks, slots).map_err(|e| Error::Plan { plan: AUTO.into(), message: e.0 })?;
+    plan.name = AUTO.into();
+    Ok(plan)
 }
 
 /// Options of a run that are not part of its config.
@@ -74,7 +157,15 @@ pub fn run(
 ) -> Result<RunReport> {
     let (devices, plan) = preflight(config)?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    dispatch(&devices, Job { config, plan: &plan, out_dir, options, observer })
+    let (plan, costs) = match plan {
+        Some(plan) => (plan, None),
+        None => {
+            let mut say = |line: &str| eprintln!("auto: {line}");
+            let (plan, costs) = auto_plan(config, &mut say)?;
+            (plan, Some(costs))
+        }
+    };
+    dispatch(&devices, Job { config, plan: &plan, costs: costs.as_ref(), out_dir, options, observer })
 }
 
 /// Work that runs on whichever burn backend the device slots name.
@@ -132,6 +223,7 @@ fn wgpu_device(index: Option<usize>) -> burn::backend::wgpu::WgpuDevice {
 struct Job<'a> {
     config: &'a RunConfig,
     plan: &'a Plan,
+    costs: Option<&'a CostTable>,
     out_dir: &'a Path,
     options: &'a RunOptions,
     observer: &'a mut dyn FnMut(&Progress),
@@ -162,6 +254,11 @@ impl BackendJob for Job<'_> {
         )?;
         let students = output.students;
         let log = output.log;
+        let predicted_step_seconds = self.costs.and_then(|costs| {
+            let data_load = costs.input_transfer.first().cloned().unwrap_or_default();
+            simulate(self.plan, costs, &data_load, log.steps, config.runtime.channel_capacity)
+                .map(|p| p.step_seconds)
+        });
 
         let trained = inference_blocks(&students);
         let student_accuracy = accuracy(&trained, &test, device, EVAL_CHUNK)?;
@@ -193,6 +290,10 @@ impl BackendJob for Job<'_> {
             wall_seconds: start.elapsed().as_secs_f64(),
             train_seconds: log.seconds,
             samples_per_second: log.samples as f64 / log.seconds.max(1e-9),
+            measured_step_seconds: log.seconds / log.steps.max(1) as f64,
+            predicted_step_seconds,
+            measured_over_predicted: predicted_step_seconds
+                .map(|p| log.seconds / log.steps.max(1) as f64 / p.max(1e-12)),
             blocks,
             workers: output.workers,
             config: config.clone(),
