@@ -89,6 +89,11 @@ enum Command {
         #[arg(long, default_value = "runs/plan.toml")]
         out: PathBuf,
     },
+    /// Run a grid of configs (resumable) and plot throughput and speedup.
+    Sweep {
+        /// The sweep file (`base`, `out`, `x` and a `[grid]` of dotted config fields).
+        sweep: PathBuf,
+    },
     /// Reload the student saved by `pipebd run` and score it on the test set.
     Eval {
         /// The run folder given to `pipebd run --out`.
@@ -326,6 +331,22 @@ fn execute(command: Command) -> Result<(), Error> {
             }
             pipe_bd::report::write_atomic(&out, text.as_bytes())?;
             println!("wrote {}", out.display());
+            Ok(())
+        }
+        Command::Sweep { sweep } => {
+            let mut say = |line: &str| eprintln!("sweep: {line}");
+            let rows = pipe_bd::sweep::sweep(&sweep, &mut say)?;
+            println!("{:<48} {:>11} {:>9} {:>9}  plan", "point", "samples/s", "step ms", "accuracy");
+            for r in &rows {
+                println!(
+                    "{:<48} {:>11.1} {:>9.1} {:>8.2}%  {}",
+                    r.id,
+                    r.samples_per_second,
+                    1e3 * r.step_seconds,
+                    100.0 * r.student_accuracy,
+                    r.plan
+                );
+            }
             Ok(())
         }
         Command::Eval { run_dir } => {

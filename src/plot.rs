@@ -1,0 +1,143 @@
+//! The sweep plot: throughput and speedup over `dp` against the swept axis.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::sweep::Row;
+
+/// Font files tried, in order, for the plot's text.
+const FONTS: [&str; 3] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+];
+
+fn register_font() -> std::result::Result<(), String> {
+    static REGISTERED: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    REGISTERED
+        .get_or_init(|| {
+            let bytes = FONTS.iter().find_map(|f| std::fs::read(f).ok()).ok_or_else(|| {
+                format!(
+                    "no font for the plot: install Debian's fonts-dejavu-core (looked for {})",
+                    FONTS.join(", ")
+                )
+            })?;
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+                .map_err(|_| "the DejaVu font file could not be read".to_string())
+        })
+        .clone()
+}
+
+/// Draws `sweep.png`: left, samples per second against `x` (one line per
+/// combination of the other swept fields); right, speedup over the `dp`
+/// point with the same other values (when the sweep has `schedule = dp`).
+pub fn draw_sweep(path: &Path, rows: &[Row], keys: &[String], x: &str) -> Result<()> {
+    let fail = |message: String| Error::Data { path: path.to_path_buf(), message };
+    register_font().map_err(fail)?;
+    let xi =
+        keys.iter().position(|k| k == x).ok_or_else(|| fail(format!("`x = {x}` is not a swept field")))?;
+    let schedule = keys.iter().position(|k| k == "schedule");
+    // x positions: numbers as they are, anything else by order of appearance.
+    let mut categories: Vec<String> = Vec::new();
+    let position = |value: &str, categories: &mut Vec<String>| -> f64 {
+        value.parse::<f64>().unwrap_or_else(|_| {
+            if !categories.iter().any(|c| c == value) {
+                categories.push(value.to_string());
+            }
+            categories.iter().position(|c| c == value).unwrap_or(0) as f64
+        })
+    };
+    // Fields with one value across the sweep say nothing in a legend.
+    let varies: Vec<bool> = (0..keys.len())
+        .map(|i| rows.iter().any(|r| rows.first().is_some_and(|f| f.values[i] != r.values[i])))
+        .collect();
+    let label = |row: &Row| -> String {
+        keys.iter()
+            .zip(&row.values)
+            .enumerate()
+            .filter(|(i, _)| *i != xi && varies[*i])
+            .map(|(_, (k, v))| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let mut throughput: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    let mut speedup: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for row in rows {
+        let px = position(&row.values[xi], &mut categories);
+        throughput.entry(label(row)).or_default().push((px, row.samples_per_second));
+        if let Some(si) = schedule {
+            let baseline = rows.iter().find(|r| {
+                r.values[si] == "dp"
+                    && r.values.iter().enumerate().all(|(i, v)| i == si || *v == row.values[i])
+            });
+            if let Some(dp) = baseline {
+                speedup
+                    .entry(label(row))
+                    .or_default()
+                    .push((px, row.samples_per_second / dp.samples_per_second));
+            }
+        }
+    }
+    for series in throughput.values_mut().chain(speedup.values_mut()) {
+        series.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
+    let (left, right) = root.split_horizontally(640);
+    panel(&left, &throughput, x, "samples / s", "throughput").map_err(fail)?;
+    if speedup.is_empty() {
+        right
+            .titled("(no dp points: no speedup panel)", ("sans-serif", 18))
+            .map_err(|e| fail(e.to_string()))?;
+    } else {
+        panel(&right, &speedup, x, "speedup over dp", "speedup over dp").map_err(fail)?;
+    }
+    root.present().map_err(|e| fail(e.to_string()))
+}
+
+fn panel(
+    area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
+    series: &BTreeMap<String, Vec<(f64, f64)>>,
+    x: &str,
+    y: &str,
+    caption: &str,
+) -> std::result::Result<(), String> {
+    let points = series.values().flatten();
+    let (mut x0, mut x1, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, 0.0f64);
+    for &(px, py) in points {
+        x0 = x0.min(px);
+        x1 = x1.max(px);
+        y1 = y1.max(py);
+    }
+    let pad = ((x1 - x0) * 0.08).max(0.5);
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..(y1 * 1.15).max(1e-9))
+        .map_err(|e| e.to_string())?;
+    chart.configure_mesh().x_desc(x).y_desc(y).draw().map_err(|e| e.to_string())?;
+    for (i, (name, points)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(name.clone())
+            .legend(move |(lx, ly)| PathElement::new(vec![(lx, ly), (lx + 20, ly)], color.stroke_width(2)));
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| e.to_string())?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())
+}

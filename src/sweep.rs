@@ -1,0 +1,322 @@
+//! `pipebd sweep`: a grid of runs over a base config, resumable, with one
+//! `sweep.csv` and a PNG plot of throughput and speedup over `dp`.
+//!
+//! A sweep file names a base run config and a `[grid]` of dotted config
+//! fields, each with a list of values; every combination is one point:
+//!
+//! ```toml
+//! base = "mnist-bench.toml"          # relative to the sweep file
+//! out = "runs/sweep-mnist"           # relative to the working directory
+//! x = "train.batch_size"             # the plotted axis (default: first non-schedule key)
+//! [grid]
+//! schedule = ["dp", "tr-dpu", "hybrid"]
+//! "train.batch_size" = [128, 256]
+//! ```
+//!
+//! Each finished point is appended to `sweep.csv` at once; a rerun skips
+//! the points already there, so an interrupted sweep resumes where it stopped.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::config::RunConfig;
+use crate::error::{Error, Result};
+use crate::run::{run, RunOptions};
+
+/// A sweep file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SweepConfig {
+    /// The base run config, relative to the sweep file.
+    pub base: PathBuf,
+    /// Output folder (relative to the working directory).
+    pub out: PathBuf,
+    /// The swept field drawn on the x axis.
+    #[serde(default)]
+    pub x: Option<String>,
+    /// Dotted config field -> values.
+    pub grid: BTreeMap<String, Vec<toml::Value>>,
+}
+
+/// One point of the grid: the value of each swept field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Point {
+    /// `(field, value)` in grid order.
+    pub values: Vec<(String, toml::Value)>,
+}
+
+impl Point {
+    /// `field=value,field=value`: the point's id in `sweep.csv`.
+    pub fn id(&self) -> String {
+        self.values.iter().map(|(k, v)| format!("{k}={}", plain(v))).collect::<Vec<_>>().join(",")
+    }
+}
+
+fn plain(value: &toml::Value) -> String {
+    match value {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string().replace(',', ";"),
+    }
+}
+
+/// Every combination of the grid's values.
+pub fn expand(grid: &BTreeMap<String, Vec<toml::Value>>) -> Vec<Point> {
+    let mut points = vec![Point { values: Vec::new() }];
+    for (key, values) in grid {
+        points = points
+            .into_iter()
+            .flat_map(|p| {
+                values.iter().map(move |v| {
+                    let mut values = p.values.clone();
+                    values.push((key.clone(), v.clone()));
+                    Point { values }
+                })
+            })
+            .collect();
+    }
+    points
+}
+
+/// The base config with the point's fields set; `path` names it in errors.
+pub fn apply(base: &toml::Table, point: &Point, path: &Path) -> Result<RunConfig> {
+    let mut doc = base.clone();
+    for (key, value) in &point.values {
+        let mut table = &mut doc;
+        let parts: Vec<&str> = key.split('.').collect();
+        for part in &parts[..parts.len() - 1] {
+            let entry =
+                table.entry(part.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            table = entry.as_table_mut().ok_or_else(|| Error::Config {
+                path: path.to_path_buf(),
+                line: None,
+                field: Some(key.clone()),
+                message: format!("`{part}` is not a table in the base config"),
+            })?;
+        }
+        table.insert(parts[parts.len() - 1].to_string(), value.clone());
+    }
+    let text = toml::to_string(&doc).map_err(|e| Error::Config {
+        path: path.to_path_buf(),
+        line: None,
+        field: None,
+        message: e.to_string(),
+    })?;
+    RunConfig::parse(&text, &path.with_file_name(format!("{} [{}]", file_name(path), point.id())))
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+fn config_error(path: &Path, message: String) -> Error {
+    Error::Config { path: path.to_path_buf(), line: None, field: None, message }
+}
+
+/// One row of `sweep.csv`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// The point's id.
+    pub id: String,
+    /// Swept values, as written.
+    pub values: Vec<String>,
+    /// Training samples per second.
+    pub samples_per_second: f64,
+    /// Seconds per optimizer step.
+    pub step_seconds: f64,
+    /// Stitched student accuracy.
+    pub student_accuracy: f64,
+    /// The plan that ran.
+    pub plan: String,
+}
+
+const FIXED_COLUMNS: [&str; 4] = ["samples_per_second", "step_seconds", "student_accuracy", "plan"];
+
+fn header(keys: &[String]) -> String {
+    let mut cols = vec!["point".to_string()];
+    cols.extend(keys.iter().cloned());
+    cols.extend(FIXED_COLUMNS.iter().map(|c| c.to_string()));
+    cols.join(",")
+}
+
+fn quote(field: &str) -> String {
+    format!("\"{}\"", field.replace('"', "'"))
+}
+
+fn csv_line(row: &Row) -> String {
+    let mut line = vec![quote(&row.id)];
+    line.extend(row.values.iter().map(|v| quote(v)));
+    line.push(format!("{:.3}", row.samples_per_second));
+    line.push(format!("{:.6}", row.step_seconds));
+    line.push(format!("{:.6}", row.student_accuracy));
+    line.push(quote(&row.plan));
+    line.join(",")
+}
+
+/// Splits one CSV line written by this module (fields may be quoted, no
+/// embedded quotes).
+fn split_csv(line: &str) -> Vec<String> {
+    let mut fields = Vec::new();
+    let mut current = String::new();
+    let mut quoted = false;
+    for c in line.chars() {
+        match c {
+            '"' => quoted = !quoted,
+            ',' if !quoted => fields.push(std::mem::take(&mut current)),
+            c => current.push(c),
+        }
+    }
+    fields.push(current);
+    fields
+}
+
+/// Reads the rows of an existing `sweep.csv` (none if it does not exist).
+pub fn read_rows(path: &Path, keys: &[String]) -> Result<Vec<Row>> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(Vec::new()) };
+    let mut lines = text.lines();
+    match lines.next() {
+        None => return Ok(Vec::new()),
+        Some(h) if h == header(keys) => {}
+        Some(h) => {
+            return Err(Error::Data {
+                path: path.to_path_buf(),
+                message: format!(
+                    "its columns `{h}` are not this sweep's `{}`: use another `out` or remove the file",
+                    header(keys)
+                ),
+            })
+        }
+    }
+    let mut rows = Vec::new();
+    for (i, line) in lines.enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let f = split_csv(line);
+        let bad =
+            || Error::Data { path: path.to_path_buf(), message: format!("line {} is malformed", i + 2) };
+        if f.len() != 1 + keys.len() + FIXED_COLUMNS.len() {
+            // A line cut short by an interruption: ignored, its point reruns.
+            continue;
+        }
+        let n = keys.len();
+        rows.push(Row {
+            id: f[0].clone(),
+            values: f[1..=n].to_vec(),
+            samples_per_second: f[n + 1].parse().map_err(|_| bad())?,
+            step_seconds: f[n + 2].parse().map_err(|_| bad())?,
+            student_accuracy: f[n + 3].parse().map_err(|_| bad())?,
+            plan: f[n + 4].clone(),
+        });
+    }
+    Ok(rows)
+}
+
+/// Runs every point of the sweep at `path` not yet in its `sweep.csv`,
+/// then draws `sweep.png`. `say` receives progress lines.
+pub fn sweep(path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| config_error(path, format!("cannot read the sweep file: {e}")))?;
+    let sweep: SweepConfig =
+        toml::from_str(&text).map_err(|e| config_error(path, e.message().to_string()))?;
+    if sweep.grid.is_empty() || sweep.grid.values().any(|v| v.is_empty()) {
+        return Err(config_error(
+            path,
+            "`[grid]` needs at least one field, each with at least one value".into(),
+        ));
+    }
+    let base_path = path.parent().unwrap_or(Path::new(".")).join(&sweep.base);
+    let base_text = std::fs::read_to_string(&base_path).map_err(|e| {
+        config_error(path, format!("cannot read the base config {}: {e}", base_path.display()))
+    })?;
+    let base: toml::Table =
+        toml::from_str(&base_text).map_err(|e| config_error(&base_path, e.message().to_string()))?;
+    let keys: Vec<String> = sweep.grid.keys().cloned().collect();
+    let points = expand(&sweep.grid);
+    // Check every point's config before running any.
+    let configs = points.iter().map(|p| apply(&base, p, &base_path)).collect::<Result<Vec<_>>>()?;
+
+    std::fs::create_dir_all(&sweep.out).map_err(|e| Error::io("creating directory", &sweep.out, e))?;
+    let csv_path = sweep.out.join("sweep.csv");
+    let mut rows = read_rows(&csv_path, &keys)?;
+    // Rewrite what is valid (a line cut by an interruption is dropped), then append.
+    let mut text = format!("{}\n", header(&keys));
+    for row in &rows {
+        text.push_str(&csv_line(row));
+        text.push('\n');
+    }
+    crate::report::write_atomic(&csv_path, text.as_bytes())?;
+    for (i, (point, config)) in points.iter().zip(&configs).enumerate() {
+        let id = point.id();
+        if rows.iter().any(|r| r.id == id) {
+            say(&format!("[{}/{}] {id}: already done", i + 1, points.len()));
+            continue;
+        }
+        say(&format!("[{}/{}] {id}", i + 1, points.len()));
+        let dir = sweep.out.join("points").join(format!("{i:03}"));
+        let report = run(config, &dir, &RunOptions::default(), &mut |_| {})?;
+        let row = Row {
+            id: id.clone(),
+            values: point.values.iter().map(|(_, v)| plain(v)).collect(),
+            samples_per_second: report.samples_per_second,
+            step_seconds: report.measured_step_seconds,
+            student_accuracy: report.student_accuracy,
+            plan: report.plan.clone(),
+        };
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&csv_path)
+            .map_err(|e| Error::io("opening", &csv_path, e))?;
+        writeln!(file, "{}", csv_line(&row))
+            .and_then(|_| file.sync_all())
+            .map_err(|e| Error::io("writing", &csv_path, e))?;
+        rows.push(row);
+    }
+    let x = sweep
+        .x
+        .clone()
+        .or_else(|| keys.iter().find(|k| *k != "schedule").cloned())
+        .unwrap_or_else(|| keys[0].clone());
+    let png = sweep.out.join("sweep.png");
+    crate::plot::draw_sweep(&png, &rows, &keys, &x)?;
+    say(&format!("wrote {} and {}", csv_path.display(), png.display()));
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_grid_expands_to_every_combination() {
+        let mut grid = BTreeMap::new();
+        grid.insert("schedule".to_string(), vec!["dp".into(), "tr".into(), "hybrid".into()]);
+        grid.insert("train.batch_size".to_string(), vec![128.into(), 256.into()]);
+        let points = expand(&grid);
+        assert_eq!(points.len(), 6);
+        let ids: Vec<String> = points.iter().map(Point::id).collect();
+        assert!(ids.contains(&"schedule=tr,train.batch_size=256".to_string()), "{ids:?}");
+        let unique: std::collections::HashSet<_> = ids.iter().collect();
+        assert_eq!(unique.len(), 6);
+    }
+
+    #[test]
+    fn csv_lines_round_trip_and_cut_lines_are_skipped() {
+        let keys = vec!["schedule".to_string()];
+        let dir = std::env::temp_dir().join(format!("pipebd-sweep-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("sweep.csv");
+        std::fs::write(
+            &path,
+            format!(
+                "{}\n\"schedule=dp\",\"dp\",10.5,0.1,0.9,\"{{1 | 2}}\"\n\"schedule=tr\",\"tr\",12",
+                header(&keys)
+            ),
+        )
+        .unwrap();
+        let rows = read_rows(&path, &keys).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].plan, "{1 | 2}");
+        assert_eq!(rows[0].samples_per_second, 10.5);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
