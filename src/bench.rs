@@ -17,7 +17,7 @@ use crate::planner::CostTable;
 use crate::report::write_atomic;
 use crate::run::{dispatch, plan_from_candidate, preflight, BackendJob, AUTO};
 use crate::runtime::{train_plan, RuntimeOptions};
-use crate::simulate::simulate;
+use crate::simulate::simulate_shared;
 use crate::trace::Span;
 use crate::train::detached_copy;
 use crate::zoo::{build_students, build_teacher};
@@ -249,10 +249,11 @@ impl BackendJob for BenchJob<'_> {
         let predictions = plans
             .iter()
             .map(|p| {
-                simulate(p, costs, &data_load, steps, capacity).ok_or_else(|| Error::Plan {
-                    plan: p.name.clone(),
-                    message: "uses a block the profile marks infeasible".into(),
-                })
+                simulate_shared(p, costs, &data_load, steps, capacity, (cores / threads).max(1) as f64)
+                    .ok_or_else(|| Error::Plan {
+                        plan: p.name.clone(),
+                        message: "uses a block the profile marks infeasible".into(),
+                    })
             })
             .collect::<Result<Vec<_>>>()?;
         let dp_index = plans.iter().position(|p| p.name == "dp");

@@ -302,7 +302,10 @@ impl BackendJob for ProfileJob<'_> {
             let share = batch / g;
             (self.say)(&format!("replicas {g}: batch share {share}"));
             let threads = self.threads;
-            let others = self.max_replicas - 1;
+            // Contend as the runtime will, but with at most one busy thread per
+            // core: oversubscription is the simulator's business (`simulate_shared`).
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let others = self.max_replicas.min((cores / threads).max(1)) - 1;
             let row = (|| -> Result<Vec<Entry>> {
                 let mut row = Vec::with_capacity(blocks);
                 let indices = &order[..share.min(order.len())];

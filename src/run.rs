@@ -21,7 +21,7 @@ use crate::plan::{flops_cost, Plan, StageSpec};
 use crate::planner::{Candidate, CostTable};
 use crate::report::{write_metrics, BlockReport, RunReport};
 use crate::runtime::train_plan;
-use crate::simulate::simulate;
+use crate::simulate::simulate_shared;
 use crate::trace::write_chrome_trace;
 use crate::train::{accuracy, inference_blocks, Progress};
 use crate::zoo::{build_students, build_teacher, init_student_blocks, student_specs, teacher_specs};
@@ -256,8 +256,21 @@ impl BackendJob for Job<'_> {
         let log = output.log;
         let predicted_step_seconds = self.costs.and_then(|costs| {
             let data_load = costs.input_transfer.first().cloned().unwrap_or_default();
-            simulate(self.plan, costs, &data_load, log.steps, config.runtime.channel_capacity)
-                .map(|p| p.step_seconds)
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let threads = match config.runtime.threads_per_worker {
+                0 => (cores / devices.len()).max(1),
+                n => n,
+            };
+            let processors = (cores / threads).max(1) as f64;
+            simulate_shared(
+                self.plan,
+                costs,
+                &data_load,
+                log.steps,
+                config.runtime.channel_capacity,
+                processors,
+            )
+            .map(|p| p.step_seconds)
         });
 
         let trained = inference_blocks(&students);

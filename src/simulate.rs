@@ -34,14 +34,63 @@ pub struct Prediction {
 
 /// Predicts `plan` running `steps` steps with channels of `capacity`, from
 /// `costs` (which must cover every replica count the plan uses) and the
-/// data-loading time `data_load[g - 1]` per step at batch share `B / g`.
-/// Returns `None` if the plan uses an infeasible entry of `costs`.
+/// data-loading time `data_load[g - 1]` per step at batch share `B / g`,
+/// each worker having a processor of its own. Returns `None` if the plan
+/// uses an infeasible entry of `costs`.
 pub fn simulate(
     plan: &Plan,
     costs: &CostTable,
     data_load: &[f64],
     steps: usize,
     capacity: usize,
+) -> Option<Prediction> {
+    simulate_slowed(plan, costs, data_load, steps, capacity, 1.0)
+}
+
+/// As [`simulate`], when the workers share `processors` processors (more
+/// workers than cores): computation slows by the mean number of busy
+/// workers per processor, found as a fixed point (busy fractions depend on
+/// the slowdown, the slowdown on the busy fractions).
+pub fn simulate_shared(
+    plan: &Plan,
+    costs: &CostTable,
+    data_load: &[f64],
+    steps: usize,
+    capacity: usize,
+    processors: f64,
+) -> Option<Prediction> {
+    let mut slowdown = 1.0;
+    let mut prediction = simulate_slowed(plan, costs, data_load, steps, capacity, slowdown)?;
+    for _ in 0..50 {
+        let target = (busy_workers(plan, &prediction) / processors.max(1e-9)).max(1.0);
+        if (target - slowdown).abs() < 1e-4 {
+            break;
+        }
+        slowdown = 0.5 * (slowdown + target);
+        prediction = simulate_slowed(plan, costs, data_load, steps, capacity, slowdown)?;
+    }
+    Some(prediction)
+}
+
+/// Busy workers at a time, averaged over the phases.
+fn busy_workers(plan: &Plan, prediction: &Prediction) -> f64 {
+    let mut index = 0;
+    let mut total = 0.0;
+    for phase in &plan.phases {
+        let workers: usize = phase.stages.iter().map(|s| s.replicas()).sum();
+        total += prediction.idle_fractions[index..index + workers].iter().map(|idle| 1.0 - idle).sum::<f64>();
+        index += workers;
+    }
+    total / plan.phases.len().max(1) as f64
+}
+
+fn simulate_slowed(
+    plan: &Plan,
+    costs: &CostTable,
+    data_load: &[f64],
+    steps: usize,
+    capacity: usize,
+    slowdown: f64,
 ) -> Option<Prediction> {
     let steps = steps.max(1);
     let capacity = capacity.max(1);
@@ -70,9 +119,9 @@ pub fn simulate(
                 tail += costs.gradient_average.get(k)?.get(gi).copied()?;
                 update += costs.update.get(k).and_then(|row| row.get(gi)).copied().unwrap_or(0.0);
             }
-            before.push(head);
-            after.push(tail);
-            updates.push(update.min(tail));
+            before.push(head * slowdown);
+            after.push(tail * slowdown);
+            updates.push(update.min(tail) * slowdown);
         }
         let relays: Vec<bool> = (0..n).map(|s| s + 1 < n && !stages[s + 1].loads_data).collect();
         let mut start = vec![vec![0.0f64; steps]; n];
@@ -154,6 +203,23 @@ mod tests {
         assert!((decoupled.step_seconds - 4.0).abs() < 0.05, "{}", decoupled.step_seconds);
         assert!((barrier.step_seconds - 5.0).abs() < 0.05, "{}", barrier.step_seconds);
         assert!(barrier.idle_fractions[0] > decoupled.idle_fractions[0]);
+    }
+
+    #[test]
+    fn workers_sharing_fewer_processors_slow_down() {
+        let costs = uniform(4, 1.0, 1.0);
+        // DP over 3 replicas keeps all 3 busy: on 2 processors, 1.5x slower.
+        let own = simulate(&Plan::dp(4, 3), &costs, &[0.0; 4], 100, 2).unwrap();
+        let shared = simulate_shared(&Plan::dp(4, 3), &costs, &[0.0; 4], 100, 2, 2.0).unwrap();
+        assert!(
+            (shared.step_seconds / own.step_seconds - 1.5).abs() < 0.01,
+            "{} {}",
+            shared.step_seconds,
+            own.step_seconds
+        );
+        // Enough processors: no change.
+        let plenty = simulate_shared(&Plan::dp(4, 3), &costs, &[0.0; 4], 100, 2, 8.0).unwrap();
+        assert!((plenty.step_seconds - own.step_seconds).abs() < 1e-12);
     }
 
     #[test]
