@@ -90,7 +90,7 @@ pub struct Profile {
 }
 
 /// Repeats measured per entry, after one warm-up run.
-const REPEATS: usize = 5;
+const REPEATS: usize = 9;
 
 /// Measures the config's blocks for g = 1..=`max_replicas` and writes the
 /// profile as JSON to `out`.
