@@ -137,6 +137,15 @@ impl Error {
     }
 }
 
+/// The message of a caught panic (`&str` or `String` payloads).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
 fn location(path: &std::path::Path, line: Option<usize>, field: Option<&str>) -> String {
     let mut s = path.display().to_string();
     if let Some(line) = line {

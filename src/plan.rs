@@ -243,21 +243,28 @@ impl Plan {
                     .stages
                     .iter()
                     .map(|s| {
-                        let blocks = if s.blocks.len() == 1 {
-                            format!("{}", s.blocks.start + 1)
-                        } else {
-                            format!("{}-{}", s.blocks.start + 1, s.blocks.end)
-                        };
-                        let reps =
-                            if s.replicas() > 1 { format!(" x{}", s.replicas()) } else { String::new() };
                         let data = if s.loads_data && s.blocks.start > 0 { " (recompute)" } else { "" };
-                        format!("{blocks}{reps}{data}")
+                        format!("{}{data}", describe_stage(&s.blocks, s.replicas()))
                     })
                     .collect();
                 format!("{{{}}}{}", stages.join(" | "), if phase.barrier { " barrier" } else { "" })
             })
             .collect::<Vec<_>>()
             .join(" then ")
+    }
+}
+
+/// One stage as users write it: one-based blocks and replicas, `2-3 x2`.
+pub fn describe_stage(blocks: &Range<usize>, replicas: usize) -> String {
+    let range = if blocks.len() == 1 {
+        format!("{}", blocks.start + 1)
+    } else {
+        format!("{}-{}", blocks.start + 1, blocks.end)
+    };
+    if replicas > 1 {
+        format!("{range} x{replicas}")
+    } else {
+        range
     }
 }
 

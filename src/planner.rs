@@ -84,22 +84,8 @@ pub struct Candidate {
 impl Candidate {
     /// `{1 x2 | 2-3 | 4-6}` (one-based blocks).
     pub fn describe(&self) -> String {
-        let stages: Vec<String> = self
-            .stages
-            .iter()
-            .map(|s| {
-                let blocks = if s.blocks.len() == 1 {
-                    format!("{}", s.blocks.start + 1)
-                } else {
-                    format!("{}-{}", s.blocks.start + 1, s.blocks.end)
-                };
-                if s.replicas > 1 {
-                    format!("{blocks} x{}", s.replicas)
-                } else {
-                    blocks
-                }
-            })
-            .collect();
+        let stages: Vec<String> =
+            self.stages.iter().map(|s| crate::plan::describe_stage(&s.blocks, s.replicas)).collect();
         format!("{{{}}}", stages.join(" | "))
     }
 }

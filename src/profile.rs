@@ -211,14 +211,7 @@ fn time_repeated(mut f: impl FnMut() -> Result<()>) -> std::result::Result<Timin
         match catch_unwind(AssertUnwindSafe(&mut f)) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e.to_string()),
-            Err(panic) => {
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "panic".into());
-                return Err(format!("panicked: {message}"));
-            }
+            Err(panic) => return Err(format!("panicked: {}", crate::error::panic_message(panic.as_ref()))),
         }
         if i > 0 {
             seconds.push(start.elapsed().as_secs_f64());

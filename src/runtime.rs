@@ -629,11 +629,7 @@ where
         Ok(Err(Halt::Stopped)) => None,
         Ok(Err(Halt::Failed(error))) => Some(error),
         Err(panic) => {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let message = crate::error::panic_message(panic.as_ref());
             Some(Error::Training {
                 block: position.block.unwrap_or(0),
                 step: position.step,
