@@ -19,7 +19,7 @@ use crate::run::{dispatch, plan_from_candidate, preflight, BackendJob, AUTO};
 use crate::runtime::{train_plan, RuntimeOptions};
 use crate::simulate::simulate_shared;
 use crate::trace::Span;
-use crate::train::detached_copy;
+use crate::train::{detached_copy, steps_per_epoch};
 use crate::zoo::{build_students, build_teacher};
 
 /// Single-replica cost of one block at the full batch, from the profile.
@@ -200,7 +200,7 @@ impl BackendJob for BenchJob<'_> {
         };
         let options = RuntimeOptions { threads_per_worker: threads, ..config.runtime_options() };
         let settings = config.train_settings();
-        let steps = data.len() / settings.batch_size * settings.epochs;
+        let steps = steps_per_epoch(data.len(), settings.batch_size) * settings.epochs;
         let blocks = teacher.blocks.len();
 
         let time = |plan: &Plan,

@@ -196,24 +196,9 @@ impl<B: Backend, T: Block<B>> Teacher<B, T> {
         Ok(Self { blocks, specs, _backend: std::marker::PhantomData })
     }
 
-    /// Runs the whole teacher; returns every block's output.
-    pub fn forward_all(&self, input: Activation<B>) -> Result<Vec<Activation<B>>> {
-        let mut outputs = Vec::with_capacity(self.blocks.len());
-        let mut x = input;
-        for (k, block) in self.blocks.iter().enumerate() {
-            x = block.forward(x).map_err(|e| relabel(e, k + 1))?;
-            outputs.push(x.clone());
-        }
-        Ok(outputs)
-    }
-
     /// Runs the whole teacher and returns its final output.
     pub fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
-        let mut x = input;
-        for (k, block) in self.blocks.iter().enumerate() {
-            x = block.forward(x).map_err(|e| relabel(e, k + 1))?;
-        }
-        Ok(x)
+        forward_chain(&self.blocks, input)
     }
 }
 
@@ -290,6 +275,15 @@ pub fn check_against_teacher(student: &[BlockSpec], teacher: &[BlockSpec]) -> Re
         }
     }
     Ok(())
+}
+
+/// Runs `blocks` one after another (a whole teacher, or stitched students).
+pub fn forward_chain<B: Backend, M: Block<B>>(blocks: &[M], input: Activation<B>) -> Result<Activation<B>> {
+    let mut x = input;
+    for (k, block) in blocks.iter().enumerate() {
+        x = block.forward(x).map_err(|e| relabel(e, k + 1))?;
+    }
+    Ok(x)
 }
 
 /// Puts the right block number on a block error raised with `block: 0`.

@@ -190,9 +190,3 @@ pub fn epoch_order(len: usize, seed: u64, epoch: usize) -> Vec<usize> {
     order.shuffle(&mut rng);
     order
 }
-
-/// Full batches of an epoch (a trailing partial batch is dropped so that every
-/// step has the same batch size).
-pub fn batches(order: &[usize], batch_size: usize) -> impl Iterator<Item = &[usize]> {
-    order.chunks_exact(batch_size)
-}

@@ -44,7 +44,7 @@ use crate::data::{epoch_order, ImageDataset};
 use crate::error::{Error, Result};
 use crate::plan::{Phase, Plan, Stage};
 use crate::trace::{summarise, Span, SpanKind, SpanRecorder, WorkerSummary};
-use crate::train::{detached_copy, BlockTrainer, MetricRow, Progress, TrainLog};
+use crate::train::{detached_copy, steps_per_epoch, BlockTrainer, MetricRow, Progress, TrainLog};
 
 /// How often a waiting worker looks at the stop signal.
 const POLL: Duration = Duration::from_millis(20);
@@ -114,7 +114,7 @@ where
     S: StudentModule<B>,
 {
     let batch = settings.batch_size;
-    let per_epoch = data.len() / batch.max(1);
+    let per_epoch = steps_per_epoch(data.len(), batch);
     let plan_error = |message: String| Error::Plan { plan: plan.name.clone(), message };
     if batch == 0 || per_epoch == 0 {
         return Err(plan_error(format!(

@@ -12,7 +12,9 @@ use burn::tensor::backend::DeviceOps;
 use burn::tensor::ElementConversion;
 use serde::Serialize;
 
-use crate::block::{block_loss, relabel, Activation, Block, BlockSpec, StudentModule, Students};
+use crate::block::{
+    block_loss, forward_chain, relabel, Activation, Block, BlockSpec, StudentModule, Students,
+};
 use crate::config::OptimizerConfig;
 use crate::data::ImageDataset;
 use crate::error::{Error, Result};
@@ -224,9 +226,10 @@ pub struct Progress {
     pub losses: Vec<f32>,
 }
 
-/// Optimizer steps per epoch for a dataset of `len` samples.
+/// Optimizer steps per epoch for a dataset of `len` samples (a trailing
+/// partial batch is dropped so that every step has the same batch size).
 pub fn steps_per_epoch(len: usize, batch_size: usize) -> usize {
-    len / batch_size
+    len / batch_size.max(1)
 }
 
 /// Stitches blocks into one network and measures top-1 accuracy on `data`.
@@ -238,10 +241,7 @@ where
     let indices: Vec<usize> = (0..data.len()).collect();
     let mut correct = 0usize;
     for part in indices.chunks(chunk.max(1)) {
-        let mut x = Activation::Maps(data.images::<B>(part, device));
-        for (k, block) in blocks.iter().enumerate() {
-            x = block.forward(x).map_err(|e| relabel(e, k + 1))?;
-        }
+        let x = forward_chain(blocks, Activation::Maps(data.images::<B>(part, device)))?;
         let Activation::Flat(logits) = x else {
             return Err(Error::Block {
                 block: blocks.len(),
