@@ -14,9 +14,10 @@ use crate::data::{ImageDataset, Split};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::planner::CostTable;
+use crate::profile::{reset_peak_resident, resident_bytes};
 use crate::report::write_atomic;
 use crate::run::{dispatch, plan_from_candidate, preflight, BackendJob, AUTO};
-use crate::runtime::{train_plan, RuntimeOptions};
+use crate::runtime::{concurrent_workers, threads_per_worker, train_plan, RuntimeOptions};
 use crate::simulate::simulate_shared;
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
@@ -163,18 +164,6 @@ pub fn cost_model_step_seconds(plan: &Plan, costs: &[BlockCost]) -> f64 {
         .sum()
 }
 
-/// Peak resident memory since the last reset, from /proc (Linux only).
-fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
 struct BenchJob<'a> {
     config: &'a RunConfig,
     schedules: &'a [String],
@@ -193,11 +182,7 @@ impl BackendJob for BenchJob<'_> {
         let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
         let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
         let slots = devices.len();
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = match config.runtime.threads_per_worker {
-            0 => (cores / slots).max(1),
-            n => n,
-        };
+        let threads = threads_per_worker(config.runtime.threads_per_worker, slots);
         let options = RuntimeOptions { threads_per_worker: threads, ..config.runtime_options() };
         let settings = config.train_settings();
         let steps = steps_per_epoch(data.len(), settings.batch_size) * settings.epochs;
@@ -207,13 +192,13 @@ impl BackendJob for BenchJob<'_> {
                     say: &mut dyn FnMut(&str)|
          -> Result<(f64, Vec<Span>, Vec<f64>, Option<u64>)> {
             say(&format!("{:<8} {}", plan.name, plan.describe()));
-            reset_peak_rss();
+            reset_peak_resident();
             let start = Instant::now();
             let fresh = copy_students(&students)?;
             let out = train_plan(plan, &teacher, fresh, &data, &settings, devices, &options, &mut |_| {})?;
             let seconds = start.elapsed().as_secs_f64();
             let idle = out.workers.iter().map(|w| w.idle_fraction).collect();
-            Ok((seconds, out.spans, idle, peak_rss_bytes()))
+            Ok((seconds, out.spans, idle, resident_bytes("VmHWM:")))
         };
 
         // The single-device reference: teacher once, every block on one slot.
@@ -249,7 +234,7 @@ impl BackendJob for BenchJob<'_> {
         let predictions = plans
             .iter()
             .map(|p| {
-                simulate_shared(p, costs, &data_load, steps, capacity, (cores / threads).max(1) as f64)
+                simulate_shared(p, costs, &data_load, steps, capacity, concurrent_workers(threads) as f64)
                     .ok_or_else(|| Error::Plan {
                         plan: p.name.clone(),
                         message: "uses a block the profile marks infeasible".into(),

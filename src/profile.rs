@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::planner::CostTable;
 use crate::report::write_atomic;
 use crate::run::{dispatch, preflight, BackendJob};
+use crate::runtime::{concurrent_workers, threads_per_worker};
 use crate::train::{detached_copy, BlockTrainer};
 use crate::zoo::{build_students, build_teacher};
 
@@ -127,10 +128,7 @@ pub fn measure(config: &RunConfig, max_replicas: usize, say: &mut dyn FnMut(&str
     }
     // Measure under the runtime's conditions: each of W workers gets its
     // share of the cores (`runtime.threads_per_worker`, 0 = cores / W).
-    let threads = match config.runtime.threads_per_worker {
-        0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / max_replicas).max(1),
-        n => n,
-    };
+    let threads = threads_per_worker(config.runtime.threads_per_worker, max_replicas);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -196,10 +194,17 @@ impl Profile {
     }
 }
 
-fn resident_bytes(field: &str) -> Option<u64> {
+/// A memory figure of this process from /proc/self/status (`VmRSS:` now,
+/// `VmHWM:` peak since the last [`reset_peak_resident`]), in bytes; Linux only.
+pub(crate) fn resident_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with(field))?;
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// Restarts the peak (`VmHWM`) count of this process (Linux only).
+pub(crate) fn reset_peak_resident() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
 /// Runs `f` once to warm up, then [`REPEATS`] times; a panic or error makes
@@ -257,7 +262,7 @@ impl ProfileJob<'_> {
                 Ok(())
             });
             let before = resident_bytes("VmRSS:");
-            let _ = std::fs::write("/proc/self/clear_refs", "5");
+            reset_peak_resident();
             let student_step = time_repeated(|| trainer.step(input.clone(), y.clone()).map(|_| ()));
             let peak = resident_bytes("VmHWM:").zip(before).map(|(p, b)| p.saturating_sub(b));
             let single = time_update(trainer, input, y, 1);
@@ -297,8 +302,7 @@ impl BackendJob for ProfileJob<'_> {
             let threads = self.threads;
             // Contend as the runtime will, but with at most one busy thread per
             // core: oversubscription is the simulator's business (`simulate_shared`).
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let others = self.max_replicas.min((cores / threads).max(1)) - 1;
+            let others = self.max_replicas.min(concurrent_workers(threads)) - 1;
             let row = (|| -> Result<Vec<Entry>> {
                 let mut row = Vec::with_capacity(blocks);
                 let indices = &order[..share.min(order.len())];

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::plan::{flops_cost, Plan, StageSpec};
 use crate::planner::{Candidate, CostTable};
 use crate::report::{write_metrics, BlockReport, RunReport};
-use crate::runtime::train_plan;
+use crate::runtime::{concurrent_workers, threads_per_worker, train_plan};
 use crate::simulate::simulate_shared;
 use crate::trace::write_chrome_trace;
 use crate::train::{accuracy, inference_blocks, Progress};
@@ -256,12 +256,8 @@ impl BackendJob for Job<'_> {
         let log = output.log;
         let predicted_step_seconds = self.costs.and_then(|costs| {
             let data_load = costs.input_transfer.first().cloned().unwrap_or_default();
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let threads = match config.runtime.threads_per_worker {
-                0 => (cores / devices.len()).max(1),
-                n => n,
-            };
-            let processors = (cores / threads).max(1) as f64;
+            let threads = threads_per_worker(config.runtime.threads_per_worker, devices.len());
+            let processors = concurrent_workers(threads) as f64;
             simulate_shared(
                 self.plan,
                 costs,

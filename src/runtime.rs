@@ -67,6 +67,25 @@ impl Default for RuntimeOptions {
     }
 }
 
+/// This machine's cores (1 if unknown).
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Intra-op threads of each of `workers` workers: `configured`, or for 0 the
+/// cores divided evenly (at least 1).
+pub fn threads_per_worker(configured: usize, workers: usize) -> usize {
+    match configured {
+        0 => (cores() / workers.max(1)).max(1),
+        n => n,
+    }
+}
+
+/// How many workers of `threads` threads each the cores run at once (at least 1).
+pub fn concurrent_workers(threads: usize) -> usize {
+    (cores() / threads.max(1)).max(1)
+}
+
 /// The training hyper-parameters the runtime needs.
 #[derive(Debug, Clone)]
 pub struct TrainSettings {
@@ -520,10 +539,7 @@ where
     let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
     let stages = context.phase.stages.len();
     let phase_blocks: usize = context.phase.stages.iter().map(|s| s.blocks.len()).sum();
-    let threads = match context.options.threads_per_worker {
-        0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / count).max(1),
-        n => n,
-    };
+    let threads = threads_per_worker(context.options.threads_per_worker, count);
 
     let results: Vec<std::thread::Result<WorkerResult<B, S>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = workers
