@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
+use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::block::Students;
@@ -174,7 +174,7 @@ struct BenchJob<'a> {
 impl BackendJob for BenchJob<'_> {
     type Output = BenchReport;
 
-    fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<BenchReport> {
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<BenchReport> {
         let config = self.config;
         let say = self.say;
         let device = &devices[0];
@@ -288,7 +288,7 @@ impl BackendJob for BenchJob<'_> {
 
 /// Independent copies of the initial students, so every schedule starts
 /// from the same weights.
-fn copy_students<B: AutodiffBackend>(
+fn copy_students<B: DistillBackend>(
     students: &Students<B, pipebd_students::StudentBlock<B>>,
 ) -> Result<Students<B, pipebd_students::StudentBlock<B>>> {
     let blocks = students.blocks.iter().map(detached_copy).collect();

@@ -12,7 +12,8 @@
 //! from your modules and their specs (see `ARCHITECTURE.md`).
 
 use burn::module::Module;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
+use pipebd_kernels::{DistillBackend, FusedBackend};
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
@@ -113,7 +114,7 @@ impl<B: Backend> Activation<B> {
     }
 }
 
-impl<B: AutodiffBackend> Activation<B> {
+impl<B: DistillBackend> Activation<B> {
     /// Lifts an activation computed on the inner backend (for example by the
     /// frozen teacher) into the autodiff backend as a constant: no gradient
     /// flows back through it.
@@ -204,7 +205,7 @@ impl<B: Backend, T: Block<B>> Teacher<B, T> {
 
 /// The student blocks with their specs, on the autodiff backend `B`.
 #[derive(Debug, Clone)]
-pub struct Students<B: AutodiffBackend, S: StudentModule<B>> {
+pub struct Students<B: DistillBackend, S: StudentModule<B>> {
     /// The blocks, in order.
     pub blocks: Vec<S>,
     /// One spec per block.
@@ -214,20 +215,20 @@ pub struct Students<B: AutodiffBackend, S: StudentModule<B>> {
 
 /// A trainable student block: a [`Block`] on the autodiff backend whose
 /// inference copy is a [`Block`] on the inner backend.
-pub trait StudentModule<B: AutodiffBackend>:
+pub trait StudentModule<B: DistillBackend>:
     Block<B> + burn::module::AutodiffModule<B, InnerModule: Block<B::InnerBackend>>
 {
 }
 
 impl<B, S> StudentModule<B> for S
 where
-    B: AutodiffBackend,
+    B: DistillBackend,
     S: Block<B> + burn::module::AutodiffModule<B>,
     S::InnerModule: Block<B::InnerBackend>,
 {
 }
 
-impl<B: AutodiffBackend, S: StudentModule<B>> Students<B, S> {
+impl<B: DistillBackend, S: StudentModule<B>> Students<B, S> {
     /// Pairs student blocks with their specs and checks them against the
     /// teacher's: same number of blocks, same input and output shapes.
     pub fn new(blocks: Vec<S>, specs: Vec<BlockSpec>, teacher_specs: &[BlockSpec]) -> Result<Self> {
@@ -295,7 +296,7 @@ pub(crate) fn relabel(error: Error, block: usize) -> Error {
 }
 
 /// The distillation loss of one block.
-pub fn block_loss<B: Backend>(
+pub fn block_loss<B: FusedBackend>(
     kind: LossKind,
     student: Activation<B>,
     teacher: Activation<B>,

@@ -104,6 +104,24 @@ enum Command {
         /// The run config naming the teacher and the data.
         config: PathBuf,
     },
+    /// Check the fused kernels (losses, fused linear) against burn's ops, and time them.
+    Kernels {
+        /// Where to run: cpu (the burn-op fallback), wgpu[:N] or cuda[:N].
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Compare every fused op and its gradients with burn's unfused ops.
+        #[arg(long)]
+        check: bool,
+        /// Time fused against unfused at the MNIST workload's sizes.
+        #[arg(long)]
+        bench: bool,
+        /// Timed calls per case and side (the median is shown).
+        #[arg(long, default_value_t = 10)]
+        repeats: usize,
+        /// Seed of the check's random inputs (default: drawn from the clock and printed).
+        #[arg(long)]
+        seed: Option<u64>,
+    },
     /// Check a config (syntax, fields, student shapes, device) without running it.
     Check {
         /// The run config.
@@ -363,6 +381,29 @@ fn execute(command: Command) -> Result<(), Error> {
             let config = load_config(&config, Overrides::default())?;
             let (acc, n) = pipe_bd::run::eval_teacher(&config)?;
             println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
+            Ok(())
+        }
+        Command::Kernels { device, check, bench, repeats, seed } => {
+            let (check, bench) = if check || bench { (check, bench) } else { (true, true) };
+            let seed = seed.unwrap_or_else(|| {
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+            });
+            let report = pipe_bd::run::kernels(&device, check.then_some(seed), bench.then_some(repeats))?;
+            if check {
+                println!("fused ops against burn's ops on {} (seed {seed}):", report.device);
+                print!("{}", pipebd_kernels::check::table(&report.checks));
+            }
+            if bench {
+                println!("fused against unfused on {}, median of {repeats} calls:", report.device);
+                print!("{}", pipebd_kernels::bench::table(&report.timings));
+            }
+            let failed = report.checks.iter().filter(|r| !r.passed()).count();
+            if failed > 0 {
+                return Err(Error::Device {
+                    device: report.device,
+                    message: format!("{failed} kernel checks out of {} failed", report.checks.len()),
+                });
+            }
             Ok(())
         }
         Command::Check { config } => {

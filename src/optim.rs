@@ -5,20 +5,20 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{Adam, AdamConfig, GradientsParams, MultiGradientsParams, Optimizer, Sgd, SgdConfig};
-use burn::tensor::backend::AutodiffBackend;
+use pipebd_kernels::DistillBackend;
 
 use crate::config::{LrSchedule, OptimizerConfig, OptimizerKind};
 
 /// The optimizer of one student block.
 #[derive(Clone)]
-pub enum BlockOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
+pub enum BlockOptimizer<B: DistillBackend, M: AutodiffModule<B>> {
     /// SGD with momentum and weight decay.
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
     /// Adam.
     Adam(OptimizerAdaptor<Adam, M, B>),
 }
 
-impl<B: AutodiffBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
+impl<B: DistillBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
     /// A fresh optimizer as configured.
     pub fn new(config: &OptimizerConfig) -> Self {
         let decay = (config.weight_decay > 0.0).then(|| WeightDecayConfig::new(config.weight_decay as f32));

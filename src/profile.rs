@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
+use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::block::{Activation, Block};
@@ -245,7 +245,7 @@ impl ProfileJob<'_> {
     /// Teacher forward, student step, optimizer update, gradient averaging
     /// and peak memory of one block at replica count `g`.
     fn measure_block<
-        B: AutodiffBackend,
+        B: DistillBackend,
         T: Block<B::InnerBackend> + Sync,
         S: crate::block::StudentModule<B>,
     >(
@@ -286,7 +286,7 @@ impl ProfileJob<'_> {
 impl BackendJob for ProfileJob<'_> {
     type Output = Profile;
 
-    fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<Profile> {
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<Profile> {
         let config = self.config;
         let device = &devices[0];
         let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
@@ -388,7 +388,7 @@ impl BackendJob for ProfileJob<'_> {
 
 /// Times only the optimizer update of a step that sums `g` gradient sets
 /// (the backward passes that produce them are not timed).
-fn time_update<B: AutodiffBackend, S: crate::block::StudentModule<B>>(
+fn time_update<B: DistillBackend, S: crate::block::StudentModule<B>>(
     trainer: &mut BlockTrainer<B, S>,
     input: &Activation<B::InnerBackend>,
     target: &Activation<B::InnerBackend>,

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use burn::module::{AutodiffModule, Module};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use burn::tensor::backend::AutodiffBackend;
+use pipebd_kernels::DistillBackend;
 use pipebd_students::StudentBlock;
 
 use crate::block::{BlockSpec, Students};
@@ -173,7 +173,7 @@ pub trait BackendJob {
     /// What the job returns.
     type Output;
     /// Runs the job on backend `B` with one device per slot.
-    fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<Self::Output>;
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<Self::Output>;
 }
 
 /// Picks the burn backend for `devices` (all of one kind) and runs `job` on it.
@@ -194,7 +194,7 @@ pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Outp
                     _ => Default::default(),
                 })
                 .collect();
-            job.run::<burn::backend::Autodiff<burn::backend::Cuda>>(&slots)
+            job.run::<burn::backend::Autodiff<pipebd_kernels::Cuda>>(&slots)
         }
         #[cfg(feature = "wgpu")]
         DeviceSpec::Wgpu(_) => {
@@ -205,7 +205,7 @@ pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Outp
                     _ => Default::default(),
                 })
                 .collect();
-            job.run::<burn::backend::Autodiff<burn::backend::Wgpu>>(&slots)
+            job.run::<burn::backend::Autodiff<pipebd_kernels::Wgpu>>(&slots)
         }
         #[allow(unreachable_patterns)]
         other => Err(Error::Device { device: other.to_string(), message: "not compiled in".into() }),
@@ -232,7 +232,7 @@ struct Job<'a> {
 impl BackendJob for Job<'_> {
     type Output = RunReport;
 
-    fn run<B: AutodiffBackend>(self, devices: &[B::Device]) -> Result<RunReport> {
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<RunReport> {
         let config = self.config;
         let start = Instant::now();
         let device = &devices[0];
@@ -338,7 +338,7 @@ fn recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
 }
 
 /// Saves every trained student block (inference copy) as a burn record.
-pub fn save_students<B: AutodiffBackend>(
+pub fn save_students<B: DistillBackend>(
     run_dir: &Path,
     students: &Students<B, StudentBlock<B>>,
 ) -> Result<()> {
@@ -401,4 +401,50 @@ pub fn eval_teacher(config: &RunConfig) -> Result<(f64, usize)> {
     let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
     let teacher = build_teacher::<B>(&config.teacher, &device)?;
     Ok((accuracy(&teacher.blocks, &test, &device, EVAL_CHUNK)?, test.len()))
+}
+
+/// What `pipebd kernels` measured: the fused ops against burn's ops.
+#[derive(Debug, Default)]
+pub struct KernelsReport {
+    /// The device the ops ran on.
+    pub device: String,
+    /// Correctness rows (when checked).
+    pub checks: Vec<pipebd_kernels::check::CheckRow>,
+    /// Timing rows (when benchmarked).
+    pub timings: Vec<pipebd_kernels::bench::BenchRow>,
+}
+
+struct KernelsJob {
+    check_seed: Option<u64>,
+    bench_repeats: Option<usize>,
+}
+
+impl BackendJob for KernelsJob {
+    type Output = KernelsReport;
+
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<KernelsReport> {
+        let device = &devices[0];
+        let mut report = KernelsReport::default();
+        if let Some(seed) = self.check_seed {
+            pipebd_kernels::set_poison_outputs(true);
+            report.checks = pipebd_kernels::check::run::<B>(device, seed);
+            pipebd_kernels::set_poison_outputs(false);
+        }
+        if let Some(repeats) = self.bench_repeats {
+            report.timings = pipebd_kernels::bench::run::<B>(device, repeats);
+        }
+        Ok(report)
+    }
+}
+
+/// Checks the fused ops against burn's unfused ops on `device` (random inputs
+/// from `check_seed`, outputs NaN-poisoned) and/or times both sides with
+/// `bench_repeats` calls each. On `cpu` the fused ops are their burn-op
+/// fallback, so this checks the custom backward passes.
+pub fn kernels(device: &str, check_seed: Option<u64>, bench_repeats: Option<usize>) -> Result<KernelsReport> {
+    let spec = DeviceSpec::parse(device).map_err(|message| Error::Device { device: device.into(), message })?;
+    spec.check_available()?;
+    let mut report = dispatch(&[spec], KernelsJob { check_seed, bench_repeats })?;
+    report.device = device.to_string();
+    Ok(report)
 }

@@ -35,7 +35,8 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
+use pipebd_kernels::DistillBackend;
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
 use crate::block::{relabel, Activation, Block, StudentModule, Students, Teacher};
@@ -102,7 +103,7 @@ pub struct TrainSettings {
 }
 
 /// What a plan's training produced.
-pub struct PlanOutput<B: AutodiffBackend, S: StudentModule<B>> {
+pub struct PlanOutput<B: DistillBackend, S: StudentModule<B>> {
     /// The trained student blocks.
     pub students: Students<B, S>,
     /// Metric rows, final losses, steps, time.
@@ -128,7 +129,7 @@ pub fn train_plan<B, T, S>(
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<PlanOutput<B, S>>
 where
-    B: AutodiffBackend,
+    B: DistillBackend,
     T: Block<B::InnerBackend> + Sync,
     S: StudentModule<B>,
 {
@@ -212,7 +213,7 @@ where
     Ok(PlanOutput { students: Students::new(trained, specs.clone(), &specs)?, log, spans, workers })
 }
 
-struct PhaseContext<'a, B: AutodiffBackend, T: Block<B::InnerBackend>> {
+struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>> {
     phase: &'a Phase,
     teacher: &'a Teacher<B::InnerBackend, T>,
     data: &'a ImageDataset,
@@ -401,7 +402,7 @@ struct Outbound<IB: Backend> {
     to: String,
 }
 
-struct Worker<B: AutodiffBackend, S: StudentModule<B>> {
+struct Worker<B: DistillBackend, S: StudentModule<B>> {
     id: usize,
     stage: usize,
     replica: usize,
@@ -414,7 +415,7 @@ struct Worker<B: AutodiffBackend, S: StudentModule<B>> {
     trainers: Vec<BlockTrainer<B, S>>,
 }
 
-impl<B: AutodiffBackend, S: StudentModule<B>> Worker<B, S> {
+impl<B: DistillBackend, S: StudentModule<B>> Worker<B, S> {
     fn name(&self) -> String {
         format!("stage {} replica {}", self.stage + 1, self.replica)
     }
@@ -440,7 +441,7 @@ fn build_workers<B, T, S>(
     trainers: &mut [Option<BlockTrainer<B, S>>],
 ) -> Result<Vec<Worker<B, S>>>
 where
-    B: AutodiffBackend,
+    B: DistillBackend,
     T: Block<B::InnerBackend>,
     S: StudentModule<B>,
 {
@@ -528,7 +529,7 @@ fn run_phase<B, T, S>(
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<PhaseOutcome>
 where
-    B: AutodiffBackend,
+    B: DistillBackend,
     T: Block<B::InnerBackend> + Sync,
     S: StudentModule<B>,
 {
@@ -609,7 +610,7 @@ where
     Ok(outcome)
 }
 
-struct WorkerResult<B: AutodiffBackend, S: StudentModule<B>> {
+struct WorkerResult<B: DistillBackend, S: StudentModule<B>> {
     id: usize,
     role: String,
     slot: usize,
@@ -629,7 +630,7 @@ fn run_worker<B, T, S>(
     progress: &Sender<ProgressMsg>,
 ) -> WorkerResult<B, S>
 where
-    B: AutodiffBackend,
+    B: DistillBackend,
     T: Block<B::InnerBackend>,
     S: StudentModule<B>,
 {
@@ -696,7 +697,7 @@ fn worker_loop<B, T, S>(
     position: &mut Position,
 ) -> Flow<()>
 where
-    B: AutodiffBackend,
+    B: DistillBackend,
     T: Block<B::InnerBackend>,
     S: StudentModule<B>,
 {

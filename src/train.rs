@@ -7,7 +7,7 @@
 //! block k's parameters.
 
 use burn::optim::{GradientsParams, MultiGradientsParams};
-use burn::tensor::backend::AutodiffBackend;
+use pipebd_kernels::DistillBackend;
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ElementConversion;
 use serde::Serialize;
@@ -24,7 +24,7 @@ use crate::optim::{BlockOptimizer, LrPlan};
 pub const FINAL_LOSS_WINDOW: usize = 20;
 
 /// A student block with its optimizer and learning-rate plan.
-pub struct BlockTrainer<B: AutodiffBackend, S: StudentModule<B>> {
+pub struct BlockTrainer<B: DistillBackend, S: StudentModule<B>> {
     /// Zero-based block index.
     pub index: usize,
     /// The block's spec (decides the loss).
@@ -37,7 +37,7 @@ pub struct BlockTrainer<B: AutodiffBackend, S: StudentModule<B>> {
     recent: Vec<f32>,
 }
 
-impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
+impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     /// A trainer for block `index` that will take `total_steps` steps.
     pub fn new(
         index: usize,
@@ -173,7 +173,7 @@ impl<B: AutodiffBackend, S: StudentModule<B>> BlockTrainer<B, S> {
 /// A copy of a module with its own autodiff leaves (same parameter ids and
 /// values): two replicas must never share leaf tensors, or their concurrent
 /// backward passes would meet in one autodiff graph.
-pub fn detached_copy<B: AutodiffBackend, S: StudentModule<B>>(module: &S) -> S {
+pub fn detached_copy<B: DistillBackend, S: StudentModule<B>>(module: &S) -> S {
     S::from_inner(module.valid())
 }
 
@@ -257,7 +257,7 @@ where
 }
 
 /// The inference copies of trained student blocks (for evaluation).
-pub fn inference_blocks<B: AutodiffBackend, S: StudentModule<B>>(
+pub fn inference_blocks<B: DistillBackend, S: StudentModule<B>>(
     students: &Students<B, S>,
 ) -> Vec<S::InnerModule> {
     students.blocks.iter().map(|b| b.valid()).collect()

@@ -3,7 +3,9 @@
 //! that turn config sections into a [`Teacher`] and [`Students`].
 
 use burn::module::{AutodiffModule, Module};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::Backend;
+use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_students::{StudentBlock, StudentBlockConfig, StudentOutput};
 use pipebd_teachers::mnist_cnn::{self, MnistBlock, MnistCnn};
 
@@ -11,7 +13,7 @@ use crate::block::{
     check_against_teacher, check_block_count, Activation, Block, BlockSpec, LossKind, Students, Teacher,
 };
 use crate::config::TeacherConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 impl<B: Backend> Block<B> for MnistBlock<B> {
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
@@ -23,7 +25,7 @@ impl<B: Backend> Block<B> for MnistBlock<B> {
     }
 }
 
-impl<B: Backend> Block<B> for StudentBlock<B> {
+impl<B: FusedBackend> Block<B> for StudentBlock<B> {
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
         let x = input.into_maps(0)?;
         Ok(match StudentBlock::forward(self, x) {
@@ -90,7 +92,7 @@ pub fn student_specs(configs: &[StudentBlockConfig], teacher: &[BlockSpec]) -> R
     Ok(specs)
 }
 
-pub(crate) fn init_student_blocks<B: Backend>(
+pub(crate) fn init_student_blocks<B: FusedBackend>(
     configs: &[StudentBlockConfig],
     teacher: &[BlockSpec],
     device: &B::Device,
@@ -116,21 +118,44 @@ pub(crate) fn init_student_blocks<B: Backend>(
 
 /// Builds randomly initialised student blocks on `device`, seeded by `seed`,
 /// and checks them against the teacher.
-pub fn build_students<B: AutodiffBackend>(
+///
+/// The initial weights are drawn on the CPU (flex) and copied to `device`, so
+/// one seed gives the same students on every backend (a wgpu or cuda run
+/// starts from exactly the weights of the CPU run).
+pub fn build_students<B: DistillBackend>(
     configs: &[StudentBlockConfig],
     teacher: &[BlockSpec],
     seed: u64,
     device: &B::Device,
 ) -> Result<Students<B, StudentBlock<B>>> {
-    // burn's CPU backend draws from one process-wide generator: hold a lock
-    // from seeding to the last draw so concurrent builds stay reproducible.
-    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
-    B::seed(device, seed);
-    let (blocks, specs) = init_student_blocks::<B>(configs, teacher, device)?;
-    // burn initialises parameters lazily, at first use, and a clone of an
-    // uninitialised module draws its own values: materialise every
-    // parameter now, in order, as a trainable leaf.
-    let blocks = blocks.into_iter().map(|b| StudentBlock::from_inner(b.valid())).collect();
+    let cpu = Default::default();
+    let (cpu_blocks, specs) = {
+        // burn's CPU backend draws from one process-wide generator: hold a lock
+        // from seeding to the last draw so concurrent builds stay reproducible.
+        static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
+        burn::backend::Flex::seed(&cpu, seed);
+        let (blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
+        // burn initialises parameters lazily, at first use: draw them now, in order.
+        let records: Vec<_> = blocks.into_iter().map(|b| b.into_record()).collect();
+        (records, specs)
+    };
+    let (targets, _) = init_student_blocks::<B::InnerBackend>(configs, teacher, device)?;
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let blocks = cpu_blocks
+        .into_iter()
+        .zip(targets)
+        .enumerate()
+        .map(|(k, (record, target))| {
+            let failed = |e: burn::record::RecorderError| Error::Block {
+                block: k + 1,
+                message: format!("copying the initial student weights to the device failed: {e}"),
+            };
+            let bytes = recorder.record(record, ()).map_err(failed)?;
+            let record = recorder.load(bytes, device).map_err(failed)?;
+            // A trainable leaf on the autodiff backend.
+            Ok(StudentBlock::from_inner(target.load_record(record)))
+        })
+        .collect::<Result<Vec<_>>>()?;
     Students::new(blocks, specs, teacher)
 }

@@ -1,13 +1,192 @@
-//! Distillation losses and (later) fused CubeCL kernels for pipe-bd.
+//! Distillation losses and fused linear ops for pipe-bd.
 //!
 //! This crate sits at the bottom of the dependency graph
-//! (`kernels <- students/teachers <- engine`). Today it holds the reference
-//! implementations of the two blockwise distillation losses, written with
-//! ordinary burn tensor ops so that they run on every backend (flex, wgpu,
-//! cuda). Fused CubeCL versions will plug in behind the same functions.
+//! (`kernels <- students/teachers <- engine`). It extends burn's backend with
+//! three fused operations, [`FusedBackend`]:
+//!
+//! - **MSE distillation loss** `mean((s - t)^2)`, computed in one pass that
+//!   also writes the gradient `2 (s - t) / n` (no separate backward pass),
+//! - **soft-target cross-entropy** of student logits against the teacher's
+//!   softmax, with the softmax fused in and the gradient `softmax(s) - p_t`
+//!   written by the same pass,
+//! - **matmul with an epilogue**: `act(lhs @ rhs + bias)` in one tiled kernel,
+//!   `act` in {identity, relu, relu6, gelu}; linear layers and the students'
+//!   pointwise (1x1) convolutions use it ([`linear`], [`pointwise_conv`]).
+//!
+//! Every backend gets the ops: burn's CubeCL backends (wgpu, cuda) run our
+//! CubeCL kernels (module `cube`, feature `cubecl`), `Autodiff<B>` adds the
+//! custom backward, and any other backend (flex, the CPU default) falls back to
+//! ordinary burn ops ([`reference`]), which are also what the tests and the
+//! benchmark compare the kernels against.
 //!
 //! # Feature flags
-//! None yet.
+//! - `wgpu`: the kernels on burn's wgpu backend (also Mesa's software Vulkan).
+//! - `cuda`: the kernels on burn's CUDA backend.
+//! - `cubecl`: the kernels for any CubeCL runtime (implied by the two above).
 #![warn(missing_docs)]
 
+mod autodiff;
+pub mod bench;
+pub mod check;
+#[cfg(feature = "cubecl")]
+mod cube;
 pub mod loss;
+pub mod reference;
+
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+/// The activation applied in the epilogue of a fused matmul.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    /// No activation.
+    Identity,
+    /// `max(x, 0)`.
+    Relu,
+    /// `min(max(x, 0), 6)`.
+    Relu6,
+    /// The exact (erf) GELU, as burn's `gelu`.
+    Gelu,
+}
+
+impl Epilogue {
+    /// Every epilogue, for tests and benchmarks.
+    pub const ALL: [Epilogue; 4] = [Epilogue::Identity, Epilogue::Relu, Epilogue::Relu6, Epilogue::Gelu];
+
+    /// Lower-case name, as printed in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Epilogue::Identity => "identity",
+            Epilogue::Relu => "relu",
+            Epilogue::Relu6 => "relu6",
+            Epilogue::Gelu => "gelu",
+        }
+    }
+}
+
+/// Which axis of a fused matmul's `[z, m, n]` output a bias vector runs along.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BiasAxis {
+    /// One bias per output row (`m`): the channel bias of a pointwise conv.
+    Rows,
+    /// One bias per output column (`n`): the bias of a linear layer.
+    Cols,
+}
+
+/// A loss value (shape `[1]`) and, when asked for, its gradient with respect
+/// to the student tensor (same shape as the student).
+#[derive(Debug)]
+pub struct LossWithGrad<B: Backend> {
+    /// The loss, shape `[1]`.
+    pub loss: FloatTensor<B>,
+    /// `d loss / d student`, when requested.
+    pub grad: Option<FloatTensor<B>>,
+}
+
+/// A burn backend with pipe-bd's fused distillation ops.
+///
+/// The default methods are the unfused burn-op versions ([`reference`]), so a
+/// backend without kernels implements this trait with an empty `impl` block.
+/// CubeCL backends override them with our kernels; `Autodiff<B>` overrides them
+/// to record a custom backward.
+pub trait FusedBackend: Backend {
+    /// `mean((student - teacher)^2)` over all elements; with `with_grad`, also
+    /// `2 (student - teacher) / n`. Both tensors have the same shape.
+    fn mse_loss(student: FloatTensor<Self>, teacher: FloatTensor<Self>, with_grad: bool) -> LossWithGrad<Self> {
+        reference::mse_with_grad::<Self>(student, teacher, with_grad)
+    }
+
+    /// Soft-target cross-entropy `-sum(softmax(t) * log_softmax(s)) / batch`
+    /// of `[batch, classes]` logits; with `with_grad`, also
+    /// `(softmax(s) - softmax(t)) / batch`.
+    fn soft_target_ce_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        with_grad: bool,
+    ) -> LossWithGrad<Self> {
+        reference::soft_target_ce_with_grad::<Self>(student, teacher, with_grad)
+    }
+
+    /// `act(lhs @ rhs + bias)` on rank-3 tensors: `lhs [zl, m, k]`, `rhs [zr, k, n]`
+    /// with `zl, zr` equal or 1 (a batch of 1 is shared by every batch entry),
+    /// any strides. The result is `[max(zl, zr), m, n]`, or with `sum_batch`
+    /// `[1, m, n]` holding `act(sum_z lhs_z @ rhs_z + bias)`. `bias` has `m`
+    /// ([`BiasAxis::Rows`]) or `n` ([`BiasAxis::Cols`]) elements.
+    fn matmul_epilogue(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        bias: Option<(FloatTensor<Self>, BiasAxis)>,
+        epilogue: Epilogue,
+        sum_batch: bool,
+    ) -> FloatTensor<Self> {
+        reference::matmul_epilogue::<Self>(lhs, rhs, bias, epilogue, sum_batch)
+    }
+}
+
+/// The backends the engine trains on: autodiff over a [`FusedBackend`], with
+/// the fused ops available both with and without gradient tracking.
+pub trait DistillBackend: AutodiffBackend<InnerBackend: FusedBackend> + FusedBackend {}
+
+impl<B> DistillBackend for B where B: AutodiffBackend<InnerBackend: FusedBackend> + FusedBackend {}
+
+impl FusedBackend for burn::backend::Flex {}
+
+/// Fill every kernel output with NaN before the launch, so that a test sees any
+/// element a kernel failed to write (CubeCL backends; a no-op elsewhere).
+pub fn set_poison_outputs(on: bool) {
+    #[cfg(feature = "cubecl")]
+    cube::set_poison_outputs(on);
+    #[cfg(not(feature = "cubecl"))]
+    let _ = on;
+}
+
+/// `act(x @ weight + bias)` for `x [rows, in]`, `weight [in, out]` (burn's
+/// `Linear` layout) and `bias [out]`.
+pub fn linear<B: FusedBackend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    epilogue: Epilogue,
+) -> Tensor<B, 2> {
+    let [rows, _] = x.dims();
+    let [_, out] = weight.dims();
+    let output = B::matmul_epilogue(
+        x.unsqueeze::<3>().into_primitive().tensor(),
+        weight.unsqueeze::<3>().into_primitive().tensor(),
+        bias.map(|b| (b.into_primitive().tensor(), BiasAxis::Cols)),
+        epilogue,
+        false,
+    );
+    Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(output)).reshape([rows, out])
+}
+
+/// `act(conv1x1(x) + bias)` for `x [batch, in, h, w]`, `weight [out, in, 1, 1]`
+/// (burn's `Conv2d` layout) and `bias [out]`, as one batched matmul
+/// `weight [out, in] @ x_b [in, h*w]` per sample, without layout copies.
+pub fn pointwise_conv<B: FusedBackend>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    epilogue: Epilogue,
+) -> Tensor<B, 4> {
+    let [batch, channels, h, w] = x.dims();
+    let [out, _, _, _] = weight.dims();
+    let output = B::matmul_epilogue(
+        weight.reshape([1, out, channels]).into_primitive().tensor(),
+        x.reshape([batch, channels, h * w]).into_primitive().tensor(),
+        bias.map(|b| (b.into_primitive().tensor(), BiasAxis::Rows)),
+        epilogue,
+        false,
+    );
+    Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(output)).reshape([batch, out, h, w])
+}
+
+/// burn's wgpu backend without burn's op fusion, so that our [`FusedBackend`]
+/// kernels are the ones that run (`Autodiff<Wgpu>` is what the engine trains on).
+#[cfg(feature = "wgpu")]
+pub type Wgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+
+/// burn's CUDA backend without burn's op fusion (see [`Wgpu`]).
+#[cfg(feature = "cuda")]
+pub type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;

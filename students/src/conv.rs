@@ -10,8 +10,8 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::PaddingConfig2d;
 use burn::tensor::activation::relu;
-use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use pipebd_kernels::{pointwise_conv, Epilogue, FusedBackend};
 
 use crate::Downsample;
 
@@ -52,7 +52,13 @@ fn pixels_after_spatial(h: usize, w: usize, downsample: Downsample) -> u64 {
     (oh * ow) as u64
 }
 
-fn maybe_relu<B: Backend>(x: Tensor<B, 4>, apply: bool) -> Tensor<B, 4> {
+/// A 1x1 convolution through the fused matmul kernel, with its activation.
+fn fused_pointwise<B: FusedBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, relu: bool) -> Tensor<B, 4> {
+    let epilogue = if relu { Epilogue::Relu } else { Epilogue::Identity };
+    pointwise_conv(x, conv.weight.val(), conv.bias.as_ref().map(|b| b.val()), epilogue)
+}
+
+fn maybe_relu<B: FusedBackend>(x: Tensor<B, 4>, apply: bool) -> Tensor<B, 4> {
     if apply {
         relu(x)
     } else {
@@ -60,7 +66,7 @@ fn maybe_relu<B: Backend>(x: Tensor<B, 4>, apply: bool) -> Tensor<B, 4> {
     }
 }
 
-fn maybe_pool<B: Backend>(x: Tensor<B, 4>, pool: &Option<MaxPool2d>) -> Tensor<B, 4> {
+fn maybe_pool<B: FusedBackend>(x: Tensor<B, 4>, pool: &Option<MaxPool2d>) -> Tensor<B, 4> {
     match pool {
         Some(pool) => pool.forward(x),
         None => x,
@@ -69,13 +75,13 @@ fn maybe_pool<B: Backend>(x: Tensor<B, 4>, pool: &Option<MaxPool2d>) -> Tensor<B
 
 /// A plain conv block: `conv 3x3 (c_in -> width) -> ReLU -> conv 1x1 (width -> out) -> ReLU [-> pool]`.
 #[derive(Module, Debug)]
-pub struct ConvBlock<B: Backend> {
+pub struct ConvBlock<B: FusedBackend> {
     spatial: Conv2d<B>,
     project: Conv2d<B>,
     pool: Option<MaxPool2d>,
 }
 
-impl<B: Backend> ConvBlock<B> {
+impl<B: FusedBackend> ConvBlock<B> {
     /// Builds the block for `c_in x h x w` inputs; returns it with its forward FLOPs per sample.
     pub fn new(
         c_in: usize,
@@ -98,20 +104,20 @@ impl<B: Backend> ConvBlock<B> {
 
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        maybe_pool(relu(self.project.forward(relu(self.spatial.forward(x)))), &self.pool)
+        maybe_pool(fused_pointwise(&self.project, relu(self.spatial.forward(x)), true), &self.pool)
     }
 }
 
 /// A depthwise-separable block: `depthwise 3x3 -> [ReLU] -> pointwise 1x1 -> ReLU [-> pool]`.
 #[derive(Module, Debug)]
-pub struct SeparableBlock<B: Backend> {
+pub struct SeparableBlock<B: FusedBackend> {
     depthwise: Conv2d<B>,
     pointwise: Conv2d<B>,
     inner_relu: bool,
     pool: Option<MaxPool2d>,
 }
 
-impl<B: Backend> SeparableBlock<B> {
+impl<B: FusedBackend> SeparableBlock<B> {
     /// Builds the block for `c_in x h x w` inputs; returns it with its forward FLOPs per sample.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -139,13 +145,13 @@ impl<B: Backend> SeparableBlock<B> {
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let x = maybe_relu(self.depthwise.forward(x), self.inner_relu);
-        maybe_pool(relu(self.pointwise.forward(x)), &self.pool)
+        maybe_pool(fused_pointwise(&self.pointwise, x, true), &self.pool)
     }
 }
 
 /// A Tucker-style bottleneck: `1x1 reduce -> [ReLU] -> 3x3 -> [ReLU] -> 1x1 expand -> ReLU [-> pool]`.
 #[derive(Module, Debug)]
-pub struct BottleneckBlock<B: Backend> {
+pub struct BottleneckBlock<B: FusedBackend> {
     reduce: Conv2d<B>,
     spatial: Conv2d<B>,
     expand: Conv2d<B>,
@@ -153,7 +159,7 @@ pub struct BottleneckBlock<B: Backend> {
     pool: Option<MaxPool2d>,
 }
 
-impl<B: Backend> BottleneckBlock<B> {
+impl<B: FusedBackend> BottleneckBlock<B> {
     /// Builds the block for `c_in x h x w` inputs; returns it with its forward FLOPs per sample.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -181,8 +187,8 @@ impl<B: Backend> BottleneckBlock<B> {
 
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let x = maybe_relu(self.reduce.forward(x), self.inner_relu);
+        let x = fused_pointwise(&self.reduce, x, self.inner_relu);
         let x = maybe_relu(self.spatial.forward(x), self.inner_relu);
-        maybe_pool(relu(self.expand.forward(x)), &self.pool)
+        maybe_pool(fused_pointwise(&self.expand, x, true), &self.pool)
     }
 }

@@ -25,7 +25,7 @@ pub use conv::{BottleneckBlock, ConvBlock, SeparableBlock};
 pub use head::HeadBlock;
 
 use burn::module::Module;
-use burn::tensor::backend::Backend;
+use pipebd_kernels::FusedBackend;
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
@@ -132,7 +132,7 @@ fn default_one() -> usize {
 
 /// A built student block: its module and what it declares about itself.
 #[derive(Debug)]
-pub struct BuiltStudent<B: Backend> {
+pub struct BuiltStudent<B: FusedBackend> {
     /// The module, randomly initialised.
     pub module: StudentBlock<B>,
     /// Per-sample output shape for the given input shape.
@@ -143,7 +143,7 @@ pub struct BuiltStudent<B: Backend> {
 
 /// One student block of any zoo kind.
 #[derive(Module, Debug)]
-pub enum StudentBlock<B: Backend> {
+pub enum StudentBlock<B: FusedBackend> {
     /// See [`StudentBlockConfig::Conv`].
     Conv(ConvBlock<B>),
     /// See [`StudentBlockConfig::Separable`].
@@ -156,14 +156,14 @@ pub enum StudentBlock<B: Backend> {
 
 /// The output of a student block: feature maps or logits.
 #[derive(Debug, Clone)]
-pub enum StudentOutput<B: Backend> {
+pub enum StudentOutput<B: FusedBackend> {
     /// `[batch, channels, height, width]`.
     Maps(Tensor<B, 4>),
     /// `[batch, classes]`.
     Logits(Tensor<B, 2>),
 }
 
-impl<B: Backend> StudentBlock<B> {
+impl<B: FusedBackend> StudentBlock<B> {
     /// Runs the block on a batch of feature maps.
     pub fn forward(&self, x: Tensor<B, 4>) -> StudentOutput<B> {
         match self {
@@ -188,7 +188,7 @@ impl StudentBlockConfig {
 
     /// Builds block number `block` (one-based, used in errors) for inputs of
     /// per-sample shape `input_shape`.
-    pub fn init<B: Backend>(
+    pub fn init<B: FusedBackend>(
         &self,
         block: usize,
         input_shape: &[usize],

@@ -1,0 +1,217 @@
+//! The fused ops under `Autodiff<B>`: a custom backward step for each.
+//!
+//! The losses compute their gradient in the forward pass (one fused kernel on
+//! CubeCL backends), so their backward only scales it by the upstream
+//! gradient. The fused matmul's backward runs the same fused matmul on
+//! transposed views (no copies): `dlhs = G @ rhs^T`, `drhs = lhs^T @ G`, with
+//! the batch summed for an operand shared across the batch.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
+
+use crate::{BiasAxis, Epilogue, FusedBackend, LossWithGrad};
+
+/// Backward of a loss whose gradient with respect to the student was computed
+/// in the forward pass; the teacher (usually untracked) gets its negation.
+#[derive(Debug)]
+struct PrecomputedLossBackward;
+
+impl<B: FusedBackend> Backward<B, 2> for PrecomputedLossBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [student, teacher] = ops.parents;
+        let upstream = grads.consume::<B>(&ops.node);
+        let grad = ops.state;
+        let rank = grad.shape().num_dims();
+        let upstream = B::float_reshape(upstream, Shape::from(vec![1; rank]));
+        let grad = B::float_mul(grad, upstream);
+        if let Some(teacher) = teacher {
+            grads.register::<B>(teacher.id, B::float_neg(grad.clone()));
+        }
+        if let Some(student) = student {
+            grads.register::<B>(student.id, grad);
+        }
+    }
+}
+
+fn loss_op<B: FusedBackend, C: CheckpointStrategy>(
+    student: FloatTensor<Autodiff<B, C>>,
+    teacher: FloatTensor<Autodiff<B, C>>,
+    fused: fn(FloatTensor<B>, FloatTensor<B>, bool) -> LossWithGrad<B>,
+) -> LossWithGrad<Autodiff<B, C>> {
+    let loss = match PrecomputedLossBackward
+        .prepare::<C>([student.node.clone(), teacher.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let out = fused(student.primitive, teacher.primitive, true);
+            let grad = out.grad.expect("the fused loss was asked for its gradient");
+            prep.finish(grad, out.loss)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(fused(student.primitive, teacher.primitive, false).loss),
+    };
+    LossWithGrad { loss, grad: None }
+}
+
+/// What the matmul backward needs: the operands, the output (for the
+/// activation's derivative) and how the op was called.
+#[derive(Debug, Clone)]
+struct MatmulState<B: FusedBackend> {
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    bias: Option<(FloatTensor<B>, BiasAxis)>,
+    output: FloatTensor<B>,
+    epilogue: Epilogue,
+    sum_batch: bool,
+}
+
+/// Gradients of `act(lhs @ rhs + bias)`: `(dlhs, drhs, dbias)`.
+fn matmul_grads<B: FusedBackend>(
+    state: MatmulState<B>,
+    grad: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
+    let MatmulState { lhs, rhs, bias, output, epilogue, sum_batch } = state;
+    let grad_t = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(grad));
+    let out_t = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(output));
+    // G = dL/d(pre-activation).
+    let pre_grad = match epilogue {
+        Epilogue::Identity => grad_t,
+        Epilogue::Relu => grad_t.mask_fill(out_t.lower_equal_elem(0.0), 0.0),
+        Epilogue::Relu6 => {
+            let outside = out_t.clone().lower_equal_elem(0.0).bool_or(out_t.greater_equal_elem(6.0));
+            grad_t.mask_fill(outside, 0.0)
+        }
+        Epilogue::Gelu => {
+            let pre = B::matmul_epilogue(lhs.clone(), rhs.clone(), bias.clone(), Epilogue::Identity, sum_batch);
+            let pre = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(pre));
+            Tensor::from_primitive(TensorPrimitive::Float(B::gelu_backward(
+                pre.into_primitive().tensor(),
+                grad_t.into_primitive().tensor(),
+            )))
+        }
+    };
+    let [zl, _, _] = lhs.shape().dims::<3>();
+    let [zr, _, _] = rhs.shape().dims::<3>();
+    let [zg, _, _] = pre_grad.dims();
+    let bias_grad = bias.map(|(_, axis)| {
+        let summed = pre_grad.clone().sum_dim(0);
+        let summed = match axis {
+            BiasAxis::Rows => summed.sum_dim(2),
+            BiasAxis::Cols => summed.sum_dim(1),
+        };
+        let n = summed.shape().num_elements();
+        summed.reshape([n]).into_primitive().tensor()
+    });
+    let g = pre_grad.into_primitive().tensor();
+    let rhs_t = B::float_swap_dims(rhs, 1, 2);
+    let lhs_t = B::float_swap_dims(lhs, 1, 2);
+    let dlhs = B::matmul_epilogue(g.clone(), rhs_t, None, Epilogue::Identity, zl == 1 && zg.max(zr) > 1);
+    let drhs = B::matmul_epilogue(lhs_t, g, None, Epilogue::Identity, zr == 1 && zl.max(zg) > 1);
+    (dlhs, drhs, bias_grad)
+}
+
+/// Backward of the fused matmul with `N` parents (2 without a bias, 3 with).
+#[derive(Debug)]
+struct MatmulBackward;
+
+fn register_matmul_grads<B: FusedBackend, const N: usize>(
+    ops: Ops<MatmulState<B>, N>,
+    grads: &mut Gradients,
+) {
+    let grad = grads.consume::<B>(&ops.node);
+    let (dlhs, drhs, dbias) = matmul_grads(ops.state, grad);
+    let parents: Vec<_> = ops.parents.into_iter().collect();
+    if let Some(node) = &parents[0] {
+        grads.register::<B>(node.id, dlhs);
+    }
+    if let Some(node) = &parents[1] {
+        grads.register::<B>(node.id, drhs);
+    }
+    if let (Some(Some(node)), Some(dbias)) = (parents.get(2), dbias) {
+        grads.register::<B>(node.id, dbias);
+    }
+}
+
+impl<B: FusedBackend> Backward<B, 2> for MatmulBackward {
+    type State = MatmulState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        register_matmul_grads(ops, grads);
+    }
+}
+
+impl<B: FusedBackend> Backward<B, 3> for MatmulBackward {
+    type State = MatmulState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        register_matmul_grads(ops, grads);
+    }
+}
+
+/// Runs the forward and, when tracked, records the backward state.
+fn finish_matmul<B: FusedBackend, C: CheckpointStrategy, const N: usize>(
+    kind: OpsKind<MatmulBackward, B, MatmulState<B>, C, N>,
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    bias: Option<(FloatTensor<B>, BiasAxis)>,
+    epilogue: Epilogue,
+    sum_batch: bool,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    MatmulBackward: Backward<B, N, State = MatmulState<B>>,
+{
+    match kind {
+        OpsKind::Tracked(prep) => {
+            let output = B::matmul_epilogue(lhs.clone(), rhs.clone(), bias.clone(), epilogue, sum_batch);
+            let state = MatmulState { lhs, rhs, bias, output: output.clone(), epilogue, sum_batch };
+            prep.finish(state, output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(B::matmul_epilogue(lhs, rhs, bias, epilogue, sum_batch)),
+    }
+}
+
+impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
+    fn mse_loss(student: FloatTensor<Self>, teacher: FloatTensor<Self>, _with_grad: bool) -> LossWithGrad<Self> {
+        loss_op::<B, C>(student, teacher, B::mse_loss)
+    }
+
+    fn soft_target_ce_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        _with_grad: bool,
+    ) -> LossWithGrad<Self> {
+        loss_op::<B, C>(student, teacher, B::soft_target_ce_loss)
+    }
+
+    fn matmul_epilogue(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        bias: Option<(FloatTensor<Self>, BiasAxis)>,
+        epilogue: Epilogue,
+        sum_batch: bool,
+    ) -> FloatTensor<Self> {
+        match bias {
+            None => {
+                let kind = MatmulBackward
+                    .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
+                    .compute_bound()
+                    .stateful();
+                finish_matmul(kind, lhs.primitive, rhs.primitive, None, epilogue, sum_batch)
+            }
+            Some((bias, axis)) => {
+                let kind = MatmulBackward
+                    .prepare::<C>([lhs.node.clone(), rhs.node.clone(), bias.node.clone()])
+                    .compute_bound()
+                    .stateful();
+                finish_matmul(kind, lhs.primitive, rhs.primitive, Some((bias.primitive, axis)), epilogue, sum_batch)
+            }
+        }
+    }
+}

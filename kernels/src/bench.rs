@@ -1,0 +1,207 @@
+//! Timing of the fused ops against the unfused burn ops, side by side.
+//!
+//! Each case runs on the same backend and device, at sizes of the MNIST
+//! workload (batch 256): the distillation losses of the teacher's blocks, the
+//! students' pointwise convolutions and the head's linear layers. Both
+//! directions are timed: the forward alone (no gradient tracking) and the
+//! forward plus backward. `pipebd kernels --bench` prints the table.
+
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor};
+
+use crate::reference::unfused;
+use crate::{linear, loss, pointwise_conv, DistillBackend, Epilogue};
+
+/// One timed case: median milliseconds per call of each side.
+#[derive(Debug, Clone)]
+pub struct BenchRow {
+    /// The op.
+    pub op: String,
+    /// Its input shape and options.
+    pub case: String,
+    /// Fused, forward only.
+    pub fused_forward_ms: f64,
+    /// Unfused burn ops, forward only.
+    pub unfused_forward_ms: f64,
+    /// Fused, forward and backward.
+    pub fused_train_ms: f64,
+    /// Unfused burn ops, forward and backward.
+    pub unfused_train_ms: f64,
+}
+
+impl BenchRow {
+    /// Unfused time over fused time, forward only (above 1: the kernel wins).
+    pub fn forward_speedup(&self) -> f64 {
+        self.unfused_forward_ms / self.fused_forward_ms
+    }
+
+    /// Unfused time over fused time, forward and backward.
+    pub fn train_speedup(&self) -> f64 {
+        self.unfused_train_ms / self.fused_train_ms
+    }
+}
+
+/// Median milliseconds of `repeats` calls of `f`, after two warm-up calls,
+/// each followed by a device sync so that queued kernels are counted.
+fn median_ms<B: Backend>(device: &B::Device, repeats: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..2 {
+        f();
+        let _ = B::sync(device);
+    }
+    let mut times: Vec<f64> = (0..repeats.max(1))
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            let _ = B::sync(device);
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn normal<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+/// A loss case: `(student, teacher) -> loss` fused and unfused.
+fn loss_row<B: DistillBackend, const D: usize>(
+    op: &str,
+    shape: [usize; D],
+    repeats: usize,
+    device: &B::Device,
+    fused: fn(Tensor<B, D>, Tensor<B, D>) -> Tensor<B, 1>,
+    reference: fn(Tensor<B, D>, Tensor<B, D>) -> Tensor<B, 1>,
+) -> BenchRow {
+    let student = normal::<B::InnerBackend, D>(shape, device);
+    let teacher = normal::<B::InnerBackend, D>(shape, device);
+    let forward = |f: fn(Tensor<B, D>, Tensor<B, D>) -> Tensor<B, 1>| {
+        median_ms::<B>(device, repeats, || {
+            let _ = f(Tensor::from_inner(student.clone()), Tensor::from_inner(teacher.clone()));
+        })
+    };
+    let train = |f: fn(Tensor<B, D>, Tensor<B, D>) -> Tensor<B, 1>| {
+        median_ms::<B>(device, repeats, || {
+            let s = Tensor::<B, D>::from_inner(student.clone()).require_grad();
+            let grads = f(s.clone(), Tensor::from_inner(teacher.clone())).backward();
+            let _ = s.grad(&grads);
+        })
+    };
+    BenchRow {
+        op: op.to_string(),
+        case: format!("{shape:?}"),
+        fused_forward_ms: forward(fused),
+        unfused_forward_ms: forward(reference),
+        fused_train_ms: train(fused),
+        unfused_train_ms: train(reference),
+    }
+}
+
+type Layer<B, const D: usize, const DW: usize> = dyn Fn(Tensor<B, D>, Tensor<B, DW>, Option<Tensor<B, 1>>) -> Tensor<B, D>;
+
+/// A layer case: `(x, weight, bias) -> y`, trained through `sum(y)`.
+#[allow(clippy::too_many_arguments)]
+fn layer_row<B: DistillBackend, const D: usize, const DW: usize>(
+    op: &str,
+    case: String,
+    x_shape: [usize; D],
+    w_shape: [usize; DW],
+    bias_len: usize,
+    repeats: usize,
+    device: &B::Device,
+    fused: &Layer<B, D, DW>,
+    reference: &Layer<B, D, DW>,
+) -> BenchRow {
+    let x = normal::<B::InnerBackend, D>(x_shape, device);
+    let w = normal::<B::InnerBackend, DW>(w_shape, device).mul_scalar(0.1);
+    let b = normal::<B::InnerBackend, 1>([bias_len], device);
+    let forward = |f: &Layer<B, D, DW>| {
+        median_ms::<B>(device, repeats, || {
+            let _ = f(Tensor::from_inner(x.clone()), Tensor::from_inner(w.clone()), Some(Tensor::from_inner(b.clone())));
+        })
+    };
+    let train = |f: &Layer<B, D, DW>| {
+        median_ms::<B>(device, repeats, || {
+            let xs = Tensor::<B, D>::from_inner(x.clone()).require_grad();
+            let ws = Tensor::<B, DW>::from_inner(w.clone()).require_grad();
+            let bs = Tensor::<B, 1>::from_inner(b.clone()).require_grad();
+            let grads = f(xs.clone(), ws.clone(), Some(bs.clone())).sum().backward();
+            let _ = (xs.grad(&grads), ws.grad(&grads), bs.grad(&grads));
+        })
+    };
+    BenchRow {
+        op: op.to_string(),
+        case,
+        fused_forward_ms: forward(fused),
+        unfused_forward_ms: forward(reference),
+        fused_train_ms: train(fused),
+        unfused_train_ms: train(reference),
+    }
+}
+
+/// Times every case with `repeats` timed calls per side and direction.
+pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRow> {
+    let mut rows = Vec::new();
+    for shape in [[256, 32, 14, 14], [256, 64, 7, 7], [256, 128, 3, 3]] {
+        rows.push(loss_row::<B, 4>("mse", shape, repeats, device, loss::mse, unfused::mse));
+    }
+    rows.push(loss_row::<B, 2>(
+        "soft-ce",
+        [256, 10],
+        repeats,
+        device,
+        loss::soft_target_cross_entropy,
+        unfused::soft_target_cross_entropy,
+    ));
+    for (d_in, d_out, epilogue) in [(1152, 128, Epilogue::Relu), (128, 10, Epilogue::Identity)] {
+        rows.push(layer_row::<B, 2, 2>(
+            "linear",
+            format!("[256, {d_in}] -> {d_out} {}", epilogue.name()),
+            [256, d_in],
+            [d_in, d_out],
+            d_out,
+            repeats,
+            device,
+            &move |x, w, b| linear(x, w, b, epilogue),
+            &move |x, w, b| unfused::linear(x, w, b, epilogue),
+        ));
+    }
+    for (c_in, hw, c_out) in [(32, 14, 16), (16, 7, 64), (24, 3, 128)] {
+        rows.push(layer_row::<B, 4, 4>(
+            "pointwise-conv",
+            format!("[256, {c_in}, {hw}, {hw}] -> {c_out} relu"),
+            [256, c_in, hw, hw],
+            [c_out, c_in, 1, 1],
+            c_out,
+            repeats,
+            device,
+            &|x, w, b| pointwise_conv(x, w, b, Epilogue::Relu),
+            &|x, w, b| unfused::pointwise_conv(x, w, b, Epilogue::Relu),
+        ));
+    }
+    rows
+}
+
+/// The rows as an aligned text table with the speedups.
+pub fn table(rows: &[BenchRow]) -> String {
+    let mut text = format!(
+        "{:<15} {:<34} {:>10} {:>10} {:>7}   {:>10} {:>10} {:>7}\n",
+        "op", "case", "fwd fused", "unfused", "ratio", "f+b fused", "unfused", "ratio"
+    );
+    for r in rows {
+        text.push_str(&format!(
+            "{:<15} {:<34} {:>8.3}ms {:>8.3}ms {:>6.2}x   {:>8.3}ms {:>8.3}ms {:>6.2}x\n",
+            r.op,
+            r.case,
+            r.fused_forward_ms,
+            r.unfused_forward_ms,
+            r.forward_speedup(),
+            r.fused_train_ms,
+            r.unfused_train_ms,
+            r.train_speedup()
+        ));
+    }
+    text
+}

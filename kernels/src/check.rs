@@ -1,0 +1,246 @@
+//! Correctness checks of the fused ops against the unfused burn ops.
+//!
+//! [`run`] draws fresh random inputs of awkward sizes (not multiples of the
+//! tile, batch 1, long rows), runs each fused op on the backend under test and
+//! its unfused reference ([`crate::reference::unfused`], burn's ops on the CPU)
+//! under autodiff, and reports the relative error of the forward output and of
+//! every gradient.
+//! The kernel tests assert on these rows; `pipebd kernels --check` prints them.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::reference::unfused;
+use crate::{linear, loss, pointwise_conv, DistillBackend, Epilogue};
+
+/// Relative error allowed for the losses (forward and gradient).
+pub const LOSS_TOLERANCE: f64 = 1e-4;
+/// Relative error allowed for the matmul ops (forward and gradients).
+pub const MATMUL_TOLERANCE: f64 = 1e-3;
+
+/// One compared quantity.
+#[derive(Debug, Clone)]
+pub struct CheckRow {
+    /// The op (`mse`, `soft-ce`, `linear`, `pointwise-conv`).
+    pub op: String,
+    /// Input shapes and options.
+    pub case: String,
+    /// What was compared: `forward`, `d student`, `d x`, `d weight`, `d bias`.
+    pub quantity: String,
+    /// `max |fused - reference| / max(max |reference|, 1e-6)`; infinite when
+    /// the fused result has a NaN or infinity (for example an unwritten
+    /// element of a poisoned output).
+    pub relative_error: f64,
+    /// The bound the error must stay under.
+    pub tolerance: f64,
+}
+
+impl CheckRow {
+    /// Whether the error is within the tolerance.
+    pub fn passed(&self) -> bool {
+        self.relative_error <= self.tolerance
+    }
+}
+
+/// Relative error of `fused` against `reference` (see [`CheckRow::relative_error`]).
+pub fn relative_error(fused: &[f32], reference: &[f32]) -> f64 {
+    if fused.len() != reference.len() || fused.iter().any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    let scale = reference.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-6);
+    let diff = fused.iter().zip(reference).fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()));
+    diff / scale
+}
+
+fn values<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    tensor.into_data().convert::<f32>().to_vec().unwrap_or_default()
+}
+
+/// The reference side: burn's ops on the CPU. (burn's own reductions on other
+/// backends are not trusted as a reference: burn 0.21's wgpu `mean` of a
+/// `[1, 100003]` tensor is off by 35% on Mesa's software Vulkan.)
+type Reference = burn::backend::Autodiff<burn::backend::Flex>;
+
+fn random(rng: &mut StdRng, shape: &[usize], scale: f32) -> TensorData {
+    let n = shape.iter().product();
+    let data: Vec<f32> = (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect();
+    TensorData::new(data, shape.to_vec())
+}
+
+fn tensor<B: Backend, const D: usize>(data: &TensorData, device: &B::Device) -> Tensor<B, D> {
+    Tensor::from_data(data.clone(), device)
+}
+
+struct Rows {
+    rows: Vec<CheckRow>,
+    op: &'static str,
+    case: String,
+    tolerance: f64,
+}
+
+impl Rows {
+    fn add(&mut self, quantity: &str, fused: &[f32], reference: &[f32]) {
+        self.rows.push(CheckRow {
+            op: self.op.to_string(),
+            case: self.case.clone(),
+            quantity: quantity.to_string(),
+            relative_error: relative_error(fused, reference),
+            tolerance: self.tolerance,
+        });
+    }
+}
+
+type LossFn<B, const D: usize> = fn(Tensor<B, D>, Tensor<B, D>) -> Tensor<B, 1>;
+
+/// A loss and its student gradient (scaled by `upstream`) on backend `B`.
+fn loss_on<B: DistillBackend, const D: usize>(
+    f: LossFn<B, D>,
+    student: &TensorData,
+    teacher: &TensorData,
+    upstream: f32,
+    device: &B::Device,
+) -> (Vec<f32>, Vec<f32>) {
+    let s = tensor::<B, D>(student, device).require_grad();
+    let value = f(s.clone(), tensor(teacher, device));
+    let grads = value.clone().mul_scalar(upstream).backward();
+    (values(value), values(s.grad(&grads).expect("student gradient")))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_loss<B: DistillBackend, const D: usize>(
+    out: &mut Vec<CheckRow>,
+    rng: &mut StdRng,
+    op: &'static str,
+    shape: [usize; D],
+    scale: f32,
+    fused: LossFn<B, D>,
+    reference: LossFn<Reference, D>,
+    device: &B::Device,
+) {
+    let student = random(rng, &shape, scale);
+    let teacher = random(rng, &shape, scale);
+    let upstream = 1.0 + rng.random::<f32>();
+    let f = loss_on::<B, D>(fused, &student, &teacher, upstream, device);
+    let r = loss_on::<Reference, D>(reference, &student, &teacher, upstream, &Default::default());
+    let mut rows = Rows { rows: vec![], op, case: format!("{shape:?}"), tolerance: LOSS_TOLERANCE };
+    rows.add("forward", &f.0, &r.0);
+    rows.add("d student", &f.1, &r.1);
+    out.extend(rows.rows);
+}
+
+/// Inputs of a layer check: x, weight, optional bias, and the random upstream
+/// gradient the output is probed with.
+struct LayerInputs {
+    x: TensorData,
+    weight: TensorData,
+    bias: Option<TensorData>,
+    probe: TensorData,
+}
+
+/// Forward output and the gradients of x, weight and bias on backend `B`.
+type LayerResults = (Vec<f32>, Vec<f32>, Vec<f32>, Option<Vec<f32>>);
+
+fn layer_on<B: DistillBackend, const DX: usize, const DW: usize>(
+    inputs: &LayerInputs,
+    f: impl Fn(Tensor<B, DX>, Tensor<B, DW>, Option<Tensor<B, 1>>) -> Tensor<B, DX>,
+    device: &B::Device,
+) -> LayerResults {
+    let x = tensor::<B, DX>(&inputs.x, device).require_grad();
+    let w = tensor::<B, DW>(&inputs.weight, device).require_grad();
+    let b = inputs.bias.as_ref().map(|b| tensor::<B, 1>(b, device).require_grad());
+    let y = f(x.clone(), w.clone(), b.clone());
+    let grads = (y.clone() * tensor::<B, DX>(&inputs.probe, device)).sum().backward();
+    let db = b.map(|b| values(b.grad(&grads).expect("bias gradient")));
+    (values(y), values(x.grad(&grads).expect("x gradient")), values(w.grad(&grads).expect("weight gradient")), db)
+}
+
+fn add_layer_rows(rows: &mut Rows, f: LayerResults, r: LayerResults) {
+    rows.add("forward", &f.0, &r.0);
+    rows.add("d x", &f.1, &r.1);
+    rows.add("d weight", &f.2, &r.2);
+    if let (Some(fb), Some(rb)) = (f.3, r.3) {
+        rows.add("d bias", &fb, &rb);
+    }
+}
+
+/// Checks every op on `device` against burn's unfused ops on the CPU, on fresh
+/// random inputs drawn from `seed`.
+pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    let cpu = Default::default();
+    check_loss::<B, 2>(&mut out, &mut rng, "mse", [1, 7], 2.0, loss::mse, unfused::mse, device);
+    check_loss::<B, 4>(&mut out, &mut rng, "mse", [3, 5, 13, 11], 2.0, loss::mse, unfused::mse, device);
+    check_loss::<B, 4>(&mut out, &mut rng, "mse", [37, 32, 14, 14], 2.0, loss::mse, unfused::mse, device);
+    check_loss::<B, 2>(&mut out, &mut rng, "mse", [1, 100_003], 2.0, loss::mse, unfused::mse, device);
+    for shape in [[1, 10], [257, 10], [3, 1000], [2, 4099]] {
+        let (fused, reference) = (loss::soft_target_cross_entropy, unfused::soft_target_cross_entropy);
+        check_loss::<B, 2>(&mut out, &mut rng, "soft-ce", shape, 4.0, fused, reference, device);
+    }
+    let linear_cases = [(1, 5, 3), (37, 29, 53), (130, 300, 70), (2, 1152, 17)];
+    for (i, (rows_n, d_in, d_out)) in linear_cases.into_iter().enumerate() {
+        for epilogue in Epilogue::ALL {
+            let with_bias = (i + epilogue as usize) % 3 != 2;
+            let inputs = LayerInputs {
+                x: random(&mut rng, &[rows_n, d_in], 1.0),
+                weight: random(&mut rng, &[d_in, d_out], 1.0 / (d_in as f32).sqrt()),
+                bias: with_bias.then(|| random(&mut rng, &[d_out], 0.5)),
+                probe: random(&mut rng, &[rows_n, d_out], 1.0),
+            };
+            let mut rows = Rows {
+                rows: vec![],
+                op: "linear",
+                case: format!("x [{rows_n}, {d_in}] w [{d_in}, {d_out}] {} bias={with_bias}", epilogue.name()),
+                tolerance: MATMUL_TOLERANCE,
+            };
+            let f = layer_on::<B, 2, 2>(&inputs, |x, w, b| linear(x, w, b, epilogue), device);
+            let r = layer_on::<Reference, 2, 2>(&inputs, |x, w, b| unfused::linear(x, w, b, epilogue), &cpu);
+            add_layer_rows(&mut rows, f, r);
+            out.extend(rows.rows);
+        }
+    }
+    let conv_cases = [([1, 3, 5, 7], 4), ([17, 24, 7, 7], 40), ([5, 32, 14, 14], 19)];
+    for (i, (shape, c_out)) in conv_cases.into_iter().enumerate() {
+        for epilogue in Epilogue::ALL {
+            let with_bias = (i + epilogue as usize) % 3 != 1;
+            let [batch, c_in, h, w] = shape;
+            let inputs = LayerInputs {
+                x: random(&mut rng, &shape, 1.0),
+                weight: random(&mut rng, &[c_out, c_in, 1, 1], 1.0 / (c_in as f32).sqrt()),
+                bias: with_bias.then(|| random(&mut rng, &[c_out], 0.5)),
+                probe: random(&mut rng, &[batch, c_out, h, w], 1.0),
+            };
+            let mut rows = Rows {
+                rows: vec![],
+                op: "pointwise-conv",
+                case: format!("x {shape:?} -> {c_out} {} bias={with_bias}", epilogue.name()),
+                tolerance: MATMUL_TOLERANCE,
+            };
+            let f = layer_on::<B, 4, 4>(&inputs, |x, w, b| pointwise_conv(x, w, b, epilogue), device);
+            let r =
+                layer_on::<Reference, 4, 4>(&inputs, |x, w, b| unfused::pointwise_conv(x, w, b, epilogue), &cpu);
+            add_layer_rows(&mut rows, f, r);
+            out.extend(rows.rows);
+        }
+    }
+    out
+}
+
+/// The rows as an aligned text table.
+pub fn table(rows: &[CheckRow]) -> String {
+    let mut text = format!("{:<15} {:<48} {:<10} {:>10} {:>9}  ok\n", "op", "case", "quantity", "rel.error", "bound");
+    for row in rows {
+        text.push_str(&format!(
+            "{:<15} {:<48} {:<10} {:>10.2e} {:>9.0e}  {}\n",
+            row.op,
+            row.case,
+            row.quantity,
+            row.relative_error,
+            row.tolerance,
+            if row.passed() { "yes" } else { "NO" }
+        ));
+    }
+    text
+}

@@ -1,0 +1,134 @@
+//! The fused ops written with ordinary burn tensor ops.
+//!
+//! These are the fallback of [`FusedBackend`](crate::FusedBackend) on backends
+//! without our kernels (flex), the reference the kernel tests compare against,
+//! and the "unfused" side of the kernel benchmark.
+
+use burn::tensor::activation::{gelu, log_softmax, relu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::{BiasAxis, Epilogue, LossWithGrad};
+
+fn wrap<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
+
+fn unwrap<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
+    tensor.into_primitive().tensor()
+}
+
+/// Flattens any-rank primitives to rank 1 (the losses are elementwise).
+fn flat<B: Backend>(primitive: FloatTensor<B>) -> Tensor<B, 1> {
+    let n = burn::tensor::TensorMetadata::shape(&primitive).num_elements();
+    wrap::<B, 1>(B::float_reshape(primitive, [n].into()))
+}
+
+/// `mean((s - t)^2)` with burn ops; the gradient `2 (s - t) / n` when asked.
+pub fn mse_with_grad<B: Backend>(
+    student: FloatTensor<B>,
+    teacher: FloatTensor<B>,
+    with_grad: bool,
+) -> LossWithGrad<B> {
+    let shape = burn::tensor::TensorMetadata::shape(&student);
+    let n = shape.num_elements();
+    let diff = flat::<B>(student) - flat::<B>(teacher);
+    let loss = diff.clone().powi_scalar(2).mean();
+    let grad = with_grad.then(|| B::float_reshape(unwrap(diff.mul_scalar(2.0 / n as f32)), shape));
+    LossWithGrad { loss: unwrap(loss), grad }
+}
+
+/// Soft-target cross-entropy with burn ops; the gradient when asked.
+pub fn soft_target_ce_with_grad<B: Backend>(
+    student: FloatTensor<B>,
+    teacher: FloatTensor<B>,
+    with_grad: bool,
+) -> LossWithGrad<B> {
+    let student = wrap::<B, 2>(student);
+    let [batch, _] = student.dims();
+    let target = softmax(wrap::<B, 2>(teacher), 1);
+    let log_probs = log_softmax(student, 1);
+    let grad = with_grad.then(|| unwrap((log_probs.clone().exp() - target.clone()).div_scalar(batch as f32)));
+    let loss = (target * log_probs).sum().neg().div_scalar(batch as f32);
+    LossWithGrad { loss: unwrap(loss), grad }
+}
+
+/// Applies an epilogue activation with burn ops.
+pub fn activate<B: Backend, const D: usize>(x: Tensor<B, D>, epilogue: Epilogue) -> Tensor<B, D> {
+    match epilogue {
+        Epilogue::Identity => x,
+        Epilogue::Relu => relu(x),
+        Epilogue::Relu6 => x.clamp(0.0, 6.0),
+        Epilogue::Gelu => gelu(x),
+    }
+}
+
+/// `act(lhs @ rhs + bias)` with burn ops (`matmul`, `add`, the activation),
+/// with the shapes of [`FusedBackend::matmul_epilogue`](crate::FusedBackend::matmul_epilogue).
+pub fn matmul_epilogue<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    bias: Option<(FloatTensor<B>, BiasAxis)>,
+    epilogue: Epilogue,
+    sum_batch: bool,
+) -> FloatTensor<B> {
+    let (lhs, rhs) = (wrap::<B, 3>(lhs), wrap::<B, 3>(rhs));
+    let [zl, m, _] = lhs.dims();
+    let [zr, _, n] = rhs.dims();
+    let mut product = lhs.matmul(rhs);
+    if sum_batch && zl.max(zr) > 1 {
+        product = product.sum_dim(0);
+    }
+    let pre = match bias {
+        None => product,
+        Some((bias, BiasAxis::Rows)) => product + wrap::<B, 1>(bias).reshape([1, m, 1]),
+        Some((bias, BiasAxis::Cols)) => product + wrap::<B, 1>(bias).reshape([1, 1, n]),
+    };
+    unwrap(activate(pre, epilogue))
+}
+
+/// The unfused distillation losses and layers as a user would write them with
+/// burn ops, differentiated by burn's autodiff: the baseline of the benchmark.
+pub mod unfused {
+    use super::*;
+
+    /// `mean((s - t)^2)`.
+    pub fn mse<B: Backend, const D: usize>(student: Tensor<B, D>, teacher: Tensor<B, D>) -> Tensor<B, 1> {
+        let diff = student - teacher;
+        (diff.clone() * diff).mean()
+    }
+
+    /// Soft-target cross-entropy of `[batch, classes]` logits.
+    pub fn soft_target_cross_entropy<B: Backend>(student: Tensor<B, 2>, teacher: Tensor<B, 2>) -> Tensor<B, 1> {
+        let [batch, _] = student.dims();
+        let target = softmax(teacher, 1);
+        (target * log_softmax(student, 1)).sum().neg().div_scalar(batch as f32)
+    }
+
+    /// `act(x @ weight + bias)`.
+    pub fn linear<B: Backend>(
+        x: Tensor<B, 2>,
+        weight: Tensor<B, 2>,
+        bias: Option<Tensor<B, 1>>,
+        epilogue: Epilogue,
+    ) -> Tensor<B, 2> {
+        let product = x.matmul(weight);
+        let pre = match bias {
+            Some(bias) => product + bias.unsqueeze::<2>(),
+            None => product,
+        };
+        activate(pre, epilogue)
+    }
+
+    /// `act(conv1x1(x) + bias)`, as burn's `Conv2d` computes it.
+    pub fn pointwise_conv<B: Backend>(
+        x: Tensor<B, 4>,
+        weight: Tensor<B, 4>,
+        bias: Option<Tensor<B, 1>>,
+        epilogue: Epilogue,
+    ) -> Tensor<B, 4> {
+        let options = burn::tensor::ops::ConvOptions::new([1, 1], [0, 0], [1, 1], 1);
+        activate(burn::tensor::module::conv2d(x, weight, bias, options), epilogue)
+    }
+}

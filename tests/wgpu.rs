@@ -1,0 +1,32 @@
+//! The whole distillation on burn's wgpu backend (Mesa's software Vulkan where
+//! there is no GPU), where the students' pointwise convolutions, the head's
+//! linear layers and both losses run as our fused CubeCL kernels: it must end
+//! where the CPU (flex, burn ops) run ends.
+#![cfg(feature = "wgpu")]
+
+use std::path::Path;
+
+use pipe_bd::config::RunConfig;
+
+mod common;
+
+#[test]
+fn wgpu_run_matches_the_cpu_run() {
+    let text = common::small_config(2000, 1000, 1).replace("batch_size = 64", "batch_size = 128");
+    let run = |device: &str| {
+        let mut config = RunConfig::parse(&text, Path::new("small.toml")).unwrap();
+        config.device = device.to_string();
+        let out = tempfile::tempdir().unwrap();
+        pipe_bd::run::run(&config, out.path(), &Default::default(), &mut |_| {}).unwrap()
+    };
+    let cpu = run("cpu");
+    let gpu = run("wgpu");
+    assert_eq!(cpu.steps, gpu.steps);
+    for (c, g) in cpu.blocks.iter().zip(&gpu.blocks) {
+        let relative = (c.final_loss - g.final_loss).abs() / c.final_loss.abs().max(1e-12);
+        assert!(relative < 0.02, "block {}: cpu loss {} vs wgpu {}", c.block, c.final_loss, g.final_loss);
+    }
+    let points = 100.0 * (cpu.student_accuracy - gpu.student_accuracy).abs();
+    assert!(points <= 0.5, "student accuracy cpu {} vs wgpu {}", cpu.student_accuracy, gpu.student_accuracy);
+    assert!(gpu.student_accuracy > 0.5, "the wgpu student learned: {}", gpu.student_accuracy);
+}
