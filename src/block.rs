@@ -13,8 +13,8 @@
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use pipebd_kernels::{DistillBackend, FusedBackend};
 use burn::tensor::Tensor;
+use pipebd_kernels::{DistillBackend, FusedBackend};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};

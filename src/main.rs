@@ -386,7 +386,9 @@ fn execute(command: Command) -> Result<(), Error> {
         Command::Kernels { device, check, bench, repeats, seed } => {
             let (check, bench) = if check || bench { (check, bench) } else { (true, true) };
             let seed = seed.unwrap_or_else(|| {
-                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64)
             });
             let report = pipe_bd::run::kernels(&device, check.then_some(seed), bench.then_some(repeats))?;
             if check {

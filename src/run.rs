@@ -442,7 +442,8 @@ impl BackendJob for KernelsJob {
 /// `bench_repeats` calls each. On `cpu` the fused ops are their burn-op
 /// fallback, so this checks the custom backward passes.
 pub fn kernels(device: &str, check_seed: Option<u64>, bench_repeats: Option<usize>) -> Result<KernelsReport> {
-    let spec = DeviceSpec::parse(device).map_err(|message| Error::Device { device: device.into(), message })?;
+    let spec =
+        DeviceSpec::parse(device).map_err(|message| Error::Device { device: device.into(), message })?;
     spec.check_available()?;
     let mut report = dispatch(&[spec], KernelsJob { check_seed, bench_repeats })?;
     report.device = device.to_string();

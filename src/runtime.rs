@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use pipebd_kernels::DistillBackend;
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, SendTimeoutError, Sender};
+use pipebd_kernels::DistillBackend;
 
 use crate::block::{relabel, Activation, Block, StudentModule, Students, Teacher};
 use crate::config::OptimizerConfig;

@@ -7,9 +7,9 @@
 //! block k's parameters.
 
 use burn::optim::{GradientsParams, MultiGradientsParams};
-use pipebd_kernels::DistillBackend;
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ElementConversion;
+use pipebd_kernels::DistillBackend;
 use serde::Serialize;
 
 use crate::block::{

@@ -12,7 +12,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::{BiasAxis, Epilogue, FusedBackend, LossWithGrad};
 
@@ -27,10 +27,7 @@ impl<B: FusedBackend> Backward<B, 2> for PrecomputedLossBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let [student, teacher] = ops.parents;
         let upstream = grads.consume::<B>(&ops.node);
-        let grad = ops.state;
-        let rank = grad.shape().num_dims();
-        let upstream = B::float_reshape(upstream, Shape::from(vec![1; rank]));
-        let grad = B::float_mul(grad, upstream);
+        let grad = B::scale_by_scalar(ops.state, upstream);
         if let Some(teacher) = teacher {
             grads.register::<B>(teacher.id, B::float_neg(grad.clone()));
         }
@@ -89,7 +86,8 @@ fn matmul_grads<B: FusedBackend>(
             grad_t.mask_fill(outside, 0.0)
         }
         Epilogue::Gelu => {
-            let pre = B::matmul_epilogue(lhs.clone(), rhs.clone(), bias.clone(), Epilogue::Identity, sum_batch);
+            let pre =
+                B::matmul_epilogue(lhs.clone(), rhs.clone(), bias.clone(), Epilogue::Identity, sum_batch);
             let pre = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(pre));
             Tensor::from_primitive(TensorPrimitive::Float(B::gelu_backward(
                 pre.into_primitive().tensor(),
@@ -178,7 +176,11 @@ where
 }
 
 impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
-    fn mse_loss(student: FloatTensor<Self>, teacher: FloatTensor<Self>, _with_grad: bool) -> LossWithGrad<Self> {
+    fn mse_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        _with_grad: bool,
+    ) -> LossWithGrad<Self> {
         loss_op::<B, C>(student, teacher, B::mse_loss)
     }
 
@@ -210,7 +212,14 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
                     .prepare::<C>([lhs.node.clone(), rhs.node.clone(), bias.node.clone()])
                     .compute_bound()
                     .stateful();
-                finish_matmul(kind, lhs.primitive, rhs.primitive, Some((bias.primitive, axis)), epilogue, sum_batch)
+                finish_matmul(
+                    kind,
+                    lhs.primitive,
+                    rhs.primitive,
+                    Some((bias.primitive, axis)),
+                    epilogue,
+                    sum_batch,
+                )
             }
         }
     }

@@ -4,7 +4,11 @@
 //! workload (batch 256): the distillation losses of the teacher's blocks, the
 //! students' pointwise convolutions and the head's linear layers. Both
 //! directions are timed: the forward alone (no gradient tracking) and the
-//! forward plus backward. `pipebd kernels --bench` prints the table.
+//! forward plus backward. The matmul ops are timed twice: with our fused
+//! kernel forced (`[kernel]`) and as the engine runs them (`[auto]`: the
+//! faster of the fused kernel and burn's matmul plus our epilogue kernel,
+//! picked per shape at the first call). `pipebd kernels --bench` prints the
+//! table.
 
 use std::time::Instant;
 
@@ -12,7 +16,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 
 use crate::reference::unfused;
-use crate::{linear, loss, pointwise_conv, DistillBackend, Epilogue};
+use crate::{linear, loss, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue, MatmulVariant};
 
 /// One timed case: median milliseconds per call of each side.
 #[derive(Debug, Clone)]
@@ -99,7 +103,8 @@ fn loss_row<B: DistillBackend, const D: usize>(
     }
 }
 
-type Layer<B, const D: usize, const DW: usize> = dyn Fn(Tensor<B, D>, Tensor<B, DW>, Option<Tensor<B, 1>>) -> Tensor<B, D>;
+type Layer<B, const D: usize, const DW: usize> =
+    dyn Fn(Tensor<B, D>, Tensor<B, DW>, Option<Tensor<B, 1>>) -> Tensor<B, D>;
 
 /// A layer case: `(x, weight, bias) -> y`, trained through `sum(y)`.
 #[allow(clippy::too_many_arguments)]
@@ -119,7 +124,11 @@ fn layer_row<B: DistillBackend, const D: usize, const DW: usize>(
     let b = normal::<B::InnerBackend, 1>([bias_len], device);
     let forward = |f: &Layer<B, D, DW>| {
         median_ms::<B>(device, repeats, || {
-            let _ = f(Tensor::from_inner(x.clone()), Tensor::from_inner(w.clone()), Some(Tensor::from_inner(b.clone())));
+            let _ = f(
+                Tensor::from_inner(x.clone()),
+                Tensor::from_inner(w.clone()),
+                Some(Tensor::from_inner(b.clone())),
+            );
         })
     };
     let train = |f: &Layer<B, D, DW>| {
@@ -155,10 +164,30 @@ pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRo
         loss::soft_target_cross_entropy,
         unfused::soft_target_cross_entropy,
     ));
+    for variant in [MatmulVariant::Fused, MatmulVariant::Split, MatmulVariant::Auto] {
+        set_matmul_variant(variant);
+        layer_rows::<B>(&mut rows, variant, repeats, device);
+    }
+    set_matmul_variant(MatmulVariant::Auto);
+    rows
+}
+
+/// The linear and pointwise-conv cases with the matmul `variant` in force.
+fn layer_rows<B: DistillBackend>(
+    rows: &mut Vec<BenchRow>,
+    variant: MatmulVariant,
+    repeats: usize,
+    device: &B::Device,
+) {
+    let tag = match variant {
+        MatmulVariant::Auto => "auto",
+        MatmulVariant::Split => "split",
+        MatmulVariant::Fused => "kernel",
+    };
     for (d_in, d_out, epilogue) in [(1152, 128, Epilogue::Relu), (128, 10, Epilogue::Identity)] {
         rows.push(layer_row::<B, 2, 2>(
             "linear",
-            format!("[256, {d_in}] -> {d_out} {}", epilogue.name()),
+            format!("[256, {d_in}] -> {d_out} {} [{tag}]", epilogue.name()),
             [256, d_in],
             [d_in, d_out],
             d_out,
@@ -171,7 +200,7 @@ pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRo
     for (c_in, hw, c_out) in [(32, 14, 16), (16, 7, 64), (24, 3, 128)] {
         rows.push(layer_row::<B, 4, 4>(
             "pointwise-conv",
-            format!("[256, {c_in}, {hw}, {hw}] -> {c_out} relu"),
+            format!("[256, {c_in}, {hw}, {hw}] -> {c_out} relu [{tag}]"),
             [256, c_in, hw, hw],
             [c_out, c_in, 1, 1],
             c_out,
@@ -181,18 +210,17 @@ pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRo
             &|x, w, b| unfused::pointwise_conv(x, w, b, Epilogue::Relu),
         ));
     }
-    rows
 }
 
 /// The rows as an aligned text table with the speedups.
 pub fn table(rows: &[BenchRow]) -> String {
     let mut text = format!(
-        "{:<15} {:<34} {:>10} {:>10} {:>7}   {:>10} {:>10} {:>7}\n",
+        "{:<15} {:<42} {:>10} {:>10} {:>7}   {:>10} {:>10} {:>7}\n",
         "op", "case", "fwd fused", "unfused", "ratio", "f+b fused", "unfused", "ratio"
     );
     for r in rows {
         text.push_str(&format!(
-            "{:<15} {:<34} {:>8.3}ms {:>8.3}ms {:>6.2}x   {:>8.3}ms {:>8.3}ms {:>6.2}x\n",
+            "{:<15} {:<42} {:>8.3}ms {:>8.3}ms {:>6.2}x   {:>8.3}ms {:>8.3}ms {:>6.2}x\n",
             r.op,
             r.case,
             r.fused_forward_ms,

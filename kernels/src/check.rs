@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::reference::unfused;
-use crate::{linear, loss, pointwise_conv, DistillBackend, Epilogue};
+use crate::{linear, loss, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue, MatmulVariant};
 
 /// Relative error allowed for the losses (forward and gradient).
 pub const LOSS_TOLERANCE: f64 = 1e-4;
@@ -153,7 +153,12 @@ fn layer_on<B: DistillBackend, const DX: usize, const DW: usize>(
     let y = f(x.clone(), w.clone(), b.clone());
     let grads = (y.clone() * tensor::<B, DX>(&inputs.probe, device)).sum().backward();
     let db = b.map(|b| values(b.grad(&grads).expect("bias gradient")));
-    (values(y), values(x.grad(&grads).expect("x gradient")), values(w.grad(&grads).expect("weight gradient")), db)
+    (
+        values(y),
+        values(x.grad(&grads).expect("x gradient")),
+        values(w.grad(&grads).expect("weight gradient")),
+        db,
+    )
 }
 
 fn add_layer_rows(rows: &mut Rows, f: LayerResults, r: LayerResults) {
@@ -170,7 +175,6 @@ fn add_layer_rows(rows: &mut Rows, f: LayerResults, r: LayerResults) {
 pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
-    let cpu = Default::default();
     check_loss::<B, 2>(&mut out, &mut rng, "mse", [1, 7], 2.0, loss::mse, unfused::mse, device);
     check_loss::<B, 4>(&mut out, &mut rng, "mse", [3, 5, 13, 11], 2.0, loss::mse, unfused::mse, device);
     check_loss::<B, 4>(&mut out, &mut rng, "mse", [37, 32, 14, 14], 2.0, loss::mse, unfused::mse, device);
@@ -179,20 +183,43 @@ pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
         let (fused, reference) = (loss::soft_target_cross_entropy, unfused::soft_target_cross_entropy);
         check_loss::<B, 2>(&mut out, &mut rng, "soft-ce", shape, 4.0, fused, reference, device);
     }
+    for variant in [MatmulVariant::Fused, MatmulVariant::Split] {
+        set_matmul_variant(variant);
+        check_layers::<B>(&mut out, &mut rng, variant, device);
+    }
+    set_matmul_variant(MatmulVariant::Auto);
+    out
+}
+
+/// The linear and pointwise-conv cases with the matmul `variant` in force.
+fn check_layers<B: DistillBackend>(
+    out: &mut Vec<CheckRow>,
+    rng: &mut StdRng,
+    variant: MatmulVariant,
+    device: &B::Device,
+) {
+    let cpu = burn::tensor::Device::<Reference>::default();
+    let tag = match variant {
+        MatmulVariant::Split => " [split]",
+        _ => "",
+    };
     let linear_cases = [(1, 5, 3), (37, 29, 53), (130, 300, 70), (2, 1152, 17)];
     for (i, (rows_n, d_in, d_out)) in linear_cases.into_iter().enumerate() {
         for epilogue in Epilogue::ALL {
             let with_bias = (i + epilogue as usize) % 3 != 2;
             let inputs = LayerInputs {
-                x: random(&mut rng, &[rows_n, d_in], 1.0),
-                weight: random(&mut rng, &[d_in, d_out], 1.0 / (d_in as f32).sqrt()),
-                bias: with_bias.then(|| random(&mut rng, &[d_out], 0.5)),
-                probe: random(&mut rng, &[rows_n, d_out], 1.0),
+                x: random(rng, &[rows_n, d_in], 1.0),
+                weight: random(rng, &[d_in, d_out], 1.0 / (d_in as f32).sqrt()),
+                bias: with_bias.then(|| random(rng, &[d_out], 0.5)),
+                probe: random(rng, &[rows_n, d_out], 1.0),
             };
             let mut rows = Rows {
                 rows: vec![],
                 op: "linear",
-                case: format!("x [{rows_n}, {d_in}] w [{d_in}, {d_out}] {} bias={with_bias}", epilogue.name()),
+                case: format!(
+                    "x [{rows_n}, {d_in}] w [{d_in}, {d_out}] {} bias={with_bias}{tag}",
+                    epilogue.name()
+                ),
                 tolerance: MATMUL_TOLERANCE,
             };
             let f = layer_on::<B, 2, 2>(&inputs, |x, w, b| linear(x, w, b, epilogue), device);
@@ -207,30 +234,33 @@ pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
             let with_bias = (i + epilogue as usize) % 3 != 1;
             let [batch, c_in, h, w] = shape;
             let inputs = LayerInputs {
-                x: random(&mut rng, &shape, 1.0),
-                weight: random(&mut rng, &[c_out, c_in, 1, 1], 1.0 / (c_in as f32).sqrt()),
-                bias: with_bias.then(|| random(&mut rng, &[c_out], 0.5)),
-                probe: random(&mut rng, &[batch, c_out, h, w], 1.0),
+                x: random(rng, &shape, 1.0),
+                weight: random(rng, &[c_out, c_in, 1, 1], 1.0 / (c_in as f32).sqrt()),
+                bias: with_bias.then(|| random(rng, &[c_out], 0.5)),
+                probe: random(rng, &[batch, c_out, h, w], 1.0),
             };
             let mut rows = Rows {
                 rows: vec![],
                 op: "pointwise-conv",
-                case: format!("x {shape:?} -> {c_out} {} bias={with_bias}", epilogue.name()),
+                case: format!("x {shape:?} -> {c_out} {} bias={with_bias}{tag}", epilogue.name()),
                 tolerance: MATMUL_TOLERANCE,
             };
             let f = layer_on::<B, 4, 4>(&inputs, |x, w, b| pointwise_conv(x, w, b, epilogue), device);
-            let r =
-                layer_on::<Reference, 4, 4>(&inputs, |x, w, b| unfused::pointwise_conv(x, w, b, epilogue), &cpu);
+            let r = layer_on::<Reference, 4, 4>(
+                &inputs,
+                |x, w, b| unfused::pointwise_conv(x, w, b, epilogue),
+                &cpu,
+            );
             add_layer_rows(&mut rows, f, r);
             out.extend(rows.rows);
         }
     }
-    out
 }
 
 /// The rows as an aligned text table.
 pub fn table(rows: &[CheckRow]) -> String {
-    let mut text = format!("{:<15} {:<48} {:<10} {:>10} {:>9}  ok\n", "op", "case", "quantity", "rel.error", "bound");
+    let mut text =
+        format!("{:<15} {:<48} {:<10} {:>10} {:>9}  ok\n", "op", "case", "quantity", "rel.error", "bound");
     for row in rows {
         text.push_str(&format!(
             "{:<15} {:<48} {:<10} {:>10.2e} {:>9.0e}  {}\n",

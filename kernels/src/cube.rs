@@ -2,13 +2,19 @@
 //! CubeCL backends (`CubeBackend<R, ..>`: wgpu, cuda).
 //!
 //! - `mse_kernel`: one pass over `s` and `t` that writes `2 (s - t) / n` and
-//!   per-cube partial sums of `(s - t)^2`; a small sum of the partials gives
-//!   the loss.
+//!   per-unit partial sums of `(s - t)^2`; `sum_kernel` (one cube) adds the
+//!   partials into the loss.
 //! - `soft_ce_kernel`: one unit per row: both softmaxes (max-shifted), the
-//!   row's cross-entropy and its gradient `(softmax(s) - softmax(t)) / batch`.
-//! - `matmul_epilogue_kernel`: a 16x16 shared-memory tiled matmul over
-//!   strided rank-3 operands (so transposes and weights shared across the
-//!   batch need no copies), with bias and activation applied before the store.
+//!   row's cross-entropy and its gradient `(softmax(s) - softmax(t)) / batch`;
+//!   `sum_kernel` again for the batch mean.
+//! - `matmul_epilogue_kernel`: a register-tiled matmul (4x4 outputs per unit,
+//!   64x64 per cube) over strided rank-3 operands, so transposes and weights
+//!   shared across the batch need no copies, with bias and activation applied
+//!   before the store.
+//!
+//! The first-stage kernels use neither shared memory nor barriers: CPU Vulkan
+//! drivers (Mesa's lavapipe) pay dearly for barriers, and GPUs do not need
+//! them at these sizes.
 //!
 //! Outputs are allocated uninitialised. [`set_poison_outputs`] makes them start
 //! as NaN instead, so that a test sees any element a kernel failed to write.
@@ -24,12 +30,12 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use crate::{BiasAxis, Epilogue, FusedBackend, LossWithGrad};
+use crate::{reference, BiasAxis, Epilogue, FusedBackend, LossWithGrad, MatmulVariant};
 
 /// Units per cube of the reduction kernels (a power of two).
 const REDUCE_UNITS: u32 = 256;
-/// Side of the matmul tile (the cube is `TILE x TILE` units).
-const TILE: u32 = 16;
+/// Most units in a matmul cube (each unit computes 4x4 outputs).
+const MATMUL_UNITS: u32 = 256;
 
 static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
 
@@ -39,13 +45,20 @@ pub fn set_poison_outputs(on: bool) {
     POISON_OUTPUTS.store(on, Ordering::SeqCst);
 }
 
-/// Sum of `value` over the cube's units (`CUBE_DIM` must be a power of two of
-/// at most 256); the result is valid on unit 0.
-#[cube]
-fn cube_sum<F: Float>(value: F) -> F {
+/// Second stage of the loss reductions: one cube of [`REDUCE_UNITS`] units
+/// sums `partials` (strided per unit, then a shared-memory tree) and writes
+/// `sum * scale` to `out[0]`.
+#[cube(launch)]
+fn sum_kernel<F: Float>(partials: &Array<F>, out: &mut Array<F>, scale: f32) {
     let mut shared = SharedMemory::<F>::new(256usize);
     let unit = UNIT_POS as usize;
-    shared[unit] = value;
+    let mut acc = F::new(0.0);
+    let mut i = unit;
+    while i < partials.len() {
+        acc += partials[i];
+        i += 256;
+    }
+    shared[unit] = acc;
     sync_cube();
     let mut half = CUBE_DIM as usize / 2;
     while half > 0 {
@@ -55,9 +68,14 @@ fn cube_sum<F: Float>(value: F) -> F {
         sync_cube();
         half /= 2;
     }
-    shared[0]
+    if unit == 0 {
+        out[0] = shared[0] * F::cast_from(scale);
+    }
 }
 
+/// First stage of the MSE: each unit sums `(s - t)^2` over a grid-stride slice
+/// into `partials[unit]` (no shared memory, no barriers: cheap everywhere,
+/// including CPU Vulkan drivers) and writes the gradient as it goes.
 #[cube(launch)]
 fn mse_kernel<F: Float>(
     student: &Array<F>,
@@ -80,12 +98,24 @@ fn mse_kernel<F: Float>(
         }
         i += step;
     }
-    let total = cube_sum::<F>(acc);
-    if UNIT_POS == 0 {
-        partials[CUBE_POS] = total;
+    partials[ABSOLUTE_POS] = acc;
+}
+
+/// `values[i] *= factor[0]`, grid-stride (in place).
+#[cube(launch)]
+fn scale_kernel<F: Float>(values: &mut Array<F>, factor: &Array<F>) {
+    let n = values.len();
+    let step = CUBE_COUNT * CUBE_DIM as usize;
+    let f = factor[0];
+    let mut i = ABSOLUTE_POS;
+    while i < n {
+        values[i] = values[i] * f;
+        i += step;
     }
 }
 
+/// First stage of the soft-target cross-entropy: one unit per row writes the
+/// row's loss to `partials[row]` and its gradient row.
 #[cube(launch)]
 fn soft_ce_kernel<F: Float>(
     student: &Tensor<F>,
@@ -98,7 +128,6 @@ fn soft_ce_kernel<F: Float>(
     let rows = student.shape(0);
     let classes = student.shape(1);
     let row = ABSOLUTE_POS;
-    let mut row_loss = F::new(0.0);
     if row < rows {
         let s_base = row * student.stride(0);
         let s_col = student.stride(1);
@@ -128,16 +157,71 @@ fn soft_ce_kernel<F: Float>(
                 grad[row * grad.stride(0) + j * grad.stride(1)] = (F::exp(log_q) - p) * scale;
             }
         }
-        row_loss = F::new(0.0) - cross;
-    }
-    let total = cube_sum::<F>(row_loss);
-    if UNIT_POS == 0 {
-        partials[CUBE_POS] = total;
+        partials[row] = F::new(0.0) - cross;
     }
 }
 
-/// `bias_axis`: 0 none, 1 rows, 2 cols. `epilogue`: [`epilogue_code`].
+/// The epilogue activation (`epilogue`: see [`epilogue_code`]).
+#[cube]
+fn activate<F: Float>(v: F, #[comptime] epilogue: u32) -> F {
+    let mut out = v;
+    if epilogue == 1 {
+        out = F::max(v, F::new(0.0));
+    }
+    if epilogue == 2 {
+        out = F::min(F::max(v, F::new(0.0)), F::new(6.0));
+    }
+    if epilogue == 3 {
+        out = F::new(0.5) * v * (F::new(1.0) + F::erf(v * F::new(std::f32::consts::FRAC_1_SQRT_2)));
+    }
+    out
+}
+
+/// The epilogue alone, in place over a contiguous `[z, m, n]` product (the
+/// second pass of [`MatmulVariant::Split`]).
 #[cube(launch)]
+fn epilogue_kernel<F: Float>(
+    values: &mut Array<F>,
+    bias: &Array<F>,
+    rows: usize,
+    cols: usize,
+    #[comptime] bias_axis: u32,
+    #[comptime] epilogue: u32,
+) {
+    let total = values.len();
+    let step = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < total {
+        let mut v = values[i];
+        if bias_axis == 1 {
+            v += bias[(i / cols) % rows];
+        }
+        if bias_axis == 2 {
+            v += bias[i % cols];
+        }
+        values[i] = activate::<F>(v, epilogue);
+        i += step;
+    }
+}
+
+/// `min(i, len - 1)`: operand indices past the edge are read clamped, so the
+/// matmul's inner loop has no branches (their products are never stored).
+#[cube]
+fn clamp_index(i: usize, len: usize) -> usize {
+    let mut j = i;
+    if j >= len {
+        j = len - 1;
+    }
+    j
+}
+
+/// `bias_axis`: 0 none, 1 rows, 2 cols. `epilogue`: [`epilogue_code`].
+///
+/// Each unit computes 4x4 outputs in registers, reading its operands straight
+/// from memory (no shared memory, no barriers); a cube of 16x16 units covers
+/// a 64x64 output tile. Out-of-range rows and columns are read clamped and
+/// never stored.
+#[cube(launch_unchecked)]
 fn matmul_epilogue_kernel<F: Float>(
     lhs: &Tensor<F>,
     rhs: &Tensor<F>,
@@ -147,80 +231,107 @@ fn matmul_epilogue_kernel<F: Float>(
     #[comptime] epilogue: u32,
     #[comptime] sum_batch: bool,
 ) {
-    let mut lhs_tile = SharedMemory::<F>::new(256usize);
-    let mut rhs_tile = SharedMemory::<F>::new(256usize);
-    let tx = UNIT_POS_X as usize;
-    let ty = UNIT_POS_Y as usize;
-    let row = CUBE_POS_Y as usize * 16 + ty;
-    let col = CUBE_POS_X as usize * 16 + tx;
     let m = lhs.shape(1);
     let k = lhs.shape(2);
     let n = rhs.shape(2);
-    let lhs_batches = lhs.shape(0);
-    let rhs_batches = rhs.shape(0);
-    let mut z_begin = CUBE_POS_Z as usize;
-    let mut z_end = z_begin + 1;
-    if sum_batch {
-        z_begin = 0usize;
-        z_end = lhs_batches;
-        if rhs_batches > lhs_batches {
-            z_end = rhs_batches;
-        }
-    }
-    let tiles = k.div_ceil(16);
-    let mut acc = F::new(0.0);
-    for z in z_begin..z_end {
-        let mut lhs_z = z * lhs.stride(0);
-        if lhs_batches == 1 {
-            lhs_z = 0usize;
-        }
-        let mut rhs_z = z * rhs.stride(0);
-        if rhs_batches == 1 {
-            rhs_z = 0usize;
-        }
-        for t in 0..tiles {
-            let ka = t * 16 + tx;
-            let mut a = F::new(0.0);
-            if row < m && ka < k {
-                a = lhs[lhs_z + row * lhs.stride(1) + ka * lhs.stride(2)];
+    // With a cube of DX x DY units, unit (x, y) of cube (X, Y) owns rows
+    // 4*DY*Y + y + DY*i and columns 4*DX*X + x + DX*j (i, j < 4): neighbouring
+    // units touch neighbouring columns, so their loads and stores are contiguous.
+    let dx = CUBE_DIM_X as usize;
+    let dy = CUBE_DIM_Y as usize;
+    let row0 = CUBE_POS_Y as usize * 4 * dy + UNIT_POS_Y as usize;
+    let col0 = CUBE_POS_X as usize * 4 * dx + UNIT_POS_X as usize;
+    if row0 < m && col0 < n {
+        let lhs_batches = lhs.shape(0);
+        let rhs_batches = rhs.shape(0);
+        let mut z_begin = CUBE_POS_Z as usize;
+        let mut z_end = z_begin + 1;
+        if sum_batch {
+            z_begin = 0usize;
+            z_end = lhs_batches;
+            if rhs_batches > lhs_batches {
+                z_end = rhs_batches;
             }
-            lhs_tile[ty * 16 + tx] = a;
-            let kb = t * 16 + ty;
-            let mut b = F::new(0.0);
-            if kb < k && col < n {
-                b = rhs[rhs_z + kb * rhs.stride(1) + col * rhs.stride(2)];
+        }
+        let (ls_row, ls_k) = (lhs.stride(1), lhs.stride(2));
+        let (rs_k, rs_col) = (rhs.stride(1), rhs.stride(2));
+        let r0 = clamp_index(row0, m) * ls_row;
+        let r1 = clamp_index(row0 + dy, m) * ls_row;
+        let r2 = clamp_index(row0 + 2 * dy, m) * ls_row;
+        let r3 = clamp_index(row0 + 3 * dy, m) * ls_row;
+        let c0 = clamp_index(col0, n) * rs_col;
+        let c1 = clamp_index(col0 + dx, n) * rs_col;
+        let c2 = clamp_index(col0 + 2 * dx, n) * rs_col;
+        let c3 = clamp_index(col0 + 3 * dx, n) * rs_col;
+        let mut acc = Array::<F>::new(16usize);
+        #[unroll]
+        for i in 0..16usize {
+            acc[i] = F::new(0.0);
+        }
+        for z in z_begin..z_end {
+            let mut lz = z * lhs.stride(0);
+            if lhs_batches == 1 {
+                lz = 0usize;
             }
-            rhs_tile[ty * 16 + tx] = b;
-            sync_cube();
-            #[unroll]
-            for i in 0..16usize {
-                acc += lhs_tile[ty * 16 + i] * rhs_tile[i * 16 + tx];
+            let mut rz = z * rhs.stride(0);
+            if rhs_batches == 1 {
+                rz = 0usize;
             }
-            sync_cube();
-        }
-    }
-    if row < m && col < n {
-        let mut v = acc;
-        if bias_axis == 1 {
-            v += bias[row];
-        }
-        if bias_axis == 2 {
-            v += bias[col];
-        }
-        if epilogue == 1 {
-            v = F::max(v, F::new(0.0));
-        }
-        if epilogue == 2 {
-            v = F::min(F::max(v, F::new(0.0)), F::new(6.0));
-        }
-        if epilogue == 3 {
-            v = F::new(0.5) * v * (F::new(1.0) + F::erf(v * F::new(std::f32::consts::FRAC_1_SQRT_2)));
+            let mut la = lz;
+            let mut rb = rz;
+            for _ in 0..k {
+                let a0 = lhs[la + r0];
+                let a1 = lhs[la + r1];
+                let a2 = lhs[la + r2];
+                let a3 = lhs[la + r3];
+                let b0 = rhs[rb + c0];
+                let b1 = rhs[rb + c1];
+                let b2 = rhs[rb + c2];
+                let b3 = rhs[rb + c3];
+                acc[0] += a0 * b0;
+                acc[1] += a0 * b1;
+                acc[2] += a0 * b2;
+                acc[3] += a0 * b3;
+                acc[4] += a1 * b0;
+                acc[5] += a1 * b1;
+                acc[6] += a1 * b2;
+                acc[7] += a1 * b3;
+                acc[8] += a2 * b0;
+                acc[9] += a2 * b1;
+                acc[10] += a2 * b2;
+                acc[11] += a2 * b3;
+                acc[12] += a3 * b0;
+                acc[13] += a3 * b1;
+                acc[14] += a3 * b2;
+                acc[15] += a3 * b3;
+                la += ls_k;
+                rb += rs_k;
+            }
         }
         let mut out_z = CUBE_POS_Z as usize;
         if sum_batch {
             out_z = 0usize;
         }
-        out[out_z * out.stride(0) + row * out.stride(1) + col * out.stride(2)] = v;
+        let base = out_z * out.stride(0);
+        #[unroll]
+        for i in 0..4usize {
+            #[unroll]
+            for j in 0..4usize {
+                let row = row0 + i * dy;
+                let col = col0 + j * dx;
+                if row < m && col < n {
+                    let mut v = acc[i * 4 + j];
+                    if bias_axis == 1 {
+                        v += bias[row];
+                    }
+                    if bias_axis == 2 {
+                        v += bias[col];
+                    }
+                    v = activate::<F>(v, epilogue);
+                    out[base + row * out.stride(1) + col * out.stride(2)] = v;
+                }
+            }
+        }
     }
 }
 
@@ -270,19 +381,33 @@ fn new_output<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
 fn finish_sum<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     partials: CubeTensor<R>,
     scale: f32,
-) -> FloatTensor<Cube<R, F, I, BT>> {
-    let partials = BurnTensor::<Cube<R, F, I, BT>, 1>::from_primitive(TensorPrimitive::Float(partials));
-    partials.sum().mul_scalar(scale).into_primitive().tensor()
+) -> CubeTensor<R> {
+    let out = new_output::<R, F, I, BT>(&partials, Shape::from(vec![1]));
+    sum_kernel::launch::<F, R>(
+        &partials.client.clone(),
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(REDUCE_UNITS),
+        partials.into_array_arg(),
+        out.clone().into_array_arg(),
+        scale,
+    );
+    out
 }
 
-impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBackend for CubeBackend<R, F, I, BT> {
-    fn mse_loss(student: FloatTensor<Self>, teacher: FloatTensor<Self>, with_grad: bool) -> LossWithGrad<Self> {
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBackend
+    for CubeBackend<R, F, I, BT>
+{
+    fn mse_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        with_grad: bool,
+    ) -> LossWithGrad<Self> {
         let student = into_contiguous(student);
         let teacher = into_contiguous(teacher);
         let shape = student.meta.shape().clone();
         let n = shape.num_elements();
-        let cubes = n.div_ceil(REDUCE_UNITS as usize * 8).clamp(1, 1024);
-        let partials = new_output::<R, F, I, BT>(&student, Shape::from(vec![cubes]));
+        let cubes = n.div_ceil(REDUCE_UNITS as usize * 16).clamp(1, 64);
+        let partials = new_output::<R, F, I, BT>(&student, Shape::from(vec![cubes * REDUCE_UNITS as usize]));
         let grad_shape = if with_grad { shape } else { Shape::from(vec![1]) };
         let grad = new_output::<R, F, I, BT>(&student, grad_shape);
         let client = student.client.clone();
@@ -311,7 +436,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         let shape = student.meta.shape().clone();
         let rows = shape[0];
         let cubes = rows.div_ceil(REDUCE_UNITS as usize).max(1);
-        let partials = new_output::<R, F, I, BT>(&student, Shape::from(vec![cubes]));
+        let partials = new_output::<R, F, I, BT>(&student, Shape::from(vec![rows]));
         let grad_shape = if with_grad { shape } else { Shape::from(vec![1, 1]) };
         let grad = new_output::<R, F, I, BT>(&student, grad_shape);
         let client = student.client.clone();
@@ -330,6 +455,26 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         LossWithGrad { loss, grad: with_grad.then_some(grad) }
     }
 
+    fn scale_by_scalar(grad: FloatTensor<Self>, upstream: FloatTensor<Self>) -> FloatTensor<Self> {
+        let grad = into_contiguous(grad);
+        // In place when nobody else holds the gradient buffer (the usual case:
+        // it was made for this backward step), else with burn ops.
+        if !(grad.can_mut() && grad.is_contiguous_buffer()) {
+            return reference::scale_by_scalar::<Self>(grad, upstream);
+        }
+        let values = grad;
+        let n = values.meta.num_elements();
+        let cubes = n.div_ceil(REDUCE_UNITS as usize * 16).clamp(1, 64);
+        scale_kernel::launch::<F, R>(
+            &values.client.clone(),
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(REDUCE_UNITS),
+            values.clone().into_array_arg(),
+            into_contiguous(upstream).into_array_arg(),
+        );
+        values
+    }
+
     fn matmul_epilogue(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
@@ -337,24 +482,129 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         epilogue: Epilogue,
         sum_batch: bool,
     ) -> FloatTensor<Self> {
-        let [zl, m, _] = lhs.meta.shape().dims::<3>();
-        let [zr, _, n] = rhs.meta.shape().dims::<3>();
-        let z = zl.max(zr);
-        let out_batches = if sum_batch { 1 } else { z };
-        let out = new_output::<R, F, I, BT>(&lhs, Shape::from(vec![out_batches, m, n]));
-        let (bias, bias_axis) = match bias {
-            Some((bias, BiasAxis::Rows)) => (into_contiguous(bias), 1),
-            Some((bias, BiasAxis::Cols)) => (into_contiguous(bias), 2),
-            // Never read (bias_axis 0), but the kernel needs a buffer other
-            // than `out` (a buffer bound as input and output is invalid).
-            None => (new_output::<R, F, I, BT>(&lhs, Shape::from(vec![1])), 0),
+        let call = MatmulCall { lhs, rhs, bias, epilogue, sum_batch };
+        match choose_variant::<R, F, I, BT>(&call) {
+            MatmulVariant::Split => split_matmul::<R, F, I, BT>(call),
+            _ => fused_matmul::<R, F, I, BT>(call),
+        }
+    }
+}
+
+/// The arguments of one fused matmul call.
+#[derive(Clone)]
+struct MatmulCall<R: CubeRuntime> {
+    lhs: CubeTensor<R>,
+    rhs: CubeTensor<R>,
+    bias: Option<(CubeTensor<R>, BiasAxis)>,
+    epilogue: Epilogue,
+    sum_batch: bool,
+}
+
+impl<R: CubeRuntime> MatmulCall<R> {
+    /// The bias buffer and its axis code. Without a bias the kernels still
+    /// need a buffer (never read) other than their output.
+    fn bias_arg<F: FloatElement, I: IntElement, BT: BoolElement>(&self) -> (CubeTensor<R>, u32) {
+        match &self.bias {
+            Some((bias, BiasAxis::Rows)) => (into_contiguous(bias.clone()), 1),
+            Some((bias, BiasAxis::Cols)) => (into_contiguous(bias.clone()), 2),
+            None => (new_output::<R, F, I, BT>(&self.lhs, Shape::from(vec![1])), 0),
+        }
+    }
+
+    /// What the autotuner tells calls apart by: device, shapes, strides, options.
+    fn key(&self) -> String {
+        let bias = self.bias.as_ref().map(|(_, axis)| *axis);
+        format!(
+            "{:?} {:?} {:?} {:?} {:?} {bias:?} {:?} {}",
+            self.lhs.device,
+            self.lhs.meta.shape(),
+            self.lhs.meta.strides(),
+            self.rhs.meta.shape(),
+            self.rhs.meta.strides(),
+            self.epilogue,
+            self.sum_batch
+        )
+    }
+}
+
+fn tuned() -> &'static std::sync::Mutex<std::collections::HashMap<String, MatmulVariant>> {
+    static TUNED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, MatmulVariant>>> =
+        std::sync::OnceLock::new();
+    TUNED.get_or_init(Default::default)
+}
+
+/// The variants the autotuner has picked so far, by call key.
+pub fn tuned_variants() -> Vec<(String, MatmulVariant)> {
+    let map = tuned().lock().unwrap_or_else(|p| p.into_inner());
+    let mut list: Vec<_> = map.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    list.sort_by(|a, b| a.0.cmp(&b.0));
+    list
+}
+
+fn choose_variant<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    call: &MatmulCall<R>,
+) -> MatmulVariant {
+    let forced = crate::matmul_variant();
+    if forced != MatmulVariant::Auto {
+        return forced;
+    }
+    let key = call.key();
+    if let Some(variant) = tuned().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return *variant;
+    }
+    let time = |variant: MatmulVariant| {
+        let run = || {
+            let out = match variant {
+                MatmulVariant::Split => split_matmul::<R, F, I, BT>(call.clone()),
+                _ => fused_matmul::<R, F, I, BT>(call.clone()),
+            };
+            let _ = <Cube<R, F, I, BT> as burn::tensor::backend::Backend>::sync(&out.device);
         };
-        let client = lhs.client.clone();
-        let count = CubeCount::Static(n.div_ceil(TILE as usize) as u32, m.div_ceil(TILE as usize) as u32, out_batches as u32);
-        matmul_epilogue_kernel::launch::<F, R>(
+        run();
+        (0..3)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                run();
+                start.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    };
+    let variant = if time(MatmulVariant::Fused) <= time(MatmulVariant::Split) {
+        MatmulVariant::Fused
+    } else {
+        MatmulVariant::Split
+    };
+    tuned().lock().unwrap_or_else(|p| p.into_inner()).insert(key, variant);
+    variant
+}
+
+/// Our one-kernel matmul with the epilogue.
+fn fused_matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    call: MatmulCall<R>,
+) -> CubeTensor<R> {
+    let (bias, bias_axis) = call.bias_arg::<F, I, BT>();
+    let MatmulCall { lhs, rhs, epilogue, sum_batch, .. } = call;
+    let [zl, m, _] = lhs.meta.shape().dims::<3>();
+    let [zr, _, n] = rhs.meta.shape().dims::<3>();
+    let out_batches = if sum_batch { 1 } else { zl.max(zr) };
+    let out = new_output::<R, F, I, BT>(&lhs, Shape::from(vec![out_batches, m, n]));
+    let client = lhs.client.clone();
+    // Fit the cube to the output: few rows (a pointwise conv's channels)
+    // or few columns (a 3x3 map) should not leave most units idle.
+    let units = (MATMUL_UNITS as usize).min(client.properties().hardware.max_units_per_cube as usize);
+    let dx = n.div_ceil(4).next_power_of_two().clamp(1, units);
+    let dy = m.div_ceil(4).next_power_of_two().clamp(1, units / dx);
+    let count = CubeCount::Static(n.div_ceil(4 * dx) as u32, m.div_ceil(4 * dy) as u32, out_batches as u32);
+    // SAFETY: every read is clamped to the operands' shapes and every
+    // store is guarded by `row < m && col < n`; `bias` is only read when
+    // `bias_axis` says it has `m` or `n` elements, so no access leaves its
+    // buffer.
+    unsafe {
+        matmul_epilogue_kernel::launch_unchecked::<F, R>(
             &client,
             count,
-            CubeDim::new_2d(TILE, TILE),
+            CubeDim::new_2d(dx as u32, dy as u32),
             lhs.into_tensor_arg(),
             rhs.into_tensor_arg(),
             bias.into_array_arg(),
@@ -363,6 +613,46 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
             epilogue_code(epilogue),
             sum_batch,
         );
-        out
     }
+    out
+}
+
+/// burn's matmul, then our in-place epilogue kernel.
+fn split_matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    call: MatmulCall<R>,
+) -> CubeTensor<R> {
+    let (bias, bias_axis) = call.bias_arg::<F, I, BT>();
+    let MatmulCall { lhs, rhs, epilogue, sum_batch, .. } = call;
+    let [zl, m, _] = lhs.meta.shape().dims::<3>();
+    let [zr, _, n] = rhs.meta.shape().dims::<3>();
+    let lhs = BurnTensor::<Cube<R, F, I, BT>, 3>::from_primitive(TensorPrimitive::Float(lhs));
+    let rhs = BurnTensor::<Cube<R, F, I, BT>, 3>::from_primitive(TensorPrimitive::Float(rhs));
+    let mut product = if zl == 1 && zr == 1 {
+        // A plain 2-D product (a linear layer): burn picks its 2-D kernel.
+        let [_, _, k] = lhs.dims();
+        lhs.reshape([m, k]).matmul(rhs.reshape([k, n])).reshape([1, m, n])
+    } else {
+        lhs.matmul(rhs)
+    };
+    if sum_batch && zl.max(zr) > 1 {
+        product = product.sum_dim(0);
+    }
+    let values = into_contiguous(product.into_primitive().tensor());
+    if bias_axis == 0 && epilogue == Epilogue::Identity {
+        return values;
+    }
+    let total = values.meta.num_elements();
+    let cubes = total.div_ceil(REDUCE_UNITS as usize * 16).clamp(1, 64);
+    epilogue_kernel::launch::<F, R>(
+        &values.client.clone(),
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(REDUCE_UNITS),
+        values.clone().into_array_arg(),
+        bias.into_array_arg(),
+        m,
+        n,
+        bias_axis,
+        epilogue_code(epilogue),
+    );
+    values
 }

@@ -93,7 +93,11 @@ pub struct LossWithGrad<B: Backend> {
 pub trait FusedBackend: Backend {
     /// `mean((student - teacher)^2)` over all elements; with `with_grad`, also
     /// `2 (student - teacher) / n`. Both tensors have the same shape.
-    fn mse_loss(student: FloatTensor<Self>, teacher: FloatTensor<Self>, with_grad: bool) -> LossWithGrad<Self> {
+    fn mse_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        with_grad: bool,
+    ) -> LossWithGrad<Self> {
         reference::mse_with_grad::<Self>(student, teacher, with_grad)
     }
 
@@ -106,6 +110,12 @@ pub trait FusedBackend: Backend {
         with_grad: bool,
     ) -> LossWithGrad<Self> {
         reference::soft_target_ce_with_grad::<Self>(student, teacher, with_grad)
+    }
+
+    /// `grad * upstream[0]` for a one-element `upstream`: the chain-rule step
+    /// of a loss whose gradient was computed in its forward pass.
+    fn scale_by_scalar(grad: FloatTensor<Self>, upstream: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::scale_by_scalar::<Self>(grad, upstream)
     }
 
     /// `act(lhs @ rhs + bias)` on rank-3 tensors: `lhs [zl, m, k]`, `rhs [zr, k, n]`
@@ -131,6 +141,42 @@ pub trait DistillBackend: AutodiffBackend<InnerBackend: FusedBackend> + FusedBac
 impl<B> DistillBackend for B where B: AutodiffBackend<InnerBackend: FusedBackend> + FusedBackend {}
 
 impl FusedBackend for burn::backend::Flex {}
+
+/// How [`FusedBackend::matmul_epilogue`] runs on CubeCL backends (other
+/// backends have one way: burn's ops).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulVariant {
+    /// Time both variants at the first call of each shape on each device and
+    /// keep the faster one (the default).
+    Auto,
+    /// Our register-tiled matmul kernel with the epilogue applied before the
+    /// store: one kernel.
+    Fused,
+    /// burn's matmul kernel, then our epilogue kernel (bias and activation in
+    /// one in-place pass instead of two).
+    Split,
+}
+
+static MATMUL_VARIANT: std::sync::Mutex<MatmulVariant> = std::sync::Mutex::new(MatmulVariant::Auto);
+
+/// Forces a matmul variant (tests, benchmarks) or restores [`MatmulVariant::Auto`].
+pub fn set_matmul_variant(variant: MatmulVariant) {
+    *MATMUL_VARIANT.lock().unwrap_or_else(|p| p.into_inner()) = variant;
+}
+
+/// The matmul variant in force.
+pub fn matmul_variant() -> MatmulVariant {
+    *MATMUL_VARIANT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The variants the autotuner has picked so far, by call key (empty without
+/// CubeCL backends).
+pub fn tuned_matmul_variants() -> Vec<(String, MatmulVariant)> {
+    #[cfg(feature = "cubecl")]
+    return cube::tuned_variants();
+    #[cfg(not(feature = "cubecl"))]
+    Vec::new()
+}
 
 /// Fill every kernel output with NaN before the launch, so that a test sees any
 /// element a kernel failed to write (CubeCL backends; a no-op elsewhere).

@@ -19,7 +19,11 @@ pub fn mse<B: FusedBackend, const D: usize>(student: Tensor<B, D>, teacher: Tens
 /// (temperature 1), averaged over the batch.
 ///
 /// `student` and `teacher` are `[batch, classes]` logits.
-pub fn soft_target_cross_entropy<B: FusedBackend>(student: Tensor<B, 2>, teacher: Tensor<B, 2>) -> Tensor<B, 1> {
-    let out = B::soft_target_ce_loss(student.into_primitive().tensor(), teacher.into_primitive().tensor(), false);
+pub fn soft_target_cross_entropy<B: FusedBackend>(
+    student: Tensor<B, 2>,
+    teacher: Tensor<B, 2>,
+) -> Tensor<B, 1> {
+    let out =
+        B::soft_target_ce_loss(student.into_primitive().tensor(), teacher.into_primitive().tensor(), false);
     Tensor::from_primitive(TensorPrimitive::Float(out.loss))
 }

@@ -54,6 +54,12 @@ pub fn soft_target_ce_with_grad<B: Backend>(
     LossWithGrad { loss: unwrap(loss), grad }
 }
 
+/// `grad * upstream[0]` with burn ops (a broadcast multiply).
+pub fn scale_by_scalar<B: Backend>(grad: FloatTensor<B>, upstream: FloatTensor<B>) -> FloatTensor<B> {
+    let rank = burn::tensor::TensorMetadata::shape(&grad).num_dims();
+    B::float_mul(grad, B::float_reshape(upstream, vec![1; rank].into()))
+}
+
 /// Applies an epilogue activation with burn ops.
 pub fn activate<B: Backend, const D: usize>(x: Tensor<B, D>, epilogue: Epilogue) -> Tensor<B, D> {
     match epilogue {
@@ -100,7 +106,10 @@ pub mod unfused {
     }
 
     /// Soft-target cross-entropy of `[batch, classes]` logits.
-    pub fn soft_target_cross_entropy<B: Backend>(student: Tensor<B, 2>, teacher: Tensor<B, 2>) -> Tensor<B, 1> {
+    pub fn soft_target_cross_entropy<B: Backend>(
+        student: Tensor<B, 2>,
+        teacher: Tensor<B, 2>,
+    ) -> Tensor<B, 1> {
         let [batch, _] = student.dims();
         let target = softmax(teacher, 1);
         (target * log_softmax(student, 1)).sum().neg().div_scalar(batch as f32)

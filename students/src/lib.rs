@@ -25,8 +25,8 @@ pub use conv::{BottleneckBlock, ConvBlock, SeparableBlock};
 pub use head::HeadBlock;
 
 use burn::module::Module;
-use pipebd_kernels::FusedBackend;
 use burn::tensor::Tensor;
+use pipebd_kernels::FusedBackend;
 use serde::{Deserialize, Serialize};
 
 /// Everything that can go wrong while building a student block.
