@@ -2,7 +2,7 @@
 //! implementations for the `teachers` and `students` crates, and builders
 //! that turn config sections into a [`Teacher`] and [`Students`].
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use pipebd_kernels::{DistillBackend, FusedBackend};
@@ -140,7 +140,9 @@ pub fn build_students<B: DistillBackend>(
         let records: Vec<_> = blocks.into_iter().map(|b| b.into_record()).collect();
         (records, specs)
     };
-    let (targets, _) = init_student_blocks::<B::InnerBackend>(configs, teacher, device)?;
+    // Load into modules of the autodiff backend itself: a record loaded into an
+    // inner-backend module would come back untrainable (require_grad unset).
+    let (targets, _) = init_student_blocks::<B>(configs, teacher, device)?;
     let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
     let blocks = cpu_blocks
         .into_iter()
@@ -153,8 +155,7 @@ pub fn build_students<B: DistillBackend>(
             };
             let bytes = recorder.record(record, ()).map_err(failed)?;
             let record = recorder.load(bytes, device).map_err(failed)?;
-            // A trainable leaf on the autodiff backend.
-            Ok(StudentBlock::from_inner(target.load_record(record)))
+            Ok(target.load_record(record))
         })
         .collect::<Result<Vec<_>>>()?;
     Students::new(blocks, specs, teacher)

@@ -12,7 +12,7 @@ mod common;
 
 #[test]
 fn wgpu_run_matches_the_cpu_run() {
-    let text = common::small_config(2000, 1000, 1).replace("batch_size = 64", "batch_size = 128");
+    let text = common::small_config(3000, 1000, 1).replace("batch_size = 64", "batch_size = 32");
     let run = |device: &str| {
         let mut config = RunConfig::parse(&text, Path::new("small.toml")).unwrap();
         config.device = device.to_string();
@@ -21,6 +21,13 @@ fn wgpu_run_matches_the_cpu_run() {
     };
     let cpu = run("cpu");
     let gpu = run("wgpu");
+    eprintln!(
+        "cpu: accuracy {} losses {:?}\nwgpu: accuracy {} losses {:?}",
+        cpu.student_accuracy,
+        cpu.blocks.iter().map(|b| b.final_loss).collect::<Vec<_>>(),
+        gpu.student_accuracy,
+        gpu.blocks.iter().map(|b| b.final_loss).collect::<Vec<_>>()
+    );
     assert_eq!(cpu.steps, gpu.steps);
     for (c, g) in cpu.blocks.iter().zip(&gpu.blocks) {
         let relative = (c.final_loss - g.final_loss).abs() / c.final_loss.abs().max(1e-12);
