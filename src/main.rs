@@ -121,6 +121,9 @@ enum Command {
         /// Seed of the check's random inputs (default: drawn from the clock and printed).
         #[arg(long)]
         seed: Option<u64>,
+        /// Print every checked case, not one line per op and quantity.
+        #[arg(long)]
+        verbose: bool,
     },
     /// Check a config (syntax, fields, student shapes, device) without running it.
     Check {
@@ -383,7 +386,7 @@ fn execute(command: Command) -> Result<(), Error> {
             println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
             Ok(())
         }
-        Command::Kernels { device, check, bench, repeats, seed } => {
+        Command::Kernels { device, check, bench, repeats, seed, verbose } => {
             let (check, bench) = if check || bench { (check, bench) } else { (true, true) };
             let seed = seed.unwrap_or_else(|| {
                 std::time::SystemTime::now()
@@ -393,7 +396,11 @@ fn execute(command: Command) -> Result<(), Error> {
             let report = pipe_bd::run::kernels(&device, check.then_some(seed), bench.then_some(repeats))?;
             if check {
                 println!("fused ops against burn's ops on {} (seed {seed}):", report.device);
-                print!("{}", pipebd_kernels::check::table(&report.checks));
+                if verbose {
+                    print!("{}", pipebd_kernels::check::table(&report.checks));
+                } else {
+                    print!("{}", pipebd_kernels::check::summary(&report.checks));
+                }
             }
             if bench {
                 println!("fused against unfused on {}, median of {repeats} calls:", report.device);

@@ -75,38 +75,19 @@ fn matmul_grads<B: FusedBackend>(
     grad: FloatTensor<B>,
 ) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
     let MatmulState { lhs, rhs, bias, output, epilogue, sum_batch } = state;
-    let grad_t = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(grad));
-    let out_t = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(output));
     // G = dL/d(pre-activation).
-    let pre_grad = match epilogue {
-        Epilogue::Identity => grad_t,
-        Epilogue::Relu => grad_t.mask_fill(out_t.lower_equal_elem(0.0), 0.0),
-        Epilogue::Relu6 => {
-            let outside = out_t.clone().lower_equal_elem(0.0).bool_or(out_t.greater_equal_elem(6.0));
-            grad_t.mask_fill(outside, 0.0)
-        }
+    let saved = match epilogue {
         Epilogue::Gelu => {
-            let pre =
-                B::matmul_epilogue(lhs.clone(), rhs.clone(), bias.clone(), Epilogue::Identity, sum_batch);
-            let pre = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(pre));
-            Tensor::from_primitive(TensorPrimitive::Float(B::gelu_backward(
-                pre.into_primitive().tensor(),
-                grad_t.into_primitive().tensor(),
-            )))
+            B::matmul_epilogue(lhs.clone(), rhs.clone(), bias.clone(), Epilogue::Identity, sum_batch)
         }
+        _ => output,
     };
+    let pre_grad =
+        Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::epilogue_backward(grad, saved, epilogue)));
     let [zl, _, _] = lhs.shape().dims::<3>();
     let [zr, _, _] = rhs.shape().dims::<3>();
     let [zg, _, _] = pre_grad.dims();
-    let bias_grad = bias.map(|(_, axis)| {
-        let summed = pre_grad.clone().sum_dim(0);
-        let summed = match axis {
-            BiasAxis::Rows => summed.sum_dim(2),
-            BiasAxis::Cols => summed.sum_dim(1),
-        };
-        let n = summed.shape().num_elements();
-        summed.reshape([n]).into_primitive().tensor()
-    });
+    let bias_grad = bias.map(|(_, axis)| B::bias_grad(pre_grad.clone().into_primitive().tensor(), axis));
     let g = pre_grad.into_primitive().tensor();
     let rhs_t = B::float_swap_dims(rhs, 1, 2);
     let lhs_t = B::float_swap_dims(lhs, 1, 2);

@@ -30,7 +30,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use crate::{reference, BiasAxis, Epilogue, FusedBackend, LossWithGrad, MatmulVariant};
+use crate::{BiasAxis, Epilogue, FusedBackend, LossWithGrad, MatmulVariant};
 
 /// Units per cube of the reduction kernels (a power of two).
 const REDUCE_UNITS: u32 = 256;
@@ -101,16 +101,56 @@ fn mse_kernel<F: Float>(
     partials[ABSOLUTE_POS] = acc;
 }
 
-/// `values[i] *= factor[0]`, grid-stride (in place).
+/// `out[i] = values[i] * factor[0]`, grid-stride.
 #[cube(launch)]
-fn scale_kernel<F: Float>(values: &mut Array<F>, factor: &Array<F>) {
+fn scale_kernel<F: Float>(values: &Array<F>, factor: &Array<F>, out: &mut Array<F>) {
     let n = values.len();
     let step = CUBE_COUNT * CUBE_DIM as usize;
     let f = factor[0];
     let mut i = ABSOLUTE_POS;
     while i < n {
-        values[i] = values[i] * f;
+        out[i] = values[i] * f;
         i += step;
+    }
+}
+
+/// Bias gradient: cube `j` sums `grad[z, j, n]` over `z, n` (`rows`) or
+/// `grad[z, m, j]` over `z, m` (columns) into `out[j]`.
+#[cube(launch)]
+fn bias_grad_kernel<F: Float>(grad: &Tensor<F>, out: &mut Array<F>, #[comptime] rows: bool) {
+    let mut shared = SharedMemory::<F>::new(256usize);
+    let j = CUBE_POS;
+    let unit = UNIT_POS as usize;
+    let batches = grad.shape(0);
+    let mut other = grad.shape(2);
+    let mut other_stride = grad.stride(2);
+    let mut own_stride = grad.stride(1);
+    if !rows {
+        other = grad.shape(1);
+        other_stride = grad.stride(1);
+        own_stride = grad.stride(2);
+    }
+    let total = batches * other;
+    let mut acc = F::new(0.0);
+    let mut i = unit;
+    while i < total {
+        let z = i / other;
+        let o = i % other;
+        acc += grad[z * grad.stride(0) + o * other_stride + j * own_stride];
+        i += CUBE_DIM as usize;
+    }
+    shared[unit] = acc;
+    sync_cube();
+    let mut half = CUBE_DIM as usize / 2;
+    while half > 0 {
+        if unit < half {
+            shared[unit] = shared[unit] + shared[unit + half];
+        }
+        sync_cube();
+        half /= 2;
+    }
+    if unit == 0 {
+        out[j] = shared[0];
     }
 }
 
@@ -161,6 +201,72 @@ fn soft_ce_kernel<F: Float>(
     }
 }
 
+/// `erf(x)` to about 1e-7 relative: the Chebyshev fit of `erfc` from
+/// Numerical Recipes (`erfcc`), more accurate than the usual polynomial
+/// polyfill, so that GELU's derivative matches a CPU's libm.
+#[cube]
+fn erf_accurate<F: Float>(x: F) -> F {
+    let z = F::abs(x);
+    let t = F::new(1.0) / (F::new(1.0) + F::new(0.5) * z);
+    let poly = F::new(-1.265_512_2)
+        + t * (F::new(1.000_023_7)
+            + t * (F::new(0.374_091_96)
+                + t * (F::new(0.096_784_18)
+                    + t * (F::new(-0.186_288_06)
+                        + t * (F::new(0.278_868_07)
+                            + t * (F::new(-1.135_203_98)
+                                + t * (F::new(1.488_515_87)
+                                    + t * (F::new(-0.822_152_23) + t * F::new(0.170_872_77)))))))));
+    let erfc = t * F::exp(F::new(0.0) - z * z + poly);
+    let mut out = F::new(1.0) - erfc;
+    if x < F::new(0.0) {
+        out = erfc - F::new(1.0);
+    }
+    out
+}
+
+/// `dL/d(pre)` of the epilogue: `saved` is the output (relu, relu6,
+/// identity) or the pre-activation (gelu); any strides, contiguous result.
+#[cube(launch)]
+fn epilogue_backward_kernel<F: Float>(
+    grad: &Tensor<F>,
+    saved: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] epilogue: u32,
+) {
+    let total = out.len();
+    let step = CUBE_COUNT * CUBE_DIM as usize;
+    let rows = out.shape(1);
+    let cols = out.shape(2);
+    let mut i = ABSOLUTE_POS;
+    while i < total {
+        let z = i / (rows * cols);
+        let r = (i / cols) % rows;
+        let c = i % cols;
+        let g = grad[z * grad.stride(0) + r * grad.stride(1) + c * grad.stride(2)];
+        let s = saved[z * saved.stride(0) + r * saved.stride(1) + c * saved.stride(2)];
+        let mut d = g;
+        if epilogue == 1 {
+            if s <= F::new(0.0) {
+                d = F::new(0.0);
+            }
+        }
+        if epilogue == 2 {
+            if s <= F::new(0.0) || s >= F::new(6.0) {
+                d = F::new(0.0);
+            }
+        }
+        if epilogue == 3 {
+            let cdf =
+                F::new(0.5) * (F::new(1.0) + erf_accurate::<F>(s * F::new(std::f32::consts::FRAC_1_SQRT_2)));
+            let pdf = F::exp(F::new(-0.5) * s * s) * F::new(0.398_942_3);
+            d = g * (cdf + s * pdf);
+        }
+        out[i] = d;
+        i += step;
+    }
+}
+
 /// The epilogue activation (`epilogue`: see [`epilogue_code`]).
 #[cube]
 fn activate<F: Float>(v: F, #[comptime] epilogue: u32) -> F {
@@ -172,17 +278,19 @@ fn activate<F: Float>(v: F, #[comptime] epilogue: u32) -> F {
         out = F::min(F::max(v, F::new(0.0)), F::new(6.0));
     }
     if epilogue == 3 {
-        out = F::new(0.5) * v * (F::new(1.0) + F::erf(v * F::new(std::f32::consts::FRAC_1_SQRT_2)));
+        out =
+            F::new(0.5) * v * (F::new(1.0) + erf_accurate::<F>(v * F::new(std::f32::consts::FRAC_1_SQRT_2)));
     }
     out
 }
 
-/// The epilogue alone, in place over a contiguous `[z, m, n]` product (the
-/// second pass of [`MatmulVariant::Split`]).
+/// The epilogue alone over a contiguous `[z, m, n]` product (the second pass
+/// of [`MatmulVariant::Split`]).
 #[cube(launch)]
 fn epilogue_kernel<F: Float>(
-    values: &mut Array<F>,
+    values: &Array<F>,
     bias: &Array<F>,
+    out: &mut Array<F>,
     rows: usize,
     cols: usize,
     #[comptime] bias_axis: u32,
@@ -199,7 +307,7 @@ fn epilogue_kernel<F: Float>(
         if bias_axis == 2 {
             v += bias[i % cols];
         }
-        values[i] = activate::<F>(v, epilogue);
+        out[i] = activate::<F>(v, epilogue);
         i += step;
     }
 }
@@ -456,23 +564,57 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
     }
 
     fn scale_by_scalar(grad: FloatTensor<Self>, upstream: FloatTensor<Self>) -> FloatTensor<Self> {
-        let grad = into_contiguous(grad);
-        // In place when nobody else holds the gradient buffer (the usual case:
-        // it was made for this backward step), else with burn ops.
-        if !(grad.can_mut() && grad.is_contiguous_buffer()) {
-            return reference::scale_by_scalar::<Self>(grad, upstream);
-        }
-        let values = grad;
+        let values = into_contiguous(grad);
+        let out = new_output::<R, F, I, BT>(&values, values.meta.shape().clone());
         let n = values.meta.num_elements();
         let cubes = n.div_ceil(REDUCE_UNITS as usize * 16).clamp(1, 64);
         scale_kernel::launch::<F, R>(
             &values.client.clone(),
             CubeCount::Static(cubes as u32, 1, 1),
             CubeDim::new_1d(REDUCE_UNITS),
-            values.clone().into_array_arg(),
+            values.into_array_arg(),
             into_contiguous(upstream).into_array_arg(),
+            out.clone().into_array_arg(),
         );
-        values
+        out
+    }
+
+    fn epilogue_backward(
+        grad: FloatTensor<Self>,
+        saved: FloatTensor<Self>,
+        epilogue: Epilogue,
+    ) -> FloatTensor<Self> {
+        if epilogue == Epilogue::Identity {
+            return grad;
+        }
+        let out = new_output::<R, F, I, BT>(&grad, grad.meta.shape().clone());
+        let n = out.meta.num_elements();
+        let cubes = n.div_ceil(REDUCE_UNITS as usize * 16).clamp(1, 64);
+        epilogue_backward_kernel::launch::<F, R>(
+            &grad.client.clone(),
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(REDUCE_UNITS),
+            grad.into_tensor_arg(),
+            saved.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            epilogue_code(epilogue),
+        );
+        out
+    }
+
+    fn bias_grad(grad: FloatTensor<Self>, axis: BiasAxis) -> FloatTensor<Self> {
+        let [_, m, n] = grad.meta.shape().dims::<3>();
+        let len = if axis == BiasAxis::Rows { m } else { n };
+        let out = new_output::<R, F, I, BT>(&grad, Shape::from(vec![len]));
+        bias_grad_kernel::launch::<F, R>(
+            &grad.client.clone(),
+            CubeCount::Static(len as u32, 1, 1),
+            CubeDim::new_1d(REDUCE_UNITS),
+            grad.into_tensor_arg(),
+            out.clone().into_array_arg(),
+            axis == BiasAxis::Rows,
+        );
+        out
     }
 
     fn matmul_epilogue(
@@ -643,16 +785,18 @@ fn split_matmul<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>
     }
     let total = values.meta.num_elements();
     let cubes = total.div_ceil(REDUCE_UNITS as usize * 16).clamp(1, 64);
+    let out = new_output::<R, F, I, BT>(&values, values.meta.shape().clone());
     epilogue_kernel::launch::<F, R>(
         &values.client.clone(),
         CubeCount::Static(cubes as u32, 1, 1),
         CubeDim::new_1d(REDUCE_UNITS),
-        values.clone().into_array_arg(),
+        values.into_array_arg(),
         bias.into_array_arg(),
+        out.clone().into_array_arg(),
         m,
         n,
         bias_axis,
         epilogue_code(epilogue),
     );
-    values
+    out
 }

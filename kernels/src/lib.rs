@@ -118,6 +118,23 @@ pub trait FusedBackend: Backend {
         reference::scale_by_scalar::<Self>(grad, upstream)
     }
 
+    /// `dL/d(pre-activation)` of a fused matmul's epilogue from the upstream
+    /// gradient and `saved`: the op's output for identity, relu and relu6, its
+    /// pre-activation for gelu.
+    fn epilogue_backward(
+        grad: FloatTensor<Self>,
+        saved: FloatTensor<Self>,
+        epilogue: Epilogue,
+    ) -> FloatTensor<Self> {
+        reference::epilogue_backward::<Self>(grad, saved, epilogue)
+    }
+
+    /// The bias gradient of a fused matmul: `grad [z, m, n]` summed over `z`
+    /// and the other axis, giving `[m]` ([`BiasAxis::Rows`]) or `[n]`.
+    fn bias_grad(grad: FloatTensor<Self>, axis: BiasAxis) -> FloatTensor<Self> {
+        reference::bias_grad::<Self>(grad, axis)
+    }
+
     /// `act(lhs @ rhs + bias)` on rank-3 tensors: `lhs [zl, m, k]`, `rhs [zr, k, n]`
     /// with `zl, zr` equal or 1 (a batch of 1 is shared by every batch entry),
     /// any strides. The result is `[max(zl, zr), m, n]`, or with `sum_batch`

@@ -60,6 +60,37 @@ pub fn scale_by_scalar<B: Backend>(grad: FloatTensor<B>, upstream: FloatTensor<B
     B::float_mul(grad, B::float_reshape(upstream, vec![1; rank].into()))
 }
 
+/// The epilogue's backward with burn ops (see
+/// [`FusedBackend::epilogue_backward`](crate::FusedBackend::epilogue_backward)).
+pub fn epilogue_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    saved: FloatTensor<B>,
+    epilogue: Epilogue,
+) -> FloatTensor<B> {
+    let (grad, saved) = (wrap::<B, 3>(grad), wrap::<B, 3>(saved));
+    let pre_grad = match epilogue {
+        Epilogue::Identity => grad,
+        Epilogue::Relu => grad.mask_fill(saved.lower_equal_elem(0.0), 0.0),
+        Epilogue::Relu6 => {
+            let outside = saved.clone().lower_equal_elem(0.0).bool_or(saved.greater_equal_elem(6.0));
+            grad.mask_fill(outside, 0.0)
+        }
+        Epilogue::Gelu => wrap(B::gelu_backward(unwrap(saved), unwrap(grad))),
+    };
+    unwrap(pre_grad)
+}
+
+/// The bias gradient of a fused matmul with burn ops (`sum_dim`).
+pub fn bias_grad<B: Backend>(grad: FloatTensor<B>, axis: BiasAxis) -> FloatTensor<B> {
+    let summed = wrap::<B, 3>(grad).sum_dim(0);
+    let summed = match axis {
+        BiasAxis::Rows => summed.sum_dim(2),
+        BiasAxis::Cols => summed.sum_dim(1),
+    };
+    let n = summed.shape().num_elements();
+    unwrap(summed.reshape([n]))
+}
+
 /// Applies an epilogue activation with burn ops.
 pub fn activate<B: Backend, const D: usize>(x: Tensor<B, D>, epilogue: Epilogue) -> Tensor<B, D> {
     match epilogue {
