@@ -15,6 +15,9 @@ fn table(blocks: usize, slots: usize) -> CostTable {
         memory: (0..blocks)
             .map(|k| (1..=slots).map(|g| Some((100 + k as u64 * 10) / g as u64 + 1)).collect())
             .collect(),
+        update: (0..blocks)
+            .map(|k| (1..=slots).map(|g| 0.1 * cost(k, g, 1.0).unwrap_or(0.0)).collect())
+            .collect(),
     }
 }
 

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
-use burn::tensor::backend::Backend;
 use pipe_bd::block::{Activation, Block, Students};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
@@ -16,6 +15,7 @@ use pipe_bd::plan::Plan;
 use pipe_bd::runtime::{train_plan, RuntimeOptions};
 use pipe_bd::zoo::{build_students, build_teacher};
 use pipe_bd::Error;
+use pipebd_kernels::FusedBackend;
 use pipebd_students::StudentBlock;
 
 mod common;
@@ -31,12 +31,12 @@ const NAN_FROM_THIRD_STEP: usize = 2;
 
 /// A zoo block that misbehaves on its third forward pass.
 #[derive(Module, Debug)]
-struct Faulty<B: Backend> {
+struct Faulty<B: FusedBackend> {
     inner: StudentBlock<B>,
     mode: usize,
 }
 
-impl<B: Backend> Block<B> for Faulty<B> {
+impl<B: FusedBackend> Block<B> for Faulty<B> {
     fn forward(&self, input: Activation<B>) -> pipe_bd::Result<Activation<B>> {
         let out = Block::forward(&self.inner, input)?;
         match self.mode {
