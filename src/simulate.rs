@@ -44,7 +44,7 @@ pub fn simulate(
     steps: usize,
     capacity: usize,
 ) -> Option<Prediction> {
-    simulate_slowed(plan, costs, data_load, steps, capacity, 1.0)
+    simulate_plain(plan, costs, data_load, steps, capacity)
 }
 
 /// As [`simulate`], when the workers share `processors` processors (more
@@ -241,13 +241,12 @@ fn share_phase(
     (now, busy)
 }
 
-fn simulate_slowed(
+fn simulate_plain(
     plan: &Plan,
     costs: &CostTable,
     data_load: &[f64],
     steps: usize,
     capacity: usize,
-    slowdown: f64,
 ) -> Option<Prediction> {
     let steps = steps.max(1);
     let capacity = capacity.max(1);
@@ -256,30 +255,10 @@ fn simulate_slowed(
     for phase in &plan.phases {
         let stages = &phase.stages;
         let n = stages.len();
-        // Per stage: time before the send (data + teacher) and after it (students).
-        let mut before = Vec::with_capacity(n);
-        let mut after = Vec::with_capacity(n);
-        let mut updates = Vec::with_capacity(n);
-        for stage in stages {
-            let gi = stage.replicas().checked_sub(1)?;
-            let mut head = if stage.loads_data { *data_load.get(gi).unwrap_or(&0.0) } else { 0.0 };
-            if !stage.loads_data {
-                head += *costs.input_transfer.get(stage.blocks.start)?.get(gi)?;
-            }
-            for k in stage.teacher_start()..stage.blocks.end {
-                head += costs.teacher_forward.get(k)?.get(gi).copied()??;
-            }
-            let mut tail = 0.0;
-            let mut update = 0.0;
-            for k in stage.blocks.clone() {
-                tail += costs.student_step.get(k)?.get(gi).copied()??;
-                tail += costs.gradient_average.get(k)?.get(gi).copied()?;
-                update += costs.update.get(k).and_then(|row| row.get(gi)).copied().unwrap_or(0.0);
-            }
-            before.push(head * slowdown);
-            after.push(tail * slowdown);
-            updates.push(update.min(tail) * slowdown);
-        }
+        let parts = stage_parts(phase, costs, data_load)?;
+        let before: Vec<f64> = parts.iter().map(|p| p.before).collect();
+        let after: Vec<f64> = parts.iter().map(|p| p.after).collect();
+        let updates: Vec<f64> = parts.iter().map(|p| p.update).collect();
         let relays: Vec<bool> = (0..n).map(|s| s + 1 < n && !stages[s + 1].loads_data).collect();
         let mut start = vec![vec![0.0f64; steps]; n];
         let mut sent = vec![vec![0.0f64; steps]; n];
