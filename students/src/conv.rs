@@ -32,7 +32,7 @@ fn spatial(
 ) -> Conv2dConfig {
     let config = Conv2dConfig::new([c_in, c_out], [3, 3]).with_groups(groups);
     if downsample == Downsample::Stride {
-        let (ph, pw) = (usize::from(h % 2 == 0), usize::from(w % 2 == 0));
+        let (ph, pw) = (usize::from(h.is_multiple_of(2)), usize::from(w.is_multiple_of(2)));
         config.with_stride([2, 2]).with_padding(PaddingConfig2d::Explicit(ph, pw, 0, 0))
     } else {
         config.with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
