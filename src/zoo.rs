@@ -129,11 +129,12 @@ pub fn build_students<B: DistillBackend>(
     device: &B::Device,
 ) -> Result<Students<B, StudentBlock<B>>> {
     let cpu = Default::default();
+    // burn's CPU backend draws from one process-wide generator: hold a lock
+    // from seeding to the last module built, so that concurrent builds (and
+    // the target modules below, built on that backend too) stay reproducible.
+    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
     let (cpu_blocks, specs) = {
-        // burn's CPU backend draws from one process-wide generator: hold a lock
-        // from seeding to the last draw so concurrent builds stay reproducible.
-        static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
         burn::backend::Flex::seed(&cpu, seed);
         let (blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
         // burn initialises parameters lazily, at first use: draw them now, in order.
