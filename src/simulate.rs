@@ -44,7 +44,53 @@ pub fn simulate(
     steps: usize,
     capacity: usize,
 ) -> Option<Prediction> {
-    simulate_plain(plan, costs, data_load, steps, capacity)
+    let steps = steps.max(1);
+    let capacity = capacity.max(1);
+    let mut total = 0.0;
+    let mut busy_per_worker: Vec<(f64, f64)> = Vec::new(); // (busy seconds, phase seconds)
+    for phase in &plan.phases {
+        let stages = &phase.stages;
+        let n = stages.len();
+        let parts = stage_parts(phase, costs, data_load)?;
+        let before: Vec<f64> = parts.iter().map(|p| p.before).collect();
+        let after: Vec<f64> = parts.iter().map(|p| p.after).collect();
+        let updates: Vec<f64> = parts.iter().map(|p| p.update).collect();
+        let relays: Vec<bool> = (0..n).map(|s| s + 1 < n && !stages[s + 1].loads_data).collect();
+        let mut start = vec![vec![0.0f64; steps]; n];
+        let mut sent = vec![vec![0.0f64; steps]; n];
+        let mut finish = vec![vec![0.0f64; steps]; n];
+        for i in 0..steps {
+            for s in 0..n {
+                let free = if i > 0 { finish[s][i - 1] } else { 0.0 };
+                let input = if s > 0 && relays[s - 1] { sent[s - 1][i] } else { 0.0 };
+                start[s][i] = free.max(input);
+                let ready = start[s][i] + before[s];
+                // The channel to the next stage holds `capacity` steps.
+                let room = if relays[s] && i >= capacity { start[s + 1][i - capacity] } else { 0.0 };
+                sent[s][i] = ready.max(room);
+                finish[s][i] = sent[s][i] + after[s];
+            }
+            if phase.barrier {
+                // Everyone reaches the barrier before its optimizer updates;
+                // the updates run after the last one arrives.
+                let last = (0..n).map(|s| finish[s][i] - updates[s]).fold(0.0, f64::max);
+                for (s, row) in finish.iter_mut().enumerate() {
+                    row[i] = last + updates[s];
+                }
+            }
+        }
+        let phase_seconds = (0..n).map(|s| finish[s][steps - 1]).fold(0.0, f64::max);
+        total += phase_seconds;
+        for (s, stage) in stages.iter().enumerate() {
+            let busy = steps as f64 * (before[s] + after[s]);
+            for _ in 0..stage.replicas() {
+                busy_per_worker.push((busy, phase_seconds));
+            }
+        }
+    }
+    let idle_fractions =
+        busy_per_worker.iter().map(|(busy, wall)| (1.0 - busy / wall.max(1e-12)).clamp(0.0, 1.0)).collect();
+    Some(Prediction { total_seconds: total, step_seconds: total / steps as f64, idle_fractions })
 }
 
 /// As [`simulate`], when the workers share `processors` processors (more
@@ -239,62 +285,6 @@ fn share_phase(
         }
     }
     (now, busy)
-}
-
-fn simulate_plain(
-    plan: &Plan,
-    costs: &CostTable,
-    data_load: &[f64],
-    steps: usize,
-    capacity: usize,
-) -> Option<Prediction> {
-    let steps = steps.max(1);
-    let capacity = capacity.max(1);
-    let mut total = 0.0;
-    let mut busy_per_worker: Vec<(f64, f64)> = Vec::new(); // (busy seconds, phase seconds)
-    for phase in &plan.phases {
-        let stages = &phase.stages;
-        let n = stages.len();
-        let parts = stage_parts(phase, costs, data_load)?;
-        let before: Vec<f64> = parts.iter().map(|p| p.before).collect();
-        let after: Vec<f64> = parts.iter().map(|p| p.after).collect();
-        let updates: Vec<f64> = parts.iter().map(|p| p.update).collect();
-        let relays: Vec<bool> = (0..n).map(|s| s + 1 < n && !stages[s + 1].loads_data).collect();
-        let mut start = vec![vec![0.0f64; steps]; n];
-        let mut sent = vec![vec![0.0f64; steps]; n];
-        let mut finish = vec![vec![0.0f64; steps]; n];
-        for i in 0..steps {
-            for s in 0..n {
-                let free = if i > 0 { finish[s][i - 1] } else { 0.0 };
-                let input = if s > 0 && relays[s - 1] { sent[s - 1][i] } else { 0.0 };
-                start[s][i] = free.max(input);
-                let ready = start[s][i] + before[s];
-                // The channel to the next stage holds `capacity` steps.
-                let room = if relays[s] && i >= capacity { start[s + 1][i - capacity] } else { 0.0 };
-                sent[s][i] = ready.max(room);
-                finish[s][i] = sent[s][i] + after[s];
-            }
-            if phase.barrier {
-                // Everyone reaches the barrier before its optimizer updates;
-                // the updates run after the last one arrives.
-                let last = (0..n).map(|s| finish[s][i] - updates[s]).fold(0.0, f64::max);
-                for (s, row) in finish.iter_mut().enumerate() {
-                    row[i] = last + updates[s];
-                }
-            }
-        }
-        let phase_seconds = (0..n).map(|s| finish[s][steps - 1]).fold(0.0, f64::max);
-        total += phase_seconds;
-        for (s, stage) in stages.iter().enumerate() {
-            let busy = steps as f64 * (before[s] + after[s]);
-            for _ in 0..stage.replicas() {
-                busy_per_worker.push((busy, phase_seconds));
-            }
-        }
-    }
-    let idle_fractions =
-        busy_per_worker.iter().map(|(busy, wall)| (1.0 - busy / wall.max(1e-12)).clamp(0.0, 1.0)).collect();
-    Some(Prediction { total_seconds: total, step_seconds: total / steps as f64, idle_fractions })
 }
 
 #[cfg(test)]

@@ -496,9 +496,6 @@ fn new_output<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     if POISON_OUTPUTS.load(Ordering::SeqCst) {
         let n = shape.num_elements();
         let filled = BurnTensor::<Cube<R, F, I, BT>, 1>::full([n], f32::NAN, &like.device);
-        let filled = BurnTensor::<Cube<R, F, I, BT>, 3>::from_primitive(TensorPrimitive::Float(
-            filled.reshape([1, 1, n]).into_primitive().tensor(),
-        ));
         let mut tensor = into_contiguous(filled.into_primitive().tensor());
         let strides = contiguous_strides(&shape);
         *tensor.meta.shape_mut() = shape;
@@ -711,14 +708,6 @@ fn tuned() -> &'static std::sync::Mutex<std::collections::HashMap<String, Matmul
     static TUNED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, MatmulVariant>>> =
         std::sync::OnceLock::new();
     TUNED.get_or_init(Default::default)
-}
-
-/// The variants the autotuner has picked so far, by call key.
-pub fn tuned_variants() -> Vec<(String, MatmulVariant)> {
-    let map = tuned().lock().unwrap_or_else(|p| p.into_inner());
-    let mut list: Vec<_> = map.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    list.sort_by(|a, b| a.0.cmp(&b.0));
-    list
 }
 
 fn choose_variant<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(

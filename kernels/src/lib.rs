@@ -186,15 +186,6 @@ pub fn matmul_variant() -> MatmulVariant {
     *MATMUL_VARIANT.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The variants the autotuner has picked so far, by call key (empty without
-/// CubeCL backends).
-pub fn tuned_matmul_variants() -> Vec<(String, MatmulVariant)> {
-    #[cfg(feature = "cubecl")]
-    return cube::tuned_variants();
-    #[cfg(not(feature = "cubecl"))]
-    Vec::new()
-}
-
 /// Fill every kernel output with NaN before the launch, so that a test sees any
 /// element a kernel failed to write (CubeCL backends; a no-op elsewhere).
 pub fn set_poison_outputs(on: bool) {
