@@ -10,7 +10,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::Students;
 use crate::config::RunConfig;
-use crate::data::{ImageDataset, Split};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::planner::CostTable;
@@ -21,7 +20,7 @@ use crate::runtime::{concurrent_workers, threads_per_worker, train_plan, Runtime
 use crate::simulate::simulate_shared;
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
-use crate::zoo::{build_students, build_teacher};
+use crate::zoo::{build_students, load_workload, Workload};
 
 /// Single-replica cost of one block at the full batch, from the profile.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -178,9 +177,8 @@ impl BackendJob for BenchJob<'_> {
         let config = self.config;
         let say = self.say;
         let device = &devices[0];
-        let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
-        let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
-        let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
+        let Workload { teacher, train: data, .. } = load_workload::<B::InnerBackend>(config, device, false)?;
+        let students = build_students::<B>(config, &teacher.specs, device)?;
         let slots = devices.len();
         let threads = threads_per_worker(config.runtime.threads_per_worker, slots);
         let options = RuntimeOptions { threads_per_worker: threads, ..config.runtime_options() };
@@ -195,7 +193,8 @@ impl BackendJob for BenchJob<'_> {
             reset_peak_resident();
             let start = Instant::now();
             let fresh = copy_students(&students)?;
-            let out = train_plan(plan, &teacher, fresh, &data, &settings, devices, &options, &mut |_| {})?;
+            let out =
+                train_plan(plan, &teacher, fresh, data.as_ref(), &settings, devices, &options, &mut |_| {})?;
             let seconds = start.elapsed().as_secs_f64();
             let idle = out.workers.iter().map(|w| w.idle_fraction).collect();
             Ok((seconds, out.spans, idle, resident_bytes("VmHWM:")))

@@ -25,8 +25,14 @@ use crate::error::{Error, Result};
 pub enum Activation<B: Backend> {
     /// `[batch, features]`, for example logits.
     Flat(Tensor<B, 2>),
-    /// `[batch, tokens, features]`.
-    Sequence(Tensor<B, 3>),
+    /// Token states `[batch, tokens, features]` with their `[batch, tokens]`
+    /// mask (1 for real tokens, 0 for padding), which travels with them.
+    Tokens {
+        /// The states.
+        hidden: Tensor<B, 3>,
+        /// 1 for real tokens, 0 for padding.
+        mask: Tensor<B, 2>,
+    },
     /// `[batch, channels, height, width]`.
     Maps(Tensor<B, 4>),
 }
@@ -36,7 +42,7 @@ impl<B: Backend> Activation<B> {
     pub fn dims(&self) -> Vec<usize> {
         match self {
             Self::Flat(t) => t.dims().to_vec(),
-            Self::Sequence(t) => t.dims().to_vec(),
+            Self::Tokens { hidden, .. } => hidden.dims().to_vec(),
             Self::Maps(t) => t.dims().to_vec(),
         }
     }
@@ -57,11 +63,28 @@ impl<B: Backend> Activation<B> {
         }
     }
 
+    /// The token states and their mask, or an error naming `block` if this
+    /// is another kind.
+    pub fn into_tokens(self, block: usize) -> Result<(Tensor<B, 3>, Tensor<B, 2>)> {
+        match self {
+            Self::Tokens { hidden, mask } => Ok((hidden, mask)),
+            other => Err(Error::Block {
+                block,
+                message: format!(
+                    "expected token states [batch, tokens, hidden], got shape {:?}",
+                    other.dims()
+                ),
+            }),
+        }
+    }
+
     /// Moves the activation to `device`.
     pub fn to_device(self, device: &B::Device) -> Self {
         match self {
             Self::Flat(t) => Self::Flat(t.to_device(device)),
-            Self::Sequence(t) => Self::Sequence(t.to_device(device)),
+            Self::Tokens { hidden, mask } => {
+                Self::Tokens { hidden: hidden.to_device(device), mask: mask.to_device(device) }
+            }
             Self::Maps(t) => Self::Maps(t.to_device(device)),
         }
     }
@@ -70,7 +93,9 @@ impl<B: Backend> Activation<B> {
     pub fn narrow_batch(self, start: usize, len: usize) -> Self {
         match self {
             Self::Flat(t) => Self::Flat(t.narrow(0, start, len)),
-            Self::Sequence(t) => Self::Sequence(t.narrow(0, start, len)),
+            Self::Tokens { hidden, mask } => {
+                Self::Tokens { hidden: hidden.narrow(0, start, len), mask: mask.narrow(0, start, len) }
+            }
             Self::Maps(t) => Self::Maps(t.narrow(0, start, len)),
         }
     }
@@ -90,16 +115,18 @@ impl<B: Backend> Activation<B> {
                     .collect::<Option<Vec<_>>>()?,
                 0,
             )),
-            Self::Sequence(_) => Self::Sequence(Tensor::cat(
-                parts
+            Self::Tokens { .. } => {
+                let (hidden, mask): (Vec<_>, Vec<_>) = parts
                     .into_iter()
                     .map(|p| match p {
-                        Self::Sequence(t) => Some(t),
+                        Self::Tokens { hidden, mask } => Some((hidden, mask)),
                         _ => None,
                     })
-                    .collect::<Option<Vec<_>>>()?,
-                0,
-            )),
+                    .collect::<Option<Vec<_>>>()?
+                    .into_iter()
+                    .unzip();
+                Self::Tokens { hidden: Tensor::cat(hidden, 0), mask: Tensor::cat(mask, 0) }
+            }
             Self::Maps(_) => Self::Maps(Tensor::cat(
                 parts
                     .into_iter()
@@ -121,7 +148,9 @@ impl<B: DistillBackend> Activation<B> {
     pub fn from_inner(inner: Activation<B::InnerBackend>) -> Self {
         match inner {
             Activation::Flat(t) => Self::Flat(Tensor::from_inner(t)),
-            Activation::Sequence(t) => Self::Sequence(Tensor::from_inner(t)),
+            Activation::Tokens { hidden, mask } => {
+                Self::Tokens { hidden: Tensor::from_inner(hidden), mask: Tensor::from_inner(mask) }
+            }
             Activation::Maps(t) => Self::Maps(Tensor::from_inner(t)),
         }
     }
@@ -141,7 +170,8 @@ pub trait Block<B: Backend>: Module<B> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum LossKind {
-    /// Mean squared error over all elements.
+    /// Mean squared error over all elements (over real tokens only for
+    /// token states: padding is masked out).
     Mse,
     /// Soft-target cross-entropy against the teacher's softmax (logits blocks).
     SoftTargetCrossEntropy,
@@ -312,7 +342,9 @@ pub fn block_loss<B: FusedBackend>(
     }
     match (kind, student, teacher) {
         (LossKind::Mse, Activation::Flat(s), Activation::Flat(t)) => Ok(loss::mse(s, t)),
-        (LossKind::Mse, Activation::Sequence(s), Activation::Sequence(t)) => Ok(loss::mse(s, t)),
+        (LossKind::Mse, Activation::Tokens { hidden: s, mask }, Activation::Tokens { hidden: t, .. }) => {
+            Ok(loss::masked_mse(s, t, mask))
+        }
         (LossKind::Mse, Activation::Maps(s), Activation::Maps(t)) => Ok(loss::mse(s, t)),
         (LossKind::SoftTargetCrossEntropy, Activation::Flat(s), Activation::Flat(t)) => {
             Ok(loss::soft_target_cross_entropy(s, t))

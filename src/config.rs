@@ -100,26 +100,97 @@ fn default_timeout() -> f64 {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// Dataset kind: `mnist` (IDX files; Fashion-MNIST uncompressed works too).
+    /// Dataset kind: `mnist` (IDX files; Fashion-MNIST uncompressed works
+    /// too) or `brown` (the Brown corpus, for the `minilm-l6` teacher).
     pub dataset: String,
-    /// Folder with the IDX files.
+    /// Folder with the IDX files, or the Brown corpus files (`c[a-r]NN`).
     pub dir: PathBuf,
-    /// Use at most this many training samples.
+    /// Use at most this many training samples (sentences for `brown`).
     #[serde(default)]
     pub train_limit: Option<usize>,
-    /// Use at most this many test samples.
+    /// Use at most this many test samples (held-out sentences for `brown`).
     #[serde(default)]
     pub test_limit: Option<usize>,
+    /// Text: every sentence is truncated or padded to this many tokens,
+    /// `[CLS]` and `[SEP]` included (default 64).
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    /// Text: the downstream probe on frozen sentence embeddings.
+    #[serde(default)]
+    pub probe: Option<ProbeConfig>,
+}
+
+/// Default `data.max_tokens`.
+pub const DEFAULT_MAX_TOKENS: usize = 64;
+
+impl DataConfig {
+    /// Tokens per sequence for text data.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
+    }
+
+    /// True for a text corpus (token-state blocks).
+    pub fn is_text(&self) -> bool {
+        self.dataset == "brown"
+    }
+}
+
+/// The SpamAssassin ham/spam probe: logistic regression on frozen sentence
+/// embeddings of the teacher and of the stitched student, same split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeConfig {
+    /// Folder with the `<group>/*.json` email files.
+    pub dir: PathBuf,
+    /// Use at most this many emails (a seeded, fixed sample; default all).
+    #[serde(default)]
+    pub limit: Option<usize>,
+    /// Tokens per email body (default 128).
+    #[serde(default = "default_probe_tokens")]
+    pub max_tokens: usize,
+    /// Share of the emails held out to score the probe (default 0.3).
+    #[serde(default = "default_test_fraction")]
+    pub test_fraction: f64,
+}
+
+fn default_probe_tokens() -> usize {
+    128
+}
+fn default_test_fraction() -> f64 {
+    0.3
 }
 
 /// Which teacher, with which weights.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TeacherConfig {
-    /// Teacher kind: `mnist-cnn`.
+    /// Teacher kind: `mnist-cnn` or `minilm-l6`.
     pub kind: String,
-    /// Weight file (PyTorch `.pth` for `mnist-cnn`).
+    /// Weight file (PyTorch `.pth` for `mnist-cnn`, `model.safetensors` for
+    /// `minilm-l6`).
     pub weights: PathBuf,
+    /// `minilm-l6`: the tokenizer (default: `tokenizer.json` beside the weights).
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// `minilm-l6`: teacher layers per block, in order (default one each:
+    /// six blocks). `[2, 2, 2]` cuts three blocks of two layers, so that one
+    /// student block replaces two teacher layers.
+    #[serde(default)]
+    pub layers_per_block: Option<Vec<usize>>,
+}
+
+impl TeacherConfig {
+    /// A teacher of `kind` with weights at `weights` and default options.
+    pub fn new(kind: &str, weights: impl Into<PathBuf>) -> Self {
+        Self { kind: kind.into(), weights: weights.into(), tokenizer: None, layers_per_block: None }
+    }
+
+    /// The tokenizer file of a text teacher.
+    pub fn tokenizer_path(&self) -> PathBuf {
+        self.tokenizer
+            .clone()
+            .unwrap_or_else(|| self.weights.parent().unwrap_or(Path::new(".")).join("tokenizer.json"))
+    }
 }
 
 /// Epochs, batch size and logging.
@@ -256,19 +327,54 @@ impl RunConfig {
                 format!("must not be negative, got {}", self.optimizer.weight_decay),
             );
         }
-        if self.data.dataset != "mnist" {
+        if !["mnist", "brown"].contains(&self.data.dataset.as_str()) {
             return fail(
                 "data",
                 "dataset",
-                format!("unknown dataset `{}`: expected `mnist`", self.data.dataset),
+                format!("unknown dataset `{}`: expected `mnist` or `brown`", self.data.dataset),
             );
         }
-        if self.teacher.kind != "mnist-cnn" {
+        let expected_teacher = if self.data.is_text() { "minilm-l6" } else { "mnist-cnn" };
+        if self.teacher.kind != expected_teacher {
             return fail(
                 "teacher",
                 "kind",
-                format!("unknown teacher `{}`: expected `mnist-cnn`", self.teacher.kind),
+                format!(
+                    "teacher `{}` does not fit dataset `{}`: expected `{expected_teacher}`",
+                    self.teacher.kind, self.data.dataset
+                ),
             );
+        }
+        if let Some(tokens) = self.data.max_tokens {
+            if !(2..=pipebd_teachers::minilm::MAX_POSITIONS).contains(&tokens) {
+                return fail("data", "max_tokens", format!("must be in 2..=512, got {tokens}"));
+            }
+        }
+        if let Some(probe) = &self.data.probe {
+            if !(2..=pipebd_teachers::minilm::MAX_POSITIONS).contains(&probe.max_tokens) {
+                return fail(
+                    "data.probe",
+                    "max_tokens",
+                    format!("must be in 2..=512, got {}", probe.max_tokens),
+                );
+            }
+            if !(probe.test_fraction > 0.0 && probe.test_fraction < 1.0) {
+                return fail(
+                    "data.probe",
+                    "test_fraction",
+                    format!("must be in (0, 1), got {}", probe.test_fraction),
+                );
+            }
+        }
+        if let Some(groups) = &self.teacher.layers_per_block {
+            let layers = pipebd_teachers::minilm::LAYERS;
+            if groups.contains(&0) || groups.iter().sum::<usize>() != layers {
+                return fail(
+                    "teacher",
+                    "layers_per_block",
+                    format!("must be positive and add up to the teacher's {layers} layers, got {groups:?}"),
+                );
+            }
         }
         if !crate::plan::SCHEDULES.contains(&self.schedule.as_str()) {
             return fail(

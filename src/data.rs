@@ -1,7 +1,9 @@
-//! Datasets: the IDX reader, MNIST splits, and seeded batching.
+//! Datasets: the [`Dataset`] trait the runtime draws batches from, the IDX
+//! reader and MNIST splits, and seeded batch order. Text corpora are in
+//! [`crate::text`].
 //!
-//! Only the first worker of a pipeline touches this module: it turns sample
-//! indices into a normalised image batch on its device.
+//! Only the workers of a pipeline's first stage touch a dataset: they turn
+//! sample indices into the first block's input on their device.
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +13,36 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
+use crate::block::Activation;
 use crate::error::{Error, Result};
+
+/// Training samples as the runtime sees them: a length, and the first
+/// block's input for any set of sample indices.
+///
+/// Implement this for your own data to train custom teachers through
+/// [`crate::runtime::train_plan`].
+pub trait Dataset<B: Backend>: Send + Sync {
+    /// Number of samples.
+    fn len(&self) -> usize;
+
+    /// True when there are no samples.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first block's input for samples `indices`, on `device`.
+    fn batch(&self, indices: &[usize], device: &B::Device) -> Activation<B>;
+}
+
+impl<B: Backend> Dataset<B> for ImageDataset {
+    fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    fn batch(&self, indices: &[usize], device: &B::Device) -> Activation<B> {
+        Activation::Maps(self.images(indices, device))
+    }
+}
 
 const IMAGES_MAGIC: u32 = 0x0000_0803;
 const LABELS_MAGIC: u32 = 0x0000_0801;

@@ -39,6 +39,7 @@ pub mod run;
 pub mod runtime;
 pub mod simulate;
 pub mod sweep;
+pub mod text;
 pub mod trace;
 pub mod train;
 pub mod zoo;

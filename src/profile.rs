@@ -19,14 +19,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::{Activation, Block};
 use crate::config::RunConfig;
-use crate::data::{epoch_order, ImageDataset, Split};
+use crate::data::epoch_order;
 use crate::error::{Error, Result};
 use crate::planner::CostTable;
 use crate::report::write_atomic;
 use crate::run::{dispatch, preflight, BackendJob};
 use crate::runtime::{concurrent_workers, threads_per_worker};
 use crate::train::{detached_copy, BlockTrainer};
-use crate::zoo::{build_students, build_teacher};
+use crate::zoo::{build_students, load_workload, Workload};
 
 /// Median and spread of repeated timings, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -289,9 +289,8 @@ impl BackendJob for ProfileJob<'_> {
     fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<Profile> {
         let config = self.config;
         let device = &devices[0];
-        let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
-        let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
-        let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
+        let Workload { teacher, train: data, .. } = load_workload::<B::InnerBackend>(config, device, false)?;
+        let students = build_students::<B>(config, &teacher.specs, device)?;
         let batch = config.train.batch_size;
         let order = epoch_order(data.len(), config.seed, 0);
         let blocks = teacher.blocks.len();
@@ -306,9 +305,9 @@ impl BackendJob for ProfileJob<'_> {
             let row = (|| -> Result<Vec<Entry>> {
                 let mut row = Vec::with_capacity(blocks);
                 let indices = &order[..share.min(order.len())];
-                let mut x = Activation::Maps(data.images::<B::InnerBackend>(indices, device));
+                let mut x = data.batch(indices, device);
                 let load = time_repeated(|| {
-                    let _ = data.images::<B::InnerBackend>(indices, device).into_data();
+                    sync(data.batch(indices, device));
                     Ok(())
                 });
                 for k in 0..blocks {
@@ -416,7 +415,7 @@ fn time_update<B: DistillBackend, S: crate::block::StudentModule<B>>(
 fn sync<B: burn::tensor::backend::Backend>(activation: Activation<B>) {
     let _ = match activation {
         Activation::Flat(t) => t.into_data(),
-        Activation::Sequence(t) => t.into_data(),
+        Activation::Tokens { hidden, .. } => hidden.into_data(),
         Activation::Maps(t) => t.into_data(),
     };
 }

@@ -48,12 +48,17 @@ pub struct RunReport {
     pub plan: String,
     /// Device slots used, comma-separated.
     pub device: String,
-    /// Top-1 accuracy of the teacher on the test split.
+    /// Top-1 accuracy of the teacher on the test split (text: the spam
+    /// probe's accuracy on the teacher's embeddings; 0 without a probe).
     pub teacher_accuracy: f64,
-    /// Top-1 accuracy of the stitched student on the test split.
+    /// Top-1 accuracy of the stitched student on the test split (text: the
+    /// spam probe's accuracy on the student's embeddings; 0 without a probe).
     pub student_accuracy: f64,
-    /// Test samples scored.
+    /// Test samples scored (text: test emails of the probe).
     pub test_samples: usize,
+    /// Text teachers: embedding cosine to the teacher, probe, size ratios.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<crate::text::TextReport>,
     /// Training samples available.
     pub train_samples: usize,
     /// Optimizer steps per block.

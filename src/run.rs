@@ -12,9 +12,9 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use pipebd_kernels::DistillBackend;
 use pipebd_students::StudentBlock;
 
+use crate::block::Block;
 use crate::block::{BlockSpec, Students};
 use crate::config::RunConfig;
-use crate::data::{ImageDataset, Split};
 use crate::device::{parse_slots, DeviceSpec};
 use crate::error::{Error, Result};
 use crate::plan::{flops_cost, Plan, StageSpec};
@@ -22,9 +22,12 @@ use crate::planner::{Candidate, CostTable};
 use crate::report::{write_metrics, BlockReport, RunReport};
 use crate::runtime::{concurrent_workers, threads_per_worker, train_plan};
 use crate::simulate::simulate_shared;
+use crate::text::{mean_and_min_cosine, sentence_embeddings, ProbeReport, TextReport};
 use crate::trace::write_chrome_trace;
 use crate::train::{accuracy, inference_blocks, Progress};
-use crate::zoo::{build_students, build_teacher, init_student_blocks, student_specs, teacher_specs};
+use crate::zoo::{
+    build_students, init_student_blocks, load_workload, student_specs, teacher_specs, Evaluation, Workload,
+};
 
 /// Test images per evaluation chunk.
 const EVAL_CHUNK: usize = 1000;
@@ -39,7 +42,7 @@ pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Option<Plan>)> 
     for device in &devices {
         device.check_available()?;
     }
-    let teacher = teacher_specs(&config.teacher);
+    let teacher = teacher_specs(config);
     let students = student_specs(&config.students, &teacher)?;
     if config.schedule == AUTO {
         return Ok((devices, None));
@@ -236,17 +239,14 @@ impl BackendJob for Job<'_> {
         let config = self.config;
         let start = Instant::now();
         let device = &devices[0];
-        let train = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit)?;
-        let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
-        let teacher = build_teacher::<B::InnerBackend>(&config.teacher, device)?;
-        let students = build_students::<B>(&config.students, &teacher.specs, config.seed, device)?;
-        let teacher_accuracy = accuracy(&teacher.blocks, &test, device, EVAL_CHUNK)?;
+        let Workload { teacher, train, evaluation } = load_workload::<B::InnerBackend>(config, device, true)?;
+        let students = build_students::<B>(config, &teacher.specs, device)?;
 
         let output = train_plan(
             self.plan,
             &teacher,
             students,
-            &train,
+            train.as_ref(),
             &config.train_settings(),
             devices,
             &config.runtime_options(),
@@ -270,7 +270,7 @@ impl BackendJob for Job<'_> {
         });
 
         let trained = inference_blocks(&students);
-        let student_accuracy = accuracy(&trained, &test, device, EVAL_CHUNK)?;
+        let score = score(&evaluation, &teacher.blocks, &trained, device, &teacher.specs, &students.specs)?;
         save_students(self.out_dir, &students)?;
         write_metrics(self.out_dir, &log.rows)?;
         if self.options.trace {
@@ -291,9 +291,10 @@ impl BackendJob for Job<'_> {
             schedule: self.plan.name.clone(),
             plan: self.plan.describe(),
             device: config.device_slots().join(","),
-            teacher_accuracy,
-            student_accuracy,
-            test_samples: test.len(),
+            teacher_accuracy: score.teacher_accuracy,
+            student_accuracy: score.student_accuracy,
+            test_samples: score.test_samples,
+            text: score.text,
             train_samples: train.len(),
             steps: log.steps,
             wall_seconds: start.elapsed().as_secs_f64(),
@@ -328,6 +329,82 @@ fn block_report(k: usize, teacher: &BlockSpec, student: &BlockSpec, final_loss: 
     }
 }
 
+/// How good a stitched student is, next to its teacher.
+#[derive(Debug, Clone)]
+pub struct Score {
+    /// Teacher accuracy: top-1 on the test images, or the spam probe's.
+    pub teacher_accuracy: f64,
+    /// Stitched student accuracy, scored like the teacher's.
+    pub student_accuracy: f64,
+    /// Test images, or test emails of the probe.
+    pub test_samples: usize,
+    /// Text teachers: embedding cosine, probe, size ratios.
+    pub text: Option<TextReport>,
+}
+
+/// Scores the teacher and the stitched student on the evaluation data. For
+/// text without a probe the two accuracies are 0 (see `text`).
+pub fn score<B, T, S>(
+    evaluation: &Evaluation<B>,
+    teacher: &[T],
+    student: &[S],
+    device: &B::Device,
+    teacher_specs: &[BlockSpec],
+    student_specs: &[BlockSpec],
+) -> Result<Score>
+where
+    B: pipebd_kernels::FusedBackend,
+    T: Block<B>,
+    S: Block<B>,
+{
+    match evaluation {
+        Evaluation::Images(test) => Ok(Score {
+            teacher_accuracy: accuracy(teacher, test, device, EVAL_CHUNK)?,
+            student_accuracy: accuracy(student, test, device, EVAL_CHUNK)?,
+            test_samples: test.len(),
+            text: None,
+        }),
+        Evaluation::Text { embeddings, heldout, max_tokens, probe, mean_tokens } => {
+            let chunk = 64;
+            let ours = sentence_embeddings(embeddings, student, heldout, *max_tokens, device, chunk)?;
+            let theirs = sentence_embeddings(embeddings, teacher, heldout, *max_tokens, device, chunk)?;
+            let (embedding_cosine, min_embedding_cosine) = mean_and_min_cosine(&ours, &theirs);
+            let probe = match probe {
+                None => None,
+                Some(data) => {
+                    let spam = data.test.1.iter().filter(|&&s| s).count();
+                    Some(ProbeReport {
+                        train_emails: data.train.0.len(),
+                        test_emails: data.test.0.len(),
+                        test_spam_fraction: spam as f64 / data.test.0.len().max(1) as f64,
+                        teacher_accuracy: data.score(embeddings, teacher, device)?,
+                        student_accuracy: data.score(embeddings, student, device)?,
+                    })
+                }
+            };
+            let sum = |specs: &[BlockSpec], f: fn(&BlockSpec) -> f64| specs.iter().map(f).sum::<f64>();
+            let params_ratio =
+                sum(student_specs, |s| s.params as f64) / sum(teacher_specs, |s| s.params as f64);
+            let flops_ratio = sum(student_specs, |s| s.flops as f64) / sum(teacher_specs, |s| s.flops as f64);
+            Ok(Score {
+                teacher_accuracy: probe.as_ref().map_or(0.0, |p| p.teacher_accuracy),
+                student_accuracy: probe.as_ref().map_or(0.0, |p| p.student_accuracy),
+                test_samples: probe.as_ref().map_or(0, |p| p.test_emails),
+                text: Some(TextReport {
+                    embedding_cosine,
+                    min_embedding_cosine,
+                    heldout_sentences: heldout.len(),
+                    max_tokens: *max_tokens,
+                    mean_tokens: *mean_tokens,
+                    params_ratio,
+                    flops_ratio,
+                    probe,
+                }),
+            })
+        }
+    }
+}
+
 /// Path of block `k`'s (zero-based) saved weights inside a run folder.
 pub fn student_record_path(run_dir: &Path, k: usize) -> PathBuf {
     run_dir.join("student").join(format!("block-{}.mpk", k + 1))
@@ -358,24 +435,27 @@ pub fn save_students<B: DistillBackend>(
 /// Figures from re-scoring a saved run.
 #[derive(Debug, Clone)]
 pub struct EvalResult {
-    /// Accuracy of the reloaded stitched student on the test split.
+    /// Accuracy of the reloaded stitched student on the test split (text:
+    /// the probe's accuracy).
     pub student_accuracy: f64,
     /// The accuracy `report.json` recorded at the end of training.
     pub recorded_accuracy: f64,
     /// Test samples scored.
     pub test_samples: usize,
+    /// Text teachers: the embedding cosine and probe, re-measured.
+    pub text: Option<TextReport>,
 }
 
 /// Reloads the student saved in `run_dir` (by `pipebd run`) and scores it
-/// on the test split named in the run's config (on the CPU).
+/// on the evaluation data named in the run's config (on the CPU).
 pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
     type B = burn::backend::Flex;
     let report = RunReport::read(run_dir)?;
     let config = &report.config;
     let device = Default::default();
-    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
-    let teacher = teacher_specs(&config.teacher);
-    let (blocks, _) = init_student_blocks::<B>(&config.students, &teacher, &device)?;
+    let workload = load_workload::<B>(config, &device, true)?;
+    let teacher = &workload.teacher.specs;
+    let (blocks, student_specs) = init_student_blocks::<B>(&config.students, teacher, &device)?;
     let mut loaded = Vec::with_capacity(blocks.len());
     for (k, block) in blocks.into_iter().enumerate() {
         let path = student_record_path(run_dir, k);
@@ -390,17 +470,26 @@ pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
             .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
         loaded.push(block);
     }
-    let student_accuracy = accuracy::<B, _>(&loaded, &test, &device, EVAL_CHUNK)?;
-    Ok(EvalResult { student_accuracy, recorded_accuracy: report.student_accuracy, test_samples: test.len() })
+    let scored =
+        score(&workload.evaluation, &workload.teacher.blocks, &loaded, &device, teacher, &student_specs)?;
+    Ok(EvalResult {
+        student_accuracy: scored.student_accuracy,
+        recorded_accuracy: report.student_accuracy,
+        test_samples: scored.test_samples,
+        text: scored.text,
+    })
 }
 
-/// Scores the configured teacher on the test split (on the CPU).
+/// Scores the configured teacher on the test split (on the CPU): top-1
+/// accuracy, or for text the probe's accuracy with the teacher's embeddings.
 pub fn eval_teacher(config: &RunConfig) -> Result<(f64, usize)> {
     type B = burn::backend::Flex;
     let device = Default::default();
-    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?;
-    let teacher = build_teacher::<B>(&config.teacher, &device)?;
-    Ok((accuracy(&teacher.blocks, &test, &device, EVAL_CHUNK)?, test.len()))
+    let workload = load_workload::<B>(config, &device, true)?;
+    let blocks = &workload.teacher.blocks;
+    let specs = &workload.teacher.specs;
+    let scored = score(&workload.evaluation, blocks, blocks, &device, specs, specs)?;
+    Ok((scored.teacher_accuracy, scored.test_samples))
 }
 
 /// What `pipebd kernels` measured: the fused ops against burn's ops.

@@ -41,7 +41,7 @@ use pipebd_kernels::DistillBackend;
 
 use crate::block::{relabel, Activation, Block, StudentModule, Students, Teacher};
 use crate::config::OptimizerConfig;
-use crate::data::{epoch_order, ImageDataset};
+use crate::data::{epoch_order, Dataset};
 use crate::error::{Error, Result};
 use crate::plan::{Phase, Plan, Stage};
 use crate::trace::{summarise, Span, SpanKind, SpanRecorder, WorkerSummary};
@@ -122,7 +122,7 @@ pub fn train_plan<B, T, S>(
     plan: &Plan,
     teacher: &Teacher<B::InnerBackend, T>,
     students: Students<B, S>,
-    data: &ImageDataset,
+    data: &dyn Dataset<B::InnerBackend>,
     settings: &TrainSettings,
     devices: &[B::Device],
     options: &RuntimeOptions,
@@ -216,7 +216,7 @@ where
 struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>> {
     phase: &'a Phase,
     teacher: &'a Teacher<B::InnerBackend, T>,
-    data: &'a ImageDataset,
+    data: &'a dyn Dataset<B::InnerBackend>,
     settings: &'a TrainSettings,
     devices: &'a [B::Device],
     options: &'a RuntimeOptions,
@@ -738,9 +738,7 @@ where
             }
             let base = in_epoch * batch;
             let indices = &order[base + worker.share.start..base + worker.share.end];
-            recorder.time(SpanKind::DataLoad, None, || {
-                Activation::Maps(context.data.images::<B::InnerBackend>(indices, device))
-            })
+            recorder.time(SpanKind::DataLoad, None, || context.data.batch(indices, device))
         } else {
             let started = Instant::now();
             let mut parts = Vec::with_capacity(worker.inbound.len());

@@ -4,34 +4,79 @@
 
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::Backend;
+use pipebd_kernels::encoder::{top_indices, EncoderLayer};
 use pipebd_kernels::{DistillBackend, FusedBackend};
-use pipebd_students::{StudentBlock, StudentBlockConfig, StudentOutput};
+use pipebd_students::{EncoderInit, StudentBlock, StudentBlockConfig, StudentInput, StudentOutput};
+use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::{self, MnistBlock, MnistCnn};
 
 use crate::block::{
     check_against_teacher, check_block_count, Activation, Block, BlockSpec, LossKind, Students, Teacher,
 };
-use crate::config::TeacherConfig;
+use crate::config::RunConfig;
+use crate::data::{Dataset, ImageDataset, Split};
 use crate::error::{Error, Result};
+use crate::text::{brown_splits, tokenize, ProbeData, TextDataset};
 
-impl<B: Backend> Block<B> for MnistBlock<B> {
+/// One block of a built-in teacher.
+#[derive(Module, Debug)]
+pub enum TeacherBlock<B: FusedBackend> {
+    /// A block of the MNIST CNN.
+    Mnist(MnistBlock<B>),
+    /// One or more consecutive MiniLM encoder layers.
+    Encoder(EncoderStack<B>),
+}
+
+/// Consecutive encoder layers run as one block (the mask rides along).
+#[derive(Module, Debug)]
+pub struct EncoderStack<B: FusedBackend> {
+    /// The layers, in order.
+    pub layers: Vec<EncoderLayer<B>>,
+}
+
+impl<B: FusedBackend> Block<B> for TeacherBlock<B> {
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
-        let x = input.into_maps(0)?;
-        Ok(match self {
-            MnistBlock::Conv(stage) => Activation::Maps(stage.forward(x)),
-            MnistBlock::Head(head) => Activation::Flat(head.forward(x)),
-        })
+        match self {
+            TeacherBlock::Mnist(block) => {
+                let x = input.into_maps(0)?;
+                Ok(match block {
+                    MnistBlock::Conv(stage) => Activation::Maps(stage.forward(x)),
+                    MnistBlock::Head(head) => Activation::Flat(head.forward(x)),
+                })
+            }
+            TeacherBlock::Encoder(stack) => {
+                let (mut hidden, mask) = input.into_tokens(0)?;
+                for layer in &stack.layers {
+                    hidden = layer.forward(hidden, mask.clone());
+                }
+                Ok(Activation::Tokens { hidden, mask })
+            }
+        }
     }
 }
 
 impl<B: FusedBackend> Block<B> for StudentBlock<B> {
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
-        let x = input.into_maps(0)?;
-        Ok(match StudentBlock::forward(self, x) {
-            StudentOutput::Maps(t) => Activation::Maps(t),
-            StudentOutput::Logits(t) => Activation::Flat(t),
-        })
+        let dims = input.dims();
+        let (student_input, mask) = match input {
+            Activation::Maps(x) => (StudentInput::Maps(x), None),
+            Activation::Tokens { hidden, mask } => (StudentInput::Tokens(hidden, mask.clone()), Some(mask)),
+            Activation::Flat(_) => {
+                return Err(Error::Block {
+                    block: 0,
+                    message: format!("no student block takes flat input {dims:?}"),
+                })
+            }
+        };
+        match (StudentBlock::forward(self, student_input), mask) {
+            (Some(StudentOutput::Maps(t)), _) => Ok(Activation::Maps(t)),
+            (Some(StudentOutput::Logits(t)), _) => Ok(Activation::Flat(t)),
+            (Some(StudentOutput::Tokens(hidden)), Some(mask)) => Ok(Activation::Tokens { hidden, mask }),
+            _ => Err(Error::Block {
+                block: 0,
+                message: format!("this student block cannot take input of shape {dims:?}"),
+            }),
+        }
     }
 }
 
@@ -46,7 +91,7 @@ fn loss_for(shape: &[usize], last: bool) -> LossKind {
 }
 
 /// Block specs of the MNIST CNN teacher (parameters counted on `blocks`).
-fn mnist_specs<B: Backend>(blocks: &[MnistBlock<B>]) -> Vec<BlockSpec> {
+fn mnist_specs<B: burn::tensor::backend::Backend>(blocks: &[MnistBlock<B>]) -> Vec<BlockSpec> {
     let outputs = mnist_cnn::block_output_shapes();
     let flops = mnist_cnn::block_flops();
     let mut input = mnist_cnn::INPUT_SHAPE.to_vec();
@@ -67,26 +112,144 @@ fn mnist_specs<B: Backend>(blocks: &[MnistBlock<B>]) -> Vec<BlockSpec> {
     specs
 }
 
-/// Builds the teacher named in the config on `device`, with its weights.
-pub fn build_teacher<B: Backend>(
-    config: &TeacherConfig,
+/// MiniLM layers per block: `teacher.layers_per_block`, or one each.
+pub fn layers_per_block(config: &RunConfig) -> Vec<usize> {
+    config.teacher.layers_per_block.clone().unwrap_or_else(|| vec![1; minilm::LAYERS])
+}
+
+/// Block specs of the MiniLM teacher cut into `groups` of layers, for
+/// sequences of `tokens` tokens.
+fn minilm_specs(groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
+    let layer = minilm::layer_config();
+    let mut first = 1;
+    groups
+        .iter()
+        .map(|&n| {
+            let name =
+                if n == 1 { format!("layer{first}") } else { format!("layers{first}-{}", first + n - 1) };
+            first += n;
+            BlockSpec {
+                name,
+                input_shape: vec![tokens, minilm::HIDDEN],
+                output_shape: vec![tokens, minilm::HIDDEN],
+                flops: n as u64 * layer.flops(tokens),
+                params: n * layer.params(),
+                loss: LossKind::Mse,
+            }
+        })
+        .collect()
+}
+
+/// Loads MiniLM and cuts it into the configured blocks; returns the frozen
+/// embeddings (input preparation) with the teacher.
+pub fn build_minilm<B: FusedBackend>(
+    config: &RunConfig,
     device: &B::Device,
-) -> Result<Teacher<B, MnistBlock<B>>> {
-    let blocks = MnistCnn::<B>::load_pytorch(&config.weights, device)?.into_blocks();
+) -> Result<(Embeddings<B>, Teacher<B, TeacherBlock<B>>)> {
+    let (embeddings, layers) = MiniLm::<B>::load(&config.teacher.weights, device)?.into_parts();
+    let groups = layers_per_block(config);
+    let mut layers = layers.into_iter();
+    let blocks = groups
+        .iter()
+        .map(|&n| TeacherBlock::Encoder(EncoderStack { layers: layers.by_ref().take(n).collect() }))
+        .collect();
+    let specs = minilm_specs(&groups, config.data.max_tokens());
+    Ok((embeddings, Teacher::new(blocks, specs)?))
+}
+
+/// Builds the teacher named in the config on `device`, with its weights.
+pub fn build_teacher<B: FusedBackend>(
+    config: &RunConfig,
+    device: &B::Device,
+) -> Result<Teacher<B, TeacherBlock<B>>> {
+    if config.data.is_text() {
+        return Ok(build_minilm(config, device)?.1);
+    }
+    let blocks = MnistCnn::<B>::load_pytorch(&config.teacher.weights, device)?.into_blocks();
     let specs = mnist_specs(&blocks);
-    Teacher::new(blocks, specs)
+    Teacher::new(blocks.into_iter().map(TeacherBlock::Mnist).collect(), specs)
 }
 
 /// The teacher's block specs without loading its weights (to check a student
 /// config before anything heavy happens).
-pub fn teacher_specs(config: &TeacherConfig) -> Vec<BlockSpec> {
-    let _ = config;
+pub fn teacher_specs(config: &RunConfig) -> Vec<BlockSpec> {
+    if config.data.is_text() {
+        return minilm_specs(&layers_per_block(config), config.data.max_tokens());
+    }
     let blocks = MnistCnn::<burn::backend::Flex>::init(&Default::default()).into_blocks();
     mnist_specs(&blocks)
 }
 
+/// What evaluating a trained student needs besides the blocks.
+pub enum Evaluation<B: FusedBackend> {
+    /// Image classification: top-1 accuracy on the test split.
+    Images(ImageDataset),
+    /// Sentence embeddings: cosine to the teacher on held-out sentences, and
+    /// the optional downstream probe.
+    Text {
+        /// The teacher's frozen embeddings.
+        embeddings: Embeddings<B>,
+        /// Held-out sentences, tokenised.
+        heldout: Vec<Vec<u32>>,
+        /// Tokens per sequence.
+        max_tokens: usize,
+        /// The probe's data.
+        probe: Option<ProbeData>,
+        /// Mean real tokens per training sentence.
+        mean_tokens: f64,
+    },
+}
+
+/// A training job's data and teacher, loaded from its config.
+pub struct Workload<B: FusedBackend> {
+    /// The frozen teacher, cut into blocks.
+    pub teacher: Teacher<B, TeacherBlock<B>>,
+    /// The training samples.
+    pub train: Box<dyn Dataset<B>>,
+    /// What evaluation needs.
+    pub evaluation: Evaluation<B>,
+}
+
+/// Loads the config's training data, teacher and evaluation data on `device`.
+/// With `with_evaluation = false` the held-out and probe data are skipped.
+pub fn load_workload<B: FusedBackend>(
+    config: &RunConfig,
+    device: &B::Device,
+    with_evaluation: bool,
+) -> Result<Workload<B>> {
+    let data = &config.data;
+    if !data.is_text() {
+        let train = ImageDataset::load_mnist(&data.dir, Split::Train, data.train_limit)?;
+        let test = if with_evaluation {
+            ImageDataset::load_mnist(&data.dir, Split::Test, data.test_limit)?
+        } else {
+            ImageDataset::load_mnist(&data.dir, Split::Test, Some(0))?
+        };
+        let teacher = build_teacher::<B>(config, device)?;
+        return Ok(Workload { teacher, train: Box::new(train), evaluation: Evaluation::Images(test) });
+    }
+    let tokenizer = MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;
+    let max_tokens = data.max_tokens();
+    let (train, heldout) = brown_splits(&data.dir, data.train_limit, data.test_limit)?;
+    let train = tokenize(&tokenizer, &train, max_tokens)?;
+    let heldout = if with_evaluation { tokenize(&tokenizer, &heldout, max_tokens)? } else { Vec::new() };
+    let probe = match (&data.probe, with_evaluation) {
+        (Some(probe), true) => Some(ProbeData::load(probe, &tokenizer)?),
+        _ => None,
+    };
+    let (embeddings, teacher) = build_minilm::<B>(config, device)?;
+    let dataset = TextDataset::new(train, max_tokens, embeddings.clone());
+    let mean_tokens = dataset.mean_tokens();
+    Ok(Workload {
+        teacher,
+        train: Box::new(dataset),
+        evaluation: Evaluation::Text { embeddings, heldout, max_tokens, probe, mean_tokens },
+    })
+}
+
 /// Specs of the student blocks described by `configs`, built for the
 /// teacher's input shapes. Fails on a block whose shapes do not match.
+/// Students initialised from the teacher are checked against it too.
 pub fn student_specs(configs: &[StudentBlockConfig], teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
     let (_, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &Default::default())?;
     Ok(specs)
@@ -116,18 +279,59 @@ pub(crate) fn init_student_blocks<B: FusedBackend>(
     Ok((blocks, specs))
 }
 
-/// Builds randomly initialised student blocks on `device`, seeded by `seed`,
-/// and checks them against the teacher.
+/// Replaces the `encoder` students with `init = "teacher"` by the first
+/// teacher layer of their block, pruned to their size (most important heads
+/// and feed-forward neurons kept).
+fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backend::Flex>]) -> Result<()> {
+    let wanted =
+        |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Encoder { init: EncoderInit::Teacher, .. });
+    if !config.students.iter().any(wanted) {
+        return Ok(());
+    }
+    let device = Default::default();
+    let (_, layers) = MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device)?.into_parts();
+    let groups = layers_per_block(config);
+    for (k, student) in config.students.iter().enumerate() {
+        let StudentBlockConfig::Encoder { heads, head_dim, ffn, init: EncoderInit::Teacher } = *student
+        else {
+            continue;
+        };
+        let first = groups[..k.min(groups.len())].iter().sum::<usize>();
+        let teacher = layers.get(first).ok_or_else(|| Error::Block {
+            block: k + 1,
+            message: "no teacher layer to initialise this student from".into(),
+        })?;
+        let size = teacher.config();
+        if heads > size.heads || head_dim != size.head_dim || ffn > size.ffn {
+            return Err(Error::Block {
+                block: k + 1,
+                message: format!(
+                    "init = \"teacher\" needs heads <= {}, head_dim = {} and ffn <= {} (the teacher layer's), \
+                     got heads {heads}, head_dim {head_dim}, ffn {ffn}; use init = \"random\" otherwise",
+                    size.heads, size.head_dim, size.ffn
+                ),
+            });
+        }
+        let kept_heads = top_indices(&teacher.head_importance(), heads);
+        let kept_neurons = top_indices(&teacher.neuron_importance(), ffn);
+        blocks[k] = StudentBlock::Encoder(teacher.pruned(&kept_heads, &kept_neurons));
+    }
+    Ok(())
+}
+
+/// Builds the config's student blocks on `device` (random weights seeded by
+/// `config.seed`, or pruned from the teacher where asked) and checks them
+/// against the teacher.
 ///
-/// The initial weights are drawn on the CPU (flex) and copied to `device`, so
+/// The initial weights are made on the CPU (flex) and copied to `device`, so
 /// one seed gives the same students on every backend (a wgpu or cuda run
 /// starts from exactly the weights of the CPU run).
 pub fn build_students<B: DistillBackend>(
-    configs: &[StudentBlockConfig],
+    config: &RunConfig,
     teacher: &[BlockSpec],
-    seed: u64,
     device: &B::Device,
 ) -> Result<Students<B, StudentBlock<B>>> {
+    let (configs, seed) = (&config.students, config.seed);
     let cpu = Default::default();
     // burn's CPU backend draws from one process-wide generator: hold a lock
     // from seeding to the last module built, so that concurrent builds (and
@@ -135,8 +339,9 @@ pub fn build_students<B: DistillBackend>(
     static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
     let (cpu_blocks, specs) = {
-        burn::backend::Flex::seed(&cpu, seed);
-        let (blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
+        <burn::backend::Flex as burn::tensor::backend::Backend>::seed(&cpu, seed);
+        let (mut blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
+        init_from_teacher(config, &mut blocks)?;
         // burn initialises parameters lazily, at first use: draw them now, in order.
         let records: Vec<_> = blocks.into_iter().map(|b| b.into_record()).collect();
         (records, specs)

@@ -61,8 +61,8 @@ fn run_with_fault(mode: usize) -> (Error, Duration) {
     let config = RunConfig::parse(&common::small_config(640, 100, 1), Path::new("fault.toml")).unwrap();
     let device = Default::default();
     let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
-    let teacher = build_teacher::<Flex>(&config.teacher, &device).unwrap();
-    let students = build_students::<B>(&config.students, &teacher.specs, config.seed, &device).unwrap();
+    let teacher = build_teacher::<Flex>(&config, &device).unwrap();
+    let students = build_students::<B>(&config, &teacher.specs, &device).unwrap();
     let blocks = students
         .blocks
         .into_iter()

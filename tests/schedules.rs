@@ -29,8 +29,8 @@ fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     let config = config();
     let device = Default::default();
     let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
-    let teacher = build_teacher::<Flex>(&config.teacher, &device).unwrap();
-    let students = build_students::<B>(&config.students, &teacher.specs, config.seed, &device).unwrap();
+    let teacher = build_teacher::<Flex>(&config, &device).unwrap();
+    let students = build_students::<B>(&config, &teacher.specs, &device).unwrap();
     let options = RuntimeOptions { threads_per_worker: 1, ..Default::default() };
     let devices = vec![device; slots];
     let output = train_plan(
@@ -60,7 +60,7 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 fn plans(slots: usize) -> Vec<Plan> {
     let config = config();
-    let teacher = pipe_bd::zoo::teacher_specs(&config.teacher);
+    let teacher = pipe_bd::zoo::teacher_specs(&config);
     let students = pipe_bd::zoo::student_specs(&config.students, &teacher).unwrap();
     let cost = flops_cost(&teacher, &students);
     ["dp", "ls", "tr", "tr-dpu"].iter().map(|name| Plan::named(name, 4, slots, &cost, &[]).unwrap()).collect()
@@ -72,9 +72,8 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
     assert_eq!(moved, 0.0, "ideal is not reproducible");
     let initial = {
         let config = config();
-        let teacher = pipe_bd::zoo::teacher_specs(&config.teacher);
-        let students =
-            build_students::<B>(&config.students, &teacher, config.seed, &Default::default()).unwrap();
+        let teacher = pipe_bd::zoo::teacher_specs(&config);
+        let students = build_students::<B>(&config, &teacher, &Default::default()).unwrap();
         students.blocks.iter().map(flat_parameters::<B, _>).collect::<Vec<_>>()
     };
     assert!(max_abs_diff(&reference, &initial) > 1e-3, "training did not move the weights");

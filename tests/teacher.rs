@@ -1,15 +1,22 @@
 //! The pretrained MNIST CNN teacher imported from its PyTorch state dict.
 
 use burn::backend::Flex;
-use pipe_bd::config::TeacherConfig;
+use pipe_bd::config::{RunConfig, TeacherConfig};
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::train::accuracy;
 use pipe_bd::zoo::build_teacher;
 
 mod common;
 
-fn teacher_config() -> TeacherConfig {
-    TeacherConfig { kind: "mnist-cnn".into(), weights: common::teacher_weights() }
+fn run_config(teacher: TeacherConfig) -> RunConfig {
+    let text = common::small_config(64, 64, 1);
+    let mut config = RunConfig::parse(&text, std::path::Path::new("test.toml")).unwrap();
+    config.teacher = teacher;
+    config
+}
+
+fn teacher_config() -> RunConfig {
+    run_config(TeacherConfig::new("mnist-cnn", common::teacher_weights()))
 }
 
 #[test]
@@ -35,7 +42,7 @@ fn corrupt_weights_are_refused_with_the_file_named() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("broken.pth");
     std::fs::write(&path, b"not a pytorch file").unwrap();
-    let config = TeacherConfig { kind: "mnist-cnn".into(), weights: path.clone() };
+    let config = run_config(TeacherConfig::new("mnist-cnn", path.clone()));
     let err = build_teacher::<Flex>(&config, &Default::default()).unwrap_err();
     assert!(err.to_string().contains("broken.pth"), "{err}");
 }

@@ -30,6 +30,7 @@ pub mod bench;
 pub mod check;
 #[cfg(feature = "cubecl")]
 mod cube;
+pub mod encoder;
 pub mod loss;
 pub mod reference;
 

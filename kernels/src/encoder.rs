@@ -1,0 +1,268 @@
+//! A BERT-style (post-LN) transformer encoder layer on the fused ops.
+//!
+//! Teachers (all-MiniLM-L6-v2's six layers) and students (narrower layers)
+//! share this module, so it lives at the bottom of the dependency graph. Its
+//! projections run through [`linear`] (one fused matmul + bias + activation
+//! on wgpu and cuda); attention and layer norms are burn ops.
+//!
+//! ```text
+//! h   = LayerNorm(x + Wo · MultiHeadAttention(Wq·x, Wk·x, Wv·x, mask))
+//! out = LayerNorm(h + W2 · GELU(W1 · h))
+//! ```
+//!
+//! The field names follow what `burn-store` needs to load a BERT checkpoint
+//! after a key remapping (see the `minilm` teacher).
+
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Int, Tensor};
+
+use crate::{linear, Epilogue, FusedBackend};
+
+/// Added to the attention scores of padding tokens: their softmax weight
+/// underflows to zero.
+const MASKED_SCORE: f32 = -1.0e9;
+
+/// Sizes of one encoder layer.
+#[derive(Config, Debug, PartialEq)]
+pub struct EncoderLayerConfig {
+    /// Width of the residual stream (384 for MiniLM).
+    pub hidden: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Width of each head (`hidden / heads` in BERT; a student with fewer
+    /// heads keeps the teacher's head width and so has a narrower attention).
+    pub head_dim: usize,
+    /// Width of the feed-forward layer (1536 for MiniLM).
+    pub ffn: usize,
+    /// Layer-norm epsilon (BERT: 1e-12).
+    #[config(default = 1e-12)]
+    pub layer_norm_eps: f64,
+}
+
+impl EncoderLayerConfig {
+    /// Builds a randomly initialised layer (burn's default initialisers).
+    pub fn init<B: FusedBackend>(&self, device: &B::Device) -> EncoderLayer<B> {
+        let inner = self.heads * self.head_dim;
+        let norm = || LayerNormConfig::new(self.hidden).with_epsilon(self.layer_norm_eps).init(device);
+        EncoderLayer {
+            query: LinearConfig::new(self.hidden, inner).init(device),
+            key: LinearConfig::new(self.hidden, inner).init(device),
+            value: LinearConfig::new(self.hidden, inner).init(device),
+            attn_out: LinearConfig::new(inner, self.hidden).init(device),
+            attn_norm: norm(),
+            ffn_in: LinearConfig::new(self.hidden, self.ffn).init(device),
+            ffn_out: LinearConfig::new(self.ffn, self.hidden).init(device),
+            ffn_norm: norm(),
+            heads: self.heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// Forward FLOPs of one layer for one sequence of `tokens` tokens (two
+    /// per multiply-accumulate; layer norms, softmax and GELU not counted).
+    pub fn flops(&self, tokens: usize) -> u64 {
+        let (t, h, a, f) =
+            (tokens as u64, self.hidden as u64, (self.heads * self.head_dim) as u64, self.ffn as u64);
+        let projections = 2 * t * (3 * h * a + a * h + 2 * h * f);
+        let attention = 2 * 2 * t * t * a;
+        projections + attention
+    }
+
+    /// Trainable parameters of one layer.
+    pub fn params(&self) -> usize {
+        let (h, a, f) = (self.hidden, self.heads * self.head_dim, self.ffn);
+        3 * (h * a + a) + (a * h + h) + (h * f + f) + (f * h + h) + 4 * h
+    }
+}
+
+/// One post-LN transformer encoder layer.
+#[derive(Module, Debug)]
+pub struct EncoderLayer<B: FusedBackend> {
+    /// Query projection `[hidden, heads * head_dim]`.
+    pub query: Linear<B>,
+    /// Key projection.
+    pub key: Linear<B>,
+    /// Value projection.
+    pub value: Linear<B>,
+    /// Attention output projection `[heads * head_dim, hidden]`.
+    pub attn_out: Linear<B>,
+    /// Layer norm after the attention residual.
+    pub attn_norm: LayerNorm<B>,
+    /// Feed-forward expansion `[hidden, ffn]` (GELU after it).
+    pub ffn_in: Linear<B>,
+    /// Feed-forward projection back `[ffn, hidden]`.
+    pub ffn_out: Linear<B>,
+    /// Layer norm after the feed-forward residual.
+    pub ffn_norm: LayerNorm<B>,
+    /// Attention heads.
+    pub heads: usize,
+    /// Width of each head.
+    pub head_dim: usize,
+}
+
+fn fused<B: FusedBackend>(layer: &Linear<B>, x: Tensor<B, 2>, epilogue: Epilogue) -> Tensor<B, 2> {
+    linear(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()), epilogue)
+}
+
+impl<B: FusedBackend> EncoderLayer<B> {
+    /// `[batch, tokens, hidden]` with a `[batch, tokens]` mask (1 for real
+    /// tokens, 0 for padding) to `[batch, tokens, hidden]`. Padding positions
+    /// are computed but attend to real tokens only and are never attended to.
+    pub fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
+        let [batch, tokens, hidden] = x.dims();
+        let (heads, head_dim) = (self.heads, self.head_dim);
+        let rows = x.reshape([batch * tokens, hidden]);
+        let split_heads = |t: Tensor<B, 2>| t.reshape([batch, tokens, heads, head_dim]).swap_dims(1, 2);
+        let q = split_heads(fused(&self.query, rows.clone(), Epilogue::Identity));
+        let k = split_heads(fused(&self.key, rows.clone(), Epilogue::Identity));
+        let v = split_heads(fused(&self.value, rows.clone(), Epilogue::Identity));
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        // (1 - mask) * MASKED_SCORE, broadcast over heads and query positions.
+        let bias = (mask.neg() + 1.0).mul_scalar(MASKED_SCORE).reshape([batch, 1, 1, tokens]);
+        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale) + bias;
+        let context =
+            softmax(scores, 3).matmul(v).swap_dims(1, 2).reshape([batch * tokens, heads * head_dim]);
+        let h = self.attn_norm.forward(fused(&self.attn_out, context, Epilogue::Identity) + rows);
+        let ffn = fused(&self.ffn_out, fused(&self.ffn_in, h.clone(), Epilogue::Gelu), Epilogue::Identity);
+        self.ffn_norm.forward(ffn + h).reshape([batch, tokens, hidden])
+    }
+
+    /// The sizes of this layer.
+    pub fn config(&self) -> EncoderLayerConfig {
+        let [hidden, ffn] = self.ffn_in.weight.dims();
+        EncoderLayerConfig::new(hidden, self.heads, self.head_dim, ffn)
+    }
+
+    /// Importance of each attention head: `||Wv[:, head]|| * ||Wo[head, :]||`
+    /// (how much the head can move the residual stream).
+    pub fn head_importance(&self) -> Vec<f32> {
+        let value = self.value.weight.val().powf_scalar(2.0).sum_dim(0).into_data();
+        let out = self.attn_out.weight.val().powf_scalar(2.0).sum_dim(1).into_data();
+        let (value, out) = (value.iter::<f32>().collect::<Vec<_>>(), out.iter::<f32>().collect::<Vec<_>>());
+        (0..self.heads)
+            .map(|h| {
+                let span = h * self.head_dim..(h + 1) * self.head_dim;
+                (value[span.clone()].iter().sum::<f32>() * out[span].iter().sum::<f32>()).sqrt()
+            })
+            .collect()
+    }
+
+    /// Importance of each feed-forward neuron: `||W1[:, j]|| * ||W2[j, :]||`.
+    pub fn neuron_importance(&self) -> Vec<f32> {
+        let w_in = self.ffn_in.weight.val().powf_scalar(2.0).sum_dim(0).into_data();
+        let w_out = self.ffn_out.weight.val().powf_scalar(2.0).sum_dim(1).into_data();
+        w_in.iter::<f32>().zip(w_out.iter::<f32>()).map(|(a, b)| (a * b).sqrt()).collect()
+    }
+
+    /// A narrower copy that keeps attention heads `heads` and feed-forward
+    /// neurons `neurons` (indices into this layer, kept in the given order):
+    /// the pruning initialisation of a student from its teacher layer.
+    pub fn pruned(&self, heads: &[usize], neurons: &[usize]) -> Self {
+        let device = self.query.weight.device();
+        let head_columns: Vec<i64> = heads
+            .iter()
+            .flat_map(|&h| (h * self.head_dim..(h + 1) * self.head_dim).map(|c| c as i64))
+            .collect();
+        let index = |values: Vec<i64>| Tensor::<B, 1, Int>::from_ints(values.as_slice(), &device);
+        let heads_index = index(head_columns);
+        let neurons_index = index(neurons.iter().map(|&n| n as i64).collect());
+        let columns = |layer: &Linear<B>, keep: &Tensor<B, 1, Int>| Linear {
+            weight: Param::from_tensor(layer.weight.val().select(1, keep.clone())),
+            bias: layer.bias.as_ref().map(|b| Param::from_tensor(b.val().select(0, keep.clone()))),
+        };
+        let rows = |layer: &Linear<B>, keep: &Tensor<B, 1, Int>| Linear {
+            weight: Param::from_tensor(layer.weight.val().select(0, keep.clone())),
+            bias: layer.bias.as_ref().map(|b| Param::from_tensor(b.val())),
+        };
+        Self {
+            query: columns(&self.query, &heads_index),
+            key: columns(&self.key, &heads_index),
+            value: columns(&self.value, &heads_index),
+            attn_out: rows(&self.attn_out, &heads_index),
+            attn_norm: self.attn_norm.clone(),
+            ffn_in: columns(&self.ffn_in, &neurons_index),
+            ffn_out: rows(&self.ffn_out, &neurons_index),
+            ffn_norm: self.ffn_norm.clone(),
+            heads: heads.len(),
+            head_dim: self.head_dim,
+        }
+    }
+}
+
+/// Indices of the `keep` largest scores, in increasing index order.
+pub fn top_indices(scores: &[f32], keep: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    let mut kept: Vec<usize> = order.into_iter().take(keep).collect();
+    kept.sort_unstable();
+    kept
+}
+
+/// Mean of `hidden` over the real tokens of each sequence, L2-normalised:
+/// sentence-transformers' pooling for MiniLM. `[batch, tokens, hidden]` and
+/// `[batch, tokens]` to `[batch, hidden]`.
+pub fn mean_pool_normalized<B: burn::tensor::backend::Backend>(
+    hidden: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    let [batch, _, width] = hidden.dims();
+    let weights = mask.clone().unsqueeze_dim::<3>(2);
+    let summed = (hidden * weights).sum_dim(1).reshape([batch, width]);
+    let counts = mask.sum_dim(1).clamp_min(1e-9);
+    let mean = summed / counts;
+    let norm = mean.clone().powf_scalar(2.0).sum_dim(1).sqrt().clamp_min(1e-12);
+    mean / norm
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::Distribution;
+
+    #[test]
+    fn padding_does_not_change_the_real_tokens() {
+        let device = Default::default();
+        let layer = EncoderLayerConfig::new(16, 4, 4, 24).init::<Flex>(&device);
+        let x = Tensor::<Flex, 3>::random([1, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+        let short = layer.forward(x.clone().narrow(1, 0, 3), Tensor::ones([1, 3], &device));
+        let mask = Tensor::<Flex, 2>::from_floats([[1.0, 1.0, 1.0, 0.0, 0.0]], &device);
+        let padded = layer.forward(x, mask).narrow(1, 0, 3);
+        let diff = (short - padded).abs().max().into_scalar();
+        assert!(diff < 1e-5, "padding leaked into real tokens: {diff}");
+    }
+
+    #[test]
+    fn keeping_every_head_and_neuron_reproduces_the_layer() {
+        let device = Default::default();
+        let layer = EncoderLayerConfig::new(16, 4, 4, 24).init::<Flex>(&device);
+        let x = Tensor::<Flex, 3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+        let mask = Tensor::<Flex, 2>::ones([2, 5], &device);
+        let all = layer.pruned(&[0, 1, 2, 3], &(0..24).collect::<Vec<_>>());
+        let diff =
+            (layer.forward(x.clone(), mask.clone()) - all.forward(x.clone(), mask.clone())).abs().max();
+        assert!(diff.into_scalar() < 1e-5);
+        let narrow = layer.pruned(&[1, 3], &[0, 5, 7]);
+        assert_eq!(narrow.config(), EncoderLayerConfig::new(16, 2, 4, 3));
+        assert_eq!(narrow.num_params(), narrow.config().params());
+        assert_eq!(narrow.forward(x, mask).dims(), [2, 5, 16]);
+    }
+
+    #[test]
+    fn top_indices_keeps_the_largest_in_index_order() {
+        assert_eq!(top_indices(&[0.1, 3.0, 2.0, 5.0], 2), vec![1, 3]);
+        assert_eq!(top_indices(&[1.0, 1.0, 1.0], 2), vec![0, 1]);
+    }
+
+    #[test]
+    fn pooling_averages_real_tokens_and_normalises() {
+        let device = Default::default();
+        let hidden = Tensor::<Flex, 3>::from_floats([[[3.0, 0.0], [1.0, 0.0], [0.0, 100.0]]], &device);
+        let mask = Tensor::<Flex, 2>::from_floats([[1.0, 1.0, 0.0]], &device);
+        let pooled: Vec<f32> = mean_pool_normalized(hidden, mask).into_data().iter::<f32>().collect();
+        assert!((pooled[0] - 1.0).abs() < 1e-6 && pooled[1].abs() < 1e-6, "{pooled:?}");
+    }
+}
