@@ -234,12 +234,15 @@ fn execute(command: Command) -> Result<(), Error> {
                 "run `{}`: schedule {} {} on {}",
                 report.name, report.schedule, report.plan, report.device
             );
-            println!(
-                "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
-                100.0 * report.teacher_accuracy,
-                100.0 * report.student_accuracy,
-                report.test_samples
-            );
+            match &report.text {
+                None => println!(
+                    "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
+                    100.0 * report.teacher_accuracy,
+                    100.0 * report.student_accuracy,
+                    report.test_samples
+                ),
+                Some(text) => print_text_report(text),
+            }
             println!(
                 "block  teacher  student     params (t/s)       FLOPs (t/s)         cheaper  final loss"
             );
@@ -372,6 +375,10 @@ fn execute(command: Command) -> Result<(), Error> {
         }
         Command::Eval { run_dir } => {
             let result = pipe_bd::run::eval_run(&run_dir)?;
+            if let Some(text) = &result.text {
+                print_text_report(text);
+                return Ok(());
+            }
             println!(
                 "student accuracy {:.2}% on {} test images (recorded at the end of training: {:.2}%)",
                 100.0 * result.student_accuracy,
@@ -422,6 +429,28 @@ fn execute(command: Command) -> Result<(), Error> {
             Ok(())
         }
     }
+}
+
+/// The text part of a run report, as printed after `run` and `eval`.
+fn print_text_report(text: &pipe_bd::text::TextReport) {
+    println!(
+        "embedding cosine student/teacher {:.4} (lowest {:.4}) on {} held-out sentences",
+        text.embedding_cosine, text.min_embedding_cosine, text.heldout_sentences
+    );
+    if let Some(p) = &text.probe {
+        println!(
+            "spam probe: teacher {:.2}%  student {:.2}%  ({} train / {} test emails, {:.0}% spam)",
+            100.0 * p.teacher_accuracy,
+            100.0 * p.student_accuracy,
+            p.train_emails,
+            p.test_emails,
+            100.0 * p.test_spam_fraction
+        );
+    }
+    println!(
+        "student/teacher: {:.2}x parameters, {:.2}x FLOPs (encoder layers, {} tokens per sequence)",
+        text.params_ratio, text.flops_ratio, text.max_tokens
+    );
 }
 
 fn print_bench(report: &pipe_bd::bench::BenchReport) {

@@ -279,9 +279,17 @@ pub(crate) fn init_student_blocks<B: FusedBackend>(
     Ok((blocks, specs))
 }
 
+/// Sentences whose activations rank the teacher's feed-forward neurons and
+/// refit the pruned output projection (about 7k real tokens at 32 tokens).
+const CALIBRATION_SENTENCES: usize = 256;
+/// Ridge of the output projection's refit, relative to the mean diagonal
+/// of the Gram matrix.
+const REFIT_RIDGE: f64 = 1e-3;
+
 /// Replaces the `encoder` students with `init = "teacher"` by the first
-/// teacher layer of their block, pruned to their size (most important heads
-/// and feed-forward neurons kept).
+/// teacher layer of their block, pruned to their size: the heads with the
+/// largest weights and the feed-forward neurons that move the residual
+/// stream most on the first training sentences are kept.
 fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backend::Flex>]) -> Result<()> {
     let wanted =
         |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Encoder { init: EncoderInit::Teacher, .. });
@@ -289,8 +297,20 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
         return Ok(());
     }
     let device = Default::default();
-    let (_, layers) = MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device)?.into_parts();
+    let (embeddings, layers) = MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device)?.into_parts();
     let groups = layers_per_block(config);
+    // The calibration batch entering each teacher layer.
+    let tokenizer = MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;
+    let (sentences, _) = brown_splits(&config.data.dir, Some(CALIBRATION_SENTENCES), Some(0))?;
+    let ids = tokenize(&tokenizer, &sentences, config.data.max_tokens())?;
+    let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+    let (mut hidden, mask) =
+        crate::text::embed_batch(&embeddings, &refs, config.data.max_tokens(), &device).into_tokens(0)?;
+    let mut layer_inputs = Vec::with_capacity(layers.len());
+    for layer in &layers {
+        layer_inputs.push(hidden.clone());
+        hidden = layer.forward(hidden, mask.clone());
+    }
     for (k, student) in config.students.iter().enumerate() {
         let StudentBlockConfig::Encoder { heads, head_dim, ffn, init: EncoderInit::Teacher } = *student
         else {
@@ -313,8 +333,16 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
             });
         }
         let kept_heads = top_indices(&teacher.head_importance(), heads);
-        let kept_neurons = top_indices(&teacher.neuron_importance(), ffn);
-        blocks[k] = StudentBlock::Encoder(teacher.pruned(&kept_heads, &kept_neurons));
+        let statistics = teacher.neuron_statistics(layer_inputs[first].clone(), mask.clone());
+        let kept_neurons = top_indices(&statistics.importance, ffn);
+        let mut pruned = teacher.pruned_compensated(&kept_heads, &kept_neurons, &statistics.mean_activation);
+        // Least-squares refit of the output projection on the calibration
+        // batch (kept as compensated if the system is singular). Nothing
+        // pruned: the teacher layer itself.
+        if heads < size.heads || ffn < size.ffn {
+            pruned.refit_ffn_out(teacher, layer_inputs[first].clone(), mask.clone(), REFIT_RIDGE);
+        }
+        blocks[k] = StudentBlock::Encoder(pruned);
     }
     Ok(())
 }

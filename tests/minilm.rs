@@ -84,3 +84,106 @@ fn grouping_layers_into_blocks_does_not_change_the_teacher() {
     let diff = (a - b).abs().max().into_scalar();
     assert!(diff < 1e-5, "{diff}");
 }
+
+type Train = burn::backend::Autodiff<Flex>;
+
+#[test]
+fn a_student_pruned_to_the_teachers_full_size_is_the_teacher() {
+    let device = Default::default();
+    let mut config = config(None, 16);
+    for student in &mut config.students {
+        *student = pipebd_students::StudentBlockConfig::Encoder {
+            heads: 12,
+            head_dim: 32,
+            ffn: 1536,
+            init: pipebd_students::EncoderInit::Teacher,
+        };
+    }
+    let (embeddings, teacher) = build_minilm::<Flex>(&config, &device).unwrap();
+    let students = pipe_bd::zoo::build_students::<Train>(&config, &teacher.specs, &device).unwrap();
+    let stitched = pipe_bd::train::inference_blocks(&students);
+    let ids: Vec<Vec<u32>> = vec![vec![101, 1996, 4248, 2829, 102], vec![101, 7592, 102]];
+    let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+    let input = pipe_bd::text::embed_batch(&embeddings, &refs, 16, &device);
+    let ours = forward_chain(&stitched, input.clone()).unwrap().into_tokens(0).unwrap().0;
+    let theirs = forward_chain(&teacher.blocks, input).unwrap().into_tokens(0).unwrap().0;
+    let diff = (ours - theirs).abs().max().into_scalar();
+    assert!(diff < 1e-4, "{diff}");
+}
+
+#[test]
+fn teacher_initialisation_refuses_a_student_wider_than_the_teacher() {
+    let mut config = config(None, 16);
+    config.students[2] = pipebd_students::StudentBlockConfig::Encoder {
+        heads: 12,
+        head_dim: 32,
+        ffn: 2048,
+        init: pipebd_students::EncoderInit::Teacher,
+    };
+    let specs = pipe_bd::zoo::teacher_specs(&config);
+    let err = pipe_bd::zoo::build_students::<Train>(&config, &specs, &Default::default()).err().unwrap();
+    let message = err.to_string();
+    assert!(message.contains("block 3") && message.contains("ffn <= 1536"), "{message}");
+}
+
+/// The tiny text config of the schedule test: SGD, whose update is linear in
+/// the gradient (Adam's normalisation would magnify float noise in
+/// near-zero gradients into full-size steps).
+fn sgd_config() -> RunConfig {
+    let mut config = config(None, 16);
+    config.optimizer.kind = pipe_bd::config::OptimizerKind::Sgd;
+    config.optimizer.lr = 0.5;
+    config
+}
+
+/// Trains a tiny text config under `plan` on `slots` CPU slots; returns the
+/// students' parameters.
+fn train_text(plan: &pipe_bd::plan::Plan, slots: usize) -> Vec<Vec<f32>> {
+    let config = sgd_config();
+    let device = Default::default();
+    let workload = pipe_bd::zoo::load_workload::<Flex>(&config, &device, false).unwrap();
+    let students = pipe_bd::zoo::build_students::<Train>(&config, &workload.teacher.specs, &device).unwrap();
+    let options = pipe_bd::runtime::RuntimeOptions { threads_per_worker: 1, ..Default::default() };
+    let output = pipe_bd::runtime::train_plan(
+        plan,
+        &workload.teacher,
+        students,
+        workload.train.as_ref(),
+        &config.train_settings(),
+        &vec![device; slots],
+        &options,
+        &mut |_| {},
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+    assert_eq!(output.log.steps, 4);
+    output.students.blocks.iter().map(pipe_bd::block::flat_parameters::<Train, _>).collect()
+}
+
+#[test]
+fn every_schedule_trains_the_same_text_students() {
+    use pipe_bd::plan::{flops_cost, Plan, StageSpec};
+    let reference = train_text(&Plan::ideal(6), 1);
+    let initial: Vec<Vec<f32>> = {
+        let config = sgd_config();
+        let specs = pipe_bd::zoo::teacher_specs(&config);
+        let students = pipe_bd::zoo::build_students::<Train>(&config, &specs, &Default::default()).unwrap();
+        students.blocks.iter().map(pipe_bd::block::flat_parameters::<Train, _>).collect()
+    };
+    let max_diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0f32, f32::max)
+    };
+    assert!(max_diff(&reference, &initial) > 1e-5, "training did not move the weights");
+    let config = config(None, 16);
+    let specs = pipe_bd::zoo::teacher_specs(&config);
+    let students = pipe_bd::zoo::student_specs(&config.students, &specs).unwrap();
+    let cost = flops_cost(&specs, &students);
+    let mut plans: Vec<Plan> =
+        ["dp", "ls", "tr", "tr-dpu"].iter().map(|name| Plan::named(name, 6, 2, &cost, &[]).unwrap()).collect();
+    // One replicated stage: each replica takes half of every batch, whose
+    // sentences have different numbers of real tokens.
+    plans.push(Plan::hybrid(&[StageSpec { blocks: (1..=6).collect(), replicas: 2 }], 6, 2).unwrap());
+    for plan in plans {
+        let diff = max_diff(&reference, &train_text(&plan, 2));
+        assert!(diff <= 1e-5, "{} ({}) differs from ideal by {diff}", plan.name, plan.describe());
+    }
+}

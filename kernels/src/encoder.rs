@@ -17,7 +17,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{ElementConversion, Int, Tensor};
 
 use crate::{linear, Epilogue, FusedBackend};
 
@@ -113,6 +113,15 @@ impl<B: FusedBackend> EncoderLayer<B> {
     /// are computed but attend to real tokens only and are never attended to.
     pub fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, tokens, hidden] = x.dims();
+        let h = self.attention(x, mask);
+        let ffn = fused(&self.ffn_out, fused(&self.ffn_in, h.clone(), Epilogue::Gelu), Epilogue::Identity);
+        self.ffn_norm.forward(ffn + h).reshape([batch, tokens, hidden])
+    }
+
+    /// The attention half: `[batch, tokens, hidden]` to the normalised
+    /// residual stream `[batch * tokens, hidden]` that enters the feed-forward.
+    fn attention(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [batch, tokens, hidden] = x.dims();
         let (heads, head_dim) = (self.heads, self.head_dim);
         let rows = x.reshape([batch * tokens, hidden]);
         let split_heads = |t: Tensor<B, 2>| t.reshape([batch, tokens, heads, head_dim]).swap_dims(1, 2);
@@ -125,9 +134,7 @@ impl<B: FusedBackend> EncoderLayer<B> {
         let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale) + bias;
         let context =
             softmax(scores, 3).matmul(v).swap_dims(1, 2).reshape([batch * tokens, heads * head_dim]);
-        let h = self.attn_norm.forward(fused(&self.attn_out, context, Epilogue::Identity) + rows);
-        let ffn = fused(&self.ffn_out, fused(&self.ffn_in, h.clone(), Epilogue::Gelu), Epilogue::Identity);
-        self.ffn_norm.forward(ffn + h).reshape([batch, tokens, hidden])
+        self.attn_norm.forward(fused(&self.attn_out, context, Epilogue::Identity) + rows)
     }
 
     /// The sizes of this layer.
@@ -150,11 +157,71 @@ impl<B: FusedBackend> EncoderLayer<B> {
             .collect()
     }
 
-    /// Importance of each feed-forward neuron: `||W1[:, j]|| * ||W2[j, :]||`.
-    pub fn neuron_importance(&self) -> Vec<f32> {
-        let w_in = self.ffn_in.weight.val().powf_scalar(2.0).sum_dim(0).into_data();
-        let w_out = self.ffn_out.weight.val().powf_scalar(2.0).sum_dim(1).into_data();
-        w_in.iter::<f32>().zip(w_out.iter::<f32>()).map(|(a, b)| (a * b).sqrt()).collect()
+    /// Statistics of each feed-forward neuron on real inputs `x` (with
+    /// their mask), over the real tokens.
+    pub fn neuron_statistics(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> NeuronStatistics {
+        let [batch, tokens, _] = x.dims();
+        let h = self.attention(x, mask.clone());
+        let activation = fused(&self.ffn_in, h, Epilogue::Gelu);
+        let real = mask.reshape([batch * tokens, 1]);
+        let count = real.clone().sum().into_scalar().elem::<f32>().max(1.0);
+        let mean_abs = (activation.clone().abs() * real.clone()).sum_dim(0).into_data();
+        let mean = (activation * real).sum_dim(0).into_data();
+        let w_out = self.ffn_out.weight.val().powf_scalar(2.0).sum_dim(1).sqrt().into_data();
+        NeuronStatistics {
+            importance: mean_abs.iter::<f32>().zip(w_out.iter::<f32>()).map(|(a, w)| a / count * w).collect(),
+            mean_activation: mean.iter::<f32>().map(|m| m / count).collect(),
+        }
+    }
+
+    /// [`Self::pruned`], with the average contribution of the dropped
+    /// feed-forward neurons (`mean_activation[j] * W2[j, :]`) folded into
+    /// the feed-forward output bias, so that on average the pruned layer
+    /// still moves the residual stream as the full one does.
+    pub fn pruned_compensated(&self, heads: &[usize], neurons: &[usize], mean_activation: &[f32]) -> Self {
+        let mut pruned = self.pruned(heads, neurons);
+        let mut dropped = mean_activation.to_vec();
+        for &j in neurons {
+            dropped[j] = 0.0;
+        }
+        let device = self.ffn_out.weight.device();
+        let dropped = Tensor::<B, 1>::from_floats(dropped.as_slice(), &device).unsqueeze_dim::<2>(0);
+        let shift = dropped.matmul(self.ffn_out.weight.val()).squeeze_dim::<1>(0);
+        pruned.ffn_out.bias = pruned.ffn_out.bias.map(|b| Param::from_tensor(b.val() + shift));
+        pruned
+    }
+
+    /// Refits this (pruned) layer's feed-forward output projection by ridge
+    /// least squares on real inputs `x`: the weights and bias with which its
+    /// kept neurons best reproduce, over the real tokens, what `teacher`
+    /// adds to the residual stream before its last layer norm. Returns false
+    /// (leaving the layer as it was) if the system is singular.
+    pub fn refit_ffn_out(&mut self, teacher: &Self, x: Tensor<B, 3>, mask: Tensor<B, 2>, ridge: f64) -> bool {
+        let [batch, tokens, _] = x.dims();
+        let real = mask.clone().reshape([batch * tokens, 1]);
+        let h_teacher = teacher.attention(x.clone(), mask.clone());
+        let ffn_teacher =
+            fused(&teacher.ffn_out, fused(&teacher.ffn_in, h_teacher.clone(), Epilogue::Gelu), Epilogue::Identity);
+        let h_student = self.attention(x, mask);
+        // Target of the student's feed-forward: teacher's pre-norm sum minus the student's residual.
+        let target = (ffn_teacher + h_teacher - h_student.clone()) * real.clone();
+        let hidden_units = fused(&self.ffn_in, h_student, Epilogue::Gelu);
+        let ones = real.clone();
+        let features = Tensor::cat(vec![hidden_units * real, ones], 1);
+        let [_, n] = features.dims();
+        let [_, m] = target.dims();
+        let gram = features.clone().transpose().matmul(features.clone());
+        let rhs = features.transpose().matmul(target);
+        let to_f64 = |t: Tensor<B, 2>| t.into_data().iter::<f32>().map(f64::from).collect::<Vec<_>>();
+        let Some(solution) = ridge_solve(&to_f64(gram), &to_f64(rhs), n, m, ridge) else {
+            return false;
+        };
+        let device = self.ffn_out.weight.device();
+        let values: Vec<f32> = solution.iter().map(|&v| v as f32).collect();
+        let all = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(values, [n, m]), &device);
+        self.ffn_out.weight = Param::from_tensor(all.clone().narrow(0, 0, n - 1));
+        self.ffn_out.bias = Some(Param::from_tensor(all.narrow(0, n - 1, 1).squeeze_dim::<1>(0)));
+        true
     }
 
     /// A narrower copy that keeps attention heads `heads` and feed-forward
@@ -190,6 +257,61 @@ impl<B: FusedBackend> EncoderLayer<B> {
             head_dim: self.head_dim,
         }
     }
+}
+
+/// Solves `(G + ridge * mean(diag G) * I) X = R` for symmetric positive
+/// semi-definite `G` (`n x n`, row-major) and `R` (`n x m`) by Cholesky, in
+/// f64. Returns `X` (`n x m`), or `None` if `G` is not positive definite even
+/// with the ridge.
+pub fn ridge_solve(gram: &[f64], rhs: &[f64], n: usize, m: usize, ridge: f64) -> Option<Vec<f64>> {
+    let mean_diag = (0..n).map(|i| gram[i * n + i]).sum::<f64>() / n.max(1) as f64;
+    let shift = ridge * mean_diag.max(1e-12);
+    // Lower-triangular factor L with G + shift I = L L^T.
+    let mut l = vec![0.0; n * n];
+    for i in 0..n {
+        for j in 0..=i {
+            let mut sum = gram[i * n + j] + if i == j { shift } else { 0.0 };
+            for k in 0..j {
+                sum -= l[i * n + k] * l[j * n + k];
+            }
+            if i == j {
+                if sum <= 0.0 {
+                    return None;
+                }
+                l[i * n + i] = sum.sqrt();
+            } else {
+                l[i * n + j] = sum / l[j * n + j];
+            }
+        }
+    }
+    let mut x = rhs.to_vec();
+    for c in 0..m {
+        // Forward (L y = r), then backward (L^T x = y) substitution.
+        for i in 0..n {
+            let mut sum = x[i * m + c];
+            for k in 0..i {
+                sum -= l[i * n + k] * x[k * m + c];
+            }
+            x[i * m + c] = sum / l[i * n + i];
+        }
+        for i in (0..n).rev() {
+            let mut sum = x[i * m + c];
+            for k in i + 1..n {
+                sum -= l[k * n + i] * x[k * m + c];
+            }
+            x[i * m + c] = sum / l[i * n + i];
+        }
+    }
+    Some(x)
+}
+
+/// Per-neuron statistics of a feed-forward layer on real data.
+#[derive(Debug, Clone)]
+pub struct NeuronStatistics {
+    /// Mean absolute activation times the norm of the output weights.
+    pub importance: Vec<f32>,
+    /// Mean (signed) activation.
+    pub mean_activation: Vec<f32>,
 }
 
 /// Indices of the `keep` largest scores, in increasing index order.
@@ -249,6 +371,55 @@ mod tests {
         assert_eq!(narrow.config(), EncoderLayerConfig::new(16, 2, 4, 3));
         assert_eq!(narrow.num_params(), narrow.config().params());
         assert_eq!(narrow.forward(x, mask).dims(), [2, 5, 16]);
+    }
+
+    #[test]
+    fn bias_compensation_preserves_the_mean_output_of_dropped_neurons() {
+        let device = Default::default();
+        let layer = EncoderLayerConfig::new(8, 2, 4, 12).init::<Flex>(&device);
+        let x = Tensor::<Flex, 3>::random([4, 6, 8], Distribution::Normal(0.0, 1.0), &device);
+        let mask = Tensor::<Flex, 2>::ones([4, 6], &device);
+        let stats = layer.neuron_statistics(x.clone(), mask.clone());
+        let keep: Vec<usize> = (0..6).collect();
+        let plain = layer.pruned(&[0, 1], &keep);
+        let compensated = layer.pruned_compensated(&[0, 1], &keep, &stats.mean_activation);
+        // The feed-forward output before the residual, averaged over tokens.
+        let ffn_mean = |l: &EncoderLayer<Flex>| {
+            let h = l.attention(x.clone(), mask.clone());
+            fused(&l.ffn_out, fused(&l.ffn_in, h, Epilogue::Gelu), Epilogue::Identity).mean_dim(0)
+        };
+        let full = ffn_mean(&layer);
+        let err = |l| (ffn_mean(l) - full.clone()).abs().max().into_scalar();
+        assert!(err(&compensated) < 1e-4, "{}", err(&compensated));
+        assert!(err(&plain) > 10.0 * err(&compensated));
+    }
+
+    #[test]
+    fn ridge_solve_solves_a_small_system() {
+        // [[4, 2], [2, 3]] x = [[2], [1]]  ->  x = [0.5, 0].
+        let x = ridge_solve(&[4.0, 2.0, 2.0, 3.0], &[2.0, 1.0], 2, 1, 0.0).unwrap();
+        assert!((x[0] - 0.5).abs() < 1e-12 && x[1].abs() < 1e-12, "{x:?}");
+        assert!(ridge_solve(&[0.0, 0.0, 0.0, 0.0], &[1.0, 1.0], 2, 1, 0.0).is_none());
+    }
+
+    #[test]
+    fn refitting_the_output_projection_beats_plain_pruning() {
+        let device = Default::default();
+        let teacher = EncoderLayerConfig::new(8, 2, 4, 24).init::<Flex>(&device);
+        let x = Tensor::<Flex, 3>::random([16, 6, 8], Distribution::Normal(0.0, 1.0), &device);
+        let mask = Tensor::<Flex, 2>::ones([16, 6], &device);
+        let stats = teacher.neuron_statistics(x.clone(), mask.clone());
+        let keep = top_indices(&stats.importance, 12);
+        let plain = teacher.pruned_compensated(&[0, 1], &keep, &stats.mean_activation);
+        let mut refit = plain.clone();
+        assert!(refit.refit_ffn_out(&teacher, x.clone(), mask.clone(), 1e-6));
+        let reference = teacher.forward(x.clone(), mask.clone());
+        let err = |l: &EncoderLayer<Flex>| (l.forward(x.clone(), mask.clone()) - reference.clone()).powf_scalar(2.0).mean().into_scalar();
+        assert!(err(&refit) < err(&plain), "refit {} vs plain {}", err(&refit), err(&plain));
+        // Keeping every neuron, the refit recovers the teacher exactly.
+        let mut full = teacher.pruned(&[0, 1], &(0..24).collect::<Vec<_>>());
+        assert!(full.refit_ffn_out(&teacher, x.clone(), mask.clone(), 1e-9));
+        assert!(err(&full) < 1e-6, "{}", err(&full));
     }
 
     #[test]

@@ -30,18 +30,19 @@ pub fn soft_target_cross_entropy<B: FusedBackend>(
 
 /// MSE over the real tokens of a batch of sequences: `student` and `teacher`
 /// are `[batch, tokens, hidden]`, `mask` is `[batch, tokens]` with 1 for real
-/// tokens and 0 for padding. Padding positions contribute neither to the
-/// loss nor to its gradient; the mean is over real tokens times `hidden`.
-pub fn masked_mse<B: FusedBackend>(
-    student: Tensor<B, 3>,
-    teacher: Tensor<B, 3>,
-    mask: Tensor<B, 2>,
-) -> Tensor<B, 1> {
-    let [batch, tokens, _] = student.dims();
-    let weights = mask.clone().unsqueeze_dim::<3>(2);
-    let over_all = mse(student * weights.clone(), teacher * weights);
-    // mse averaged over batch * tokens * hidden; rescale to the real tokens.
-    over_all.mul_scalar((batch * tokens) as f32) / mask.sum().clamp_min(1.0)
+/// tokens and 0 for padding. Each sequence's error is averaged over its own
+/// real tokens (times `hidden`), then the sequences are averaged: padding
+/// contributes neither to the loss nor to its gradient, and the loss of a
+/// batch is the mean of the losses of its parts, so replicas that each take
+/// a share of the batch and weight their loss by that share add up to
+/// exactly the whole batch's gradient.
+pub fn masked_mse<B: FusedBackend>(student: Tensor<B, 3>, teacher: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 1> {
+    let [_, tokens, _] = student.dims();
+    // (s - t)^2 * mask / real == (s * w - t * w)^2 with w = mask / sqrt(real).
+    let real = mask.clone().sum_dim(1).clamp_min(1.0);
+    let weights = (mask / real.sqrt()).unsqueeze_dim::<3>(2);
+    // mse averages over batch * tokens * hidden; the sum over tokens is wanted.
+    mse(student * weights.clone(), teacher * weights).mul_scalar(tokens as f32)
 }
 
 #[cfg(test)]
@@ -58,5 +59,20 @@ mod tests {
         let mask = Tensor::<Flex, 2>::from_floats([[1.0, 0.0]], &device);
         let loss = masked_mse(student, teacher, mask).into_scalar();
         assert!((loss - 2.5).abs() < 1e-6, "{loss}");
+    }
+
+    #[test]
+    fn masked_mse_is_the_mean_of_per_sequence_means() {
+        let device = Default::default();
+        // Sequence 1: one real token, error 2 per element; sequence 2: two
+        // real tokens with errors 1 and 3 per element.
+        let student = Tensor::<Flex, 3>::from_floats([[[2.0], [9.0]], [[1.0], [3.0]]], &device);
+        let teacher = Tensor::<Flex, 3>::zeros([2, 2, 1], &device);
+        let mask = Tensor::<Flex, 2>::from_floats([[1.0, 0.0], [1.0, 1.0]], &device);
+        let whole = masked_mse(student.clone(), teacher.clone(), mask.clone()).into_scalar();
+        assert!((whole - (4.0 + 5.0) / 2.0).abs() < 1e-5, "{whole}");
+        // Halves weighted by their share of the batch add up to the whole.
+        let half = |i| masked_mse(student.clone().narrow(0, i, 1), teacher.clone().narrow(0, i, 1), mask.clone().narrow(0, i, 1)).into_scalar();
+        assert!((0.5 * half(0) + 0.5 * half(1) - whole).abs() < 1e-5);
     }
 }
