@@ -253,8 +253,16 @@ pub struct OptimizerConfig {
     /// L2 weight decay (default 0).
     #[serde(default)]
     pub weight_decay: f64,
+    /// Adam's epsilon (default 1e-5, burn's). Per-element MSE losses over
+    /// wide activations have tiny gradients; below about 1e-5 they are
+    /// damped by this term, so token-state students use 1e-8 (PyTorch's).
+    #[serde(default = "default_epsilon")]
+    pub epsilon: f64,
 }
 
+fn default_epsilon() -> f64 {
+    1e-5
+}
 fn default_lr_schedule() -> LrSchedule {
     LrSchedule::Cosine
 }
@@ -318,6 +326,13 @@ impl RunConfig {
                 "optimizer",
                 "momentum",
                 format!("must be in [0, 1), got {}", self.optimizer.momentum),
+            );
+        }
+        if !(self.optimizer.epsilon > 0.0 && self.optimizer.epsilon.is_finite()) {
+            return fail(
+                "optimizer",
+                "epsilon",
+                format!("must be a positive number, got {}", self.optimizer.epsilon),
             );
         }
         if self.optimizer.weight_decay < 0.0 {

@@ -31,7 +31,9 @@ impl<B: DistillBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
                 });
                 Self::Sgd(SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init())
             }
-            OptimizerKind::Adam => Self::Adam(AdamConfig::new().with_weight_decay(decay).init()),
+            OptimizerKind::Adam => Self::Adam(
+                AdamConfig::new().with_weight_decay(decay).with_epsilon(config.epsilon as f32).init(),
+            ),
         }
     }
 

@@ -44,6 +44,9 @@ pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Option<Plan>)> 
     }
     let teacher = teacher_specs(config);
     let students = student_specs(&config.students, &teacher)?;
+    for (k, student) in config.students.iter().enumerate() {
+        crate::zoo::check_teacher_init(k, student)?;
+    }
     if config.schedule == AUTO {
         return Ok((devices, None));
     }
@@ -76,6 +79,7 @@ pub fn profile_key(config: &RunConfig) -> String {
         "teacher": config.teacher,
         "students": config.students,
         "batch": config.train.batch_size,
+        "tokens": config.data.is_text().then(|| config.data.max_tokens()),
         "devices": config.device_slots(),
         "optimizer": config.optimizer,
         "threads": config.runtime.threads_per_worker,

@@ -279,6 +279,26 @@ pub(crate) fn init_student_blocks<B: FusedBackend>(
     Ok((blocks, specs))
 }
 
+/// Fails unless student `k` (zero-based), if it is an `encoder` with
+/// `init = "teacher"`, fits inside the teacher layer it is pruned from.
+pub fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
+    let StudentBlockConfig::Encoder { heads, head_dim, ffn, init: EncoderInit::Teacher } = *student else {
+        return Ok(());
+    };
+    let size = minilm::layer_config();
+    if heads > size.heads || head_dim != size.head_dim || ffn > size.ffn {
+        return Err(Error::Block {
+            block: k + 1,
+            message: format!(
+                "init = \"teacher\" needs heads <= {}, head_dim = {} and ffn <= {} (the teacher layer's), \
+                 got heads {heads}, head_dim {head_dim}, ffn {ffn}; use init = \"random\" otherwise",
+                size.heads, size.head_dim, size.ffn
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Sentences whose activations rank the teacher's feed-forward neurons and
 /// refit the pruned output projection (about 7k real tokens at 32 tokens).
 const CALIBRATION_SENTENCES: usize = 256;
@@ -312,8 +332,7 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
         hidden = layer.forward(hidden, mask.clone());
     }
     for (k, student) in config.students.iter().enumerate() {
-        let StudentBlockConfig::Encoder { heads, head_dim, ffn, init: EncoderInit::Teacher } = *student
-        else {
+        let StudentBlockConfig::Encoder { heads, ffn, init: EncoderInit::Teacher, .. } = *student else {
             continue;
         };
         let first = groups[..k.min(groups.len())].iter().sum::<usize>();
@@ -321,17 +340,8 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
             block: k + 1,
             message: "no teacher layer to initialise this student from".into(),
         })?;
+        check_teacher_init(k, student)?;
         let size = teacher.config();
-        if heads > size.heads || head_dim != size.head_dim || ffn > size.ffn {
-            return Err(Error::Block {
-                block: k + 1,
-                message: format!(
-                    "init = \"teacher\" needs heads <= {}, head_dim = {} and ffn <= {} (the teacher layer's), \
-                     got heads {heads}, head_dim {head_dim}, ffn {ffn}; use init = \"random\" otherwise",
-                    size.heads, size.head_dim, size.ffn
-                ),
-            });
-        }
         let kept_heads = top_indices(&teacher.head_importance(), heads);
         let statistics = teacher.neuron_statistics(layer_inputs[first].clone(), mask.clone());
         let kept_neurons = top_indices(&statistics.importance, ffn);

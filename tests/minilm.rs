@@ -187,3 +187,29 @@ fn every_schedule_trains_the_same_text_students() {
         assert!(diff <= 1e-5, "{} ({}) differs from ideal by {diff}", plan.name, plan.describe());
     }
 }
+
+#[test]
+fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
+    let mut config = config(None, 16);
+    config.data.probe = Some(pipe_bd::config::ProbeConfig {
+        dir: common::repo().join("data/spam-assassin"),
+        limit: Some(80),
+        max_tokens: 24,
+        test_fraction: 0.25,
+    });
+    let out = tempfile::tempdir().unwrap();
+    let report = pipe_bd::run::run(&config, out.path(), &Default::default(), &mut |_| {}).unwrap();
+    let text = report.text.clone().expect("a text run reports its text section");
+    assert_eq!(text.heldout_sentences, 16);
+    assert!(text.embedding_cosine > 0.5 && text.embedding_cosine <= 1.0 + 1e-9, "{text:?}");
+    assert!(text.min_embedding_cosine <= text.embedding_cosine);
+    assert!((text.params_ratio - 1183872.0 / 1774464.0).abs() < 1e-9, "{}", text.params_ratio);
+    let probe = text.probe.expect("probe configured");
+    assert_eq!((probe.train_emails, probe.test_emails), (60, 20));
+    assert_eq!(report.student_accuracy, probe.student_accuracy);
+    // The saved student, reloaded, scores exactly what the run reported.
+    let eval = pipe_bd::run::eval_run(out.path()).unwrap();
+    let again = eval.text.expect("text section");
+    assert!((again.embedding_cosine - text.embedding_cosine).abs() < 1e-6);
+    assert_eq!(eval.student_accuracy, report.student_accuracy);
+}
