@@ -60,7 +60,7 @@ pub struct IdxImages {
     pub pixels: Vec<u8>,
 }
 
-fn data_error(path: &Path, message: impl Into<String>) -> Error {
+pub(crate) fn data_error(path: &Path, message: impl Into<String>) -> Error {
     Error::Data { path: path.to_path_buf(), message: message.into() }
 }
 

@@ -491,9 +491,14 @@ pub fn eval_teacher(config: &RunConfig) -> Result<(f64, usize)> {
     let device = Default::default();
     let workload = load_workload::<B>(config, &device, true)?;
     let blocks = &workload.teacher.blocks;
-    let specs = &workload.teacher.specs;
-    let scored = score(&workload.evaluation, blocks, blocks, &device, specs, specs)?;
-    Ok((scored.teacher_accuracy, scored.test_samples))
+    // The teacher alone: no student to compare, so no embedding cosine.
+    match &workload.evaluation {
+        Evaluation::Images(test) => Ok((accuracy(blocks, test, &device, EVAL_CHUNK)?, test.len())),
+        Evaluation::Text { probe: None, .. } => Ok((0.0, 0)),
+        Evaluation::Text { embeddings, probe: Some(data), .. } => {
+            Ok((data.score(embeddings, blocks, &device)?, data.test.0.len()))
+        }
+    }
 }
 
 /// What `pipebd kernels` measured: the fused ops against burn's ops.

@@ -15,7 +15,7 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use crate::block::{forward_chain, Activation, Block};
-use crate::data::Dataset;
+use crate::data::{data_error, Dataset};
 use crate::error::{Error, Result};
 
 /// Seed of the fixed shuffles that split the corpora (independent of a run's
@@ -26,10 +26,6 @@ const HELDOUT_EVERY: usize = 10;
 /// Characters of an email body kept before tokenising (the tokens are
 /// truncated anyway; this bounds the tokenizer's work).
 const EMAIL_CHARS: usize = 4000;
-
-fn data_error(path: &Path, message: impl Into<String>) -> Error {
-    Error::Data { path: path.to_path_buf(), message: message.into() }
-}
 
 fn missing_hint(path: &Path) -> Error {
     data_error(path, "not found (run scripts/setup-data.sh, or fix the path in the config)")

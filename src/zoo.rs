@@ -317,7 +317,8 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
         return Ok(());
     }
     let device = Default::default();
-    let (embeddings, layers) = MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device)?.into_parts();
+    let (embeddings, layers) =
+        MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device)?.into_parts();
     let groups = layers_per_block(config);
     // The calibration batch entering each teacher layer.
     let tokenizer = MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;

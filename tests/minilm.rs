@@ -177,8 +177,10 @@ fn every_schedule_trains_the_same_text_students() {
     let specs = pipe_bd::zoo::teacher_specs(&config);
     let students = pipe_bd::zoo::student_specs(&config.students, &specs).unwrap();
     let cost = flops_cost(&specs, &students);
-    let mut plans: Vec<Plan> =
-        ["dp", "ls", "tr", "tr-dpu"].iter().map(|name| Plan::named(name, 6, 2, &cost, &[]).unwrap()).collect();
+    let mut plans: Vec<Plan> = ["dp", "ls", "tr", "tr-dpu"]
+        .iter()
+        .map(|name| Plan::named(name, 6, 2, &cost, &[]).unwrap())
+        .collect();
     // One replicated stage: each replica takes half of every batch, whose
     // sentences have different numbers of real tokens.
     plans.push(Plan::hybrid(&[StageSpec { blocks: (1..=6).collect(), replicas: 2 }], 6, 2).unwrap());

@@ -200,8 +200,11 @@ impl<B: FusedBackend> EncoderLayer<B> {
         let [batch, tokens, _] = x.dims();
         let real = mask.clone().reshape([batch * tokens, 1]);
         let h_teacher = teacher.attention(x.clone(), mask.clone());
-        let ffn_teacher =
-            fused(&teacher.ffn_out, fused(&teacher.ffn_in, h_teacher.clone(), Epilogue::Gelu), Epilogue::Identity);
+        let ffn_teacher = fused(
+            &teacher.ffn_out,
+            fused(&teacher.ffn_in, h_teacher.clone(), Epilogue::Gelu),
+            Epilogue::Identity,
+        );
         let h_student = self.attention(x, mask);
         // Target of the student's feed-forward: teacher's pre-norm sum minus the student's residual.
         let target = (ffn_teacher + h_teacher - h_student.clone()) * real.clone();
@@ -414,7 +417,9 @@ mod tests {
         let mut refit = plain.clone();
         assert!(refit.refit_ffn_out(&teacher, x.clone(), mask.clone(), 1e-6));
         let reference = teacher.forward(x.clone(), mask.clone());
-        let err = |l: &EncoderLayer<Flex>| (l.forward(x.clone(), mask.clone()) - reference.clone()).powf_scalar(2.0).mean().into_scalar();
+        let err = |l: &EncoderLayer<Flex>| {
+            (l.forward(x.clone(), mask.clone()) - reference.clone()).powf_scalar(2.0).mean().into_scalar()
+        };
         assert!(err(&refit) < err(&plain), "refit {} vs plain {}", err(&refit), err(&plain));
         // Keeping every neuron, the refit recovers the teacher exactly.
         let mut full = teacher.pruned(&[0, 1], &(0..24).collect::<Vec<_>>());

@@ -36,7 +36,11 @@ pub fn soft_target_cross_entropy<B: FusedBackend>(
 /// batch is the mean of the losses of its parts, so replicas that each take
 /// a share of the batch and weight their loss by that share add up to
 /// exactly the whole batch's gradient.
-pub fn masked_mse<B: FusedBackend>(student: Tensor<B, 3>, teacher: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 1> {
+pub fn masked_mse<B: FusedBackend>(
+    student: Tensor<B, 3>,
+    teacher: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+) -> Tensor<B, 1> {
     let [_, tokens, _] = student.dims();
     // (s - t)^2 * mask / real == (s * w - t * w)^2 with w = mask / sqrt(real).
     let real = mask.clone().sum_dim(1).clamp_min(1.0);
@@ -72,7 +76,14 @@ mod tests {
         let whole = masked_mse(student.clone(), teacher.clone(), mask.clone()).into_scalar();
         assert!((whole - (4.0 + 5.0) / 2.0).abs() < 1e-5, "{whole}");
         // Halves weighted by their share of the batch add up to the whole.
-        let half = |i| masked_mse(student.clone().narrow(0, i, 1), teacher.clone().narrow(0, i, 1), mask.clone().narrow(0, i, 1)).into_scalar();
+        let half = |i| {
+            masked_mse(
+                student.clone().narrow(0, i, 1),
+                teacher.clone().narrow(0, i, 1),
+                mask.clone().narrow(0, i, 1),
+            )
+            .into_scalar()
+        };
         assert!((0.5 * half(0) + 0.5 * half(1) - whole).abs() < 1e-5);
     }
 }
