@@ -48,6 +48,43 @@ pub struct RunConfig {
     pub train: TrainConfig,
     /// The per-block optimizer (every block gets its own instance).
     pub optimizer: OptimizerConfig,
+    /// Per-block checkpoints (in `<out>/checkpoints`).
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    /// Injected faults, for testing recovery (`[[faults]]`; see also `PIPEBD_FAULTS`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub faults: Vec<crate::fault::Fault>,
+}
+
+/// When each stage writes its blocks' checkpoints (always also at a block's
+/// last step).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Every this many steps of a block (0, the default: not by steps).
+    #[serde(default)]
+    pub every_steps: usize,
+    /// When this many minutes passed since the stage's last checkpoint
+    /// (default 10; 0: not by time).
+    #[serde(default = "default_every_minutes")]
+    pub every_minutes: f64,
+    /// Complete checkpoints kept per block (default 2: the newest and one
+    /// to fall back to if it is damaged).
+    #[serde(default = "default_keep")]
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { every_steps: 0, every_minutes: default_every_minutes(), keep: default_keep() }
+    }
+}
+
+fn default_every_minutes() -> f64 {
+    10.0
+}
+fn default_keep() -> usize {
+    2
 }
 
 fn default_name() -> String {
@@ -67,9 +104,14 @@ pub struct RuntimeConfig {
     /// Batches in flight on each channel between stages (default 2).
     #[serde(default = "default_capacity")]
     pub channel_capacity: usize,
-    /// Seconds a worker may wait for a peer before the run fails (default 120).
+    /// Seconds a worker may go without progress (waits for its peers not
+    /// counted) before it is declared failed (default 120).
     #[serde(default = "default_timeout")]
     pub timeout_seconds: f64,
+    /// Worker failures the run survives by re-routing or re-planning over
+    /// the surviving device slots (default 2); one more stops it cleanly.
+    #[serde(default = "default_max_failures")]
+    pub max_failures: usize,
     /// Intra-op threads per worker; 0 (default) divides the cores evenly.
     #[serde(default)]
     pub threads_per_worker: usize,
@@ -83,6 +125,7 @@ impl Default for RuntimeConfig {
         Self {
             channel_capacity: default_capacity(),
             timeout_seconds: default_timeout(),
+            max_failures: default_max_failures(),
             threads_per_worker: 0,
             memory_per_device: None,
         }
@@ -94,6 +137,9 @@ fn default_capacity() -> usize {
 }
 fn default_timeout() -> f64 {
     120.0
+}
+fn default_max_failures() -> usize {
+    2
 }
 
 /// Which dataset, where.
@@ -430,6 +476,21 @@ impl RunConfig {
         if self.students.is_empty() {
             return fail("", "students", "at least one [[students]] block is required".into());
         }
+        if self.checkpoint.keep == 0 {
+            return fail("checkpoint", "keep", "must be at least 1".into());
+        }
+        if !(self.checkpoint.every_minutes >= 0.0 && self.checkpoint.every_minutes.is_finite()) {
+            return fail(
+                "checkpoint",
+                "every_minutes",
+                format!("must be 0 or a positive number, got {}", self.checkpoint.every_minutes),
+            );
+        }
+        for fault in &self.faults {
+            if let Err(message) = fault.validate() {
+                return fail("faults", "kind", message);
+            }
+        }
         Ok(())
     }
 
@@ -444,6 +505,10 @@ impl RunConfig {
             channel_capacity: self.runtime.channel_capacity,
             timeout: std::time::Duration::from_secs_f64(self.runtime.timeout_seconds),
             threads_per_worker: self.runtime.threads_per_worker,
+            max_failures: self.runtime.max_failures,
+            faults: self.faults.clone(),
+            memory_per_device: self.runtime.memory_per_device,
+            ..Default::default()
         }
     }
 

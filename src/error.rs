@@ -106,6 +106,40 @@ pub enum Error {
     /// A student block could not be built.
     #[error(transparent)]
     Student(#[from] pipebd_students::StudentError),
+    /// A worker panicked (a bug in a block, or a device that failed).
+    #[error("block {block}, step {step}: panicked: {message}")]
+    Panic {
+        /// One-based block number (0 when outside a block).
+        block: usize,
+        /// Step at which it panicked.
+        step: usize,
+        /// The panic message.
+        message: String,
+    },
+    /// A worker made no progress for the configured time (a hung device).
+    #[error("made no progress for {seconds:.1} s at step {step} (hung device?)")]
+    Stalled {
+        /// How long it had been silent.
+        seconds: f64,
+        /// The step it was on.
+        step: usize,
+    },
+    /// A fault injected on purpose (`[[faults]]` or `PIPEBD_FAULTS`).
+    #[error("injected fault `{kind}` at step {step}")]
+    InjectedFault {
+        /// The kind of fault.
+        kind: String,
+        /// The step it fired at.
+        step: usize,
+    },
+    /// A checkpoint is damaged, incomplete, or belongs to another run.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// The file (or folder) at fault.
+        path: PathBuf,
+        /// What does not match, or what is missing.
+        message: String,
+    },
     /// Saving or loading a trained student failed.
     #[error("student record {path}: {message}")]
     Record {
@@ -128,8 +162,25 @@ impl Error {
                 | Error::Device { .. }
                 | Error::Student(_)
                 | Error::Data { .. }
+                | Error::Checkpoint { .. }
                 | Error::Teacher(pipebd_teachers::TeacherError::MissingWeights { .. })
         )
+    }
+
+    /// True when the failure is the kind a device loss produces (a panic, a
+    /// stall, an injected fault, a device error, a peer timeout), so that
+    /// re-planning over the surviving devices can help. A diverging loss or
+    /// a shape error would only repeat and is not.
+    pub fn is_device_failure(&self) -> bool {
+        match self {
+            Error::Worker { source, .. } => source.is_device_failure(),
+            Error::Panic { .. }
+            | Error::Stalled { .. }
+            | Error::InjectedFault { .. }
+            | Error::Device { .. }
+            | Error::Timeout { .. } => true,
+            _ => false,
+        }
     }
 
     pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {

@@ -25,15 +25,18 @@
 
 pub mod bench;
 pub mod block;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod fault;
 pub mod optim;
 pub mod plan;
 pub mod planner;
 pub mod plot;
 pub mod profile;
+pub mod recovery;
 pub mod report;
 pub mod run;
 pub mod runtime;

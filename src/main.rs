@@ -24,9 +24,18 @@ enum Command {
     Run {
         /// The run config, e.g. experiments/mnist-cnn.toml.
         config: PathBuf,
-        /// Folder that receives report.json, metrics.csv and the student weights.
-        #[arg(long, default_value = "runs/latest")]
-        out: PathBuf,
+        /// Folder that receives report.json, metrics.csv, the student weights
+        /// and checkpoints/ (default: the --resume folder, else runs/latest).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Continue the run saved in this folder from the newest complete
+        /// checkpoint of each block (a damaged one falls back to the older).
+        #[arg(long)]
+        resume: Option<PathBuf>,
+        /// Worker failures to survive by re-routing or re-planning (overrides
+        /// `runtime.max_failures`); one more stops the run, checkpoints intact.
+        #[arg(long)]
+        max_failures: Option<usize>,
         /// Override the config's `device` (cpu, cuda[:N], wgpu[:N]).
         #[arg(long)]
         device: Option<String>,
@@ -199,9 +208,41 @@ fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
     Ok(config)
 }
 
+/// Resume and failure lines after a run.
+fn print_resilience(log: &pipe_bd::recovery::ResilienceLog) {
+    for r in &log.resumed {
+        let from = match &r.checkpoint {
+            Some(path) => format!("step {} ({})", r.step, path.display()),
+            None => "scratch (no checkpoint)".into(),
+        };
+        println!("block {} resumed from {from}", r.block);
+        for refused in &r.refused {
+            println!("  refused a newer checkpoint: {refused}");
+        }
+    }
+    for f in &log.failures {
+        println!(
+            "failure: stage {} replica {} (slot {}): {}\n  {}; plan {} -> {}; {} block steps lost, recovered in {:.1}s",
+            f.stage, f.replica, f.slot, f.error, f.action, f.old_plan, f.new_plan, f.steps_lost, f.recovery_seconds
+        );
+    }
+}
+
 fn execute(command: Command) -> Result<(), Error> {
     match command {
-        Command::Run { config, out, device, devices, schedule, trace, epochs, quiet } => {
+        Command::Run {
+            config,
+            out,
+            resume,
+            max_failures,
+            device,
+            devices,
+            schedule,
+            trace,
+            epochs,
+            quiet,
+        } => {
+            let out = out.or_else(|| resume.clone()).unwrap_or_else(|| PathBuf::from("runs/latest"));
             let config = load_config(&config, Overrides { device, devices, schedule, epochs })?;
             let bar = progress_bar(quiet);
             let mut observer = |p: &Progress| {
@@ -225,7 +266,7 @@ fn execute(command: Command) -> Result<(), Error> {
                     ));
                 }
             };
-            let options = pipe_bd::run::RunOptions { trace };
+            let options = pipe_bd::run::RunOptions { trace, resume, max_failures };
             let report = pipe_bd::run::run(&config, &out, &options, &mut observer)?;
             if let Some(bar) = bar {
                 bar.finish_and_clear();
@@ -273,6 +314,7 @@ fn execute(command: Command) -> Result<(), Error> {
                     100.0 * w.busy_fraction
                 );
             }
+            print_resilience(&report.resilience);
             let trace_note = if trace { ", trace.json" } else { "" };
             println!("wrote {}/report.json, metrics.csv, student/{trace_note}", out.display());
             Ok(())

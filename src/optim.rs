@@ -5,6 +5,7 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{Adam, AdamConfig, GradientsParams, MultiGradientsParams, Optimizer, Sgd, SgdConfig};
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder, RecorderError};
 use pipebd_kernels::DistillBackend;
 
 use crate::config::{LrSchedule, OptimizerConfig, OptimizerKind};
@@ -43,6 +44,24 @@ impl<B: DistillBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
             Self::Sgd(o) => o.step(lr, module, grads),
             Self::Adam(o) => o.step(lr, module, grads),
         }
+    }
+
+    /// The optimizer state (moments per parameter id) as bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, RecorderError> {
+        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+        match self {
+            Self::Sgd(o) => Recorder::<B>::record(&recorder, o.to_record(), ()),
+            Self::Adam(o) => Recorder::<B>::record(&recorder, o.to_record(), ()),
+        }
+    }
+
+    /// This optimizer with the state of [`Self::to_bytes`] loaded onto `device`.
+    pub fn with_bytes(self, bytes: Vec<u8>, device: &B::Device) -> Result<Self, RecorderError> {
+        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+        Ok(match self {
+            Self::Sgd(o) => Self::Sgd(o.load_record(Recorder::<B>::load(&recorder, bytes, device)?)),
+            Self::Adam(o) => Self::Adam(o.load_record(Recorder::<B>::load(&recorder, bytes, device)?)),
+        })
     }
 
     /// One update with the sum of several replicas' gradients.

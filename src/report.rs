@@ -80,6 +80,9 @@ pub struct RunReport {
     pub blocks: Vec<BlockReport>,
     /// Busy and idle time of each pipeline worker.
     pub workers: Vec<crate::trace::WorkerSummary>,
+    /// Resume, failures survived and checkpoints written.
+    #[serde(default)]
+    pub resilience: crate::recovery::ResilienceLog,
     /// The configuration, echoed back.
     pub config: RunConfig,
 }

@@ -150,6 +150,51 @@ pub fn plan_from_candidate(candidate: &Candidate, blocks: usize, slots: usize) -
 pub struct RunOptions {
     /// Write `trace.json` (Chrome trace events of every worker).
     pub trace: bool,
+    /// Continue from the newest complete checkpoint of each block in this
+    /// run folder (or checkpoint folder).
+    pub resume: Option<PathBuf>,
+    /// Override `runtime.max_failures`.
+    pub max_failures: Option<usize>,
+}
+
+/// The config fields a checkpoint must match to be resumed from (the
+/// runtime adds each block's shapes, parameters, steps, seed and optimizer).
+pub fn checkpoint_identity(config: &RunConfig) -> std::collections::BTreeMap<String, serde_json::Value> {
+    use serde_json::json;
+    let mut identity = std::collections::BTreeMap::new();
+    identity.insert("data.dataset".into(), json!(config.data.dataset));
+    identity.insert("data.train_limit".into(), json!(config.data.train_limit));
+    identity.insert("data.max_tokens".into(), json!(config.data.is_text().then(|| config.data.max_tokens())));
+    identity.insert("teacher.kind".into(), json!(config.teacher.kind));
+    identity.insert("teacher.layers_per_block".into(), json!(config.teacher.layers_per_block));
+    identity.insert("train.epochs".into(), json!(config.train.epochs));
+    identity
+}
+
+/// The runtime options of a run: the config's, with checkpoints in
+/// `out_dir/checkpoints`, the resume folder, faults from [`crate::fault::ENV`]
+/// and the cost table for re-planning.
+pub fn runtime_options_for(
+    config: &RunConfig,
+    out_dir: &Path,
+    options: &RunOptions,
+    costs: Option<&CostTable>,
+) -> Result<crate::runtime::RuntimeOptions> {
+    let mut runtime = config.runtime_options();
+    runtime.checkpoints = Some(crate::checkpoint::CheckpointPolicy {
+        dir: out_dir.join("checkpoints"),
+        every_steps: config.checkpoint.every_steps,
+        every_seconds: config.checkpoint.every_minutes * 60.0,
+        keep: config.checkpoint.keep,
+        identity: checkpoint_identity(config),
+    });
+    runtime.resume_from = options.resume.clone();
+    runtime.faults.extend(crate::fault::from_env()?);
+    if let Some(max) = options.max_failures {
+        runtime.max_failures = max;
+    }
+    runtime.costs = costs.cloned();
+    Ok(runtime)
 }
 
 /// Runs the job described by `config`, writing `report.json`,
@@ -246,6 +291,7 @@ impl BackendJob for Job<'_> {
         let Workload { teacher, train, evaluation } = load_workload::<B::InnerBackend>(config, device, true)?;
         let students = build_students::<B>(config, &teacher.specs, device)?;
 
+        let runtime = runtime_options_for(config, self.out_dir, self.options, self.costs)?;
         let output = train_plan(
             self.plan,
             &teacher,
@@ -253,7 +299,7 @@ impl BackendJob for Job<'_> {
             train.as_ref(),
             &config.train_settings(),
             devices,
-            &config.runtime_options(),
+            &runtime,
             self.observer,
         )?;
         let students = output.students;
@@ -310,6 +356,7 @@ impl BackendJob for Job<'_> {
                 .map(|p| log.seconds / log.steps.max(1) as f64 / p.max(1e-12)),
             blocks,
             workers: output.workers,
+            resilience: output.resilience,
             config: config.clone(),
         };
         report.write(self.out_dir)?;
@@ -436,6 +483,32 @@ pub fn save_students<B: DistillBackend>(
     Ok(())
 }
 
+/// The student blocks saved in `run_dir` by `pipebd run` with `config`,
+/// and their specs.
+pub fn load_students<B: pipebd_kernels::FusedBackend>(
+    run_dir: &Path,
+    config: &RunConfig,
+    teacher: &[BlockSpec],
+    device: &B::Device,
+) -> Result<(Vec<StudentBlock<B>>, Vec<BlockSpec>)> {
+    let (blocks, specs) = init_student_blocks::<B>(&config.students, teacher, device)?;
+    let mut loaded = Vec::with_capacity(blocks.len());
+    for (k, block) in blocks.into_iter().enumerate() {
+        let path = student_record_path(run_dir, k);
+        if !path.is_file() {
+            return Err(Error::Record {
+                path,
+                message: "missing: was this run folder written by `pipebd run`?".into(),
+            });
+        }
+        let block = block
+            .load_file(path.with_extension(""), &recorder(), device)
+            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+        loaded.push(block);
+    }
+    Ok((loaded, specs))
+}
+
 /// Figures from re-scoring a saved run.
 #[derive(Debug, Clone)]
 pub struct EvalResult {
@@ -459,21 +532,7 @@ pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
     let device = Default::default();
     let workload = load_workload::<B>(config, &device, true)?;
     let teacher = &workload.teacher.specs;
-    let (blocks, student_specs) = init_student_blocks::<B>(&config.students, teacher, &device)?;
-    let mut loaded = Vec::with_capacity(blocks.len());
-    for (k, block) in blocks.into_iter().enumerate() {
-        let path = student_record_path(run_dir, k);
-        if !path.is_file() {
-            return Err(Error::Record {
-                path,
-                message: "missing: was this run folder written by `pipebd run`?".into(),
-            });
-        }
-        let block = block
-            .load_file(path.with_extension(""), &recorder(), &device)
-            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
-        loaded.push(block);
-    }
+    let (loaded, student_specs) = load_students::<B>(run_dir, config, teacher, &device)?;
     let scored =
         score(&workload.evaluation, &workload.teacher.blocks, &loaded, &device, teacher, &student_specs)?;
     Ok(EvalResult {

@@ -28,9 +28,11 @@
 //! gradients) replaces the channels and the leader exchange; the worker
 //! loop stays as it is.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,11 +41,15 @@ use burn::tensor::backend::Backend;
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 use pipebd_kernels::DistillBackend;
 
-use crate::block::{relabel, Activation, Block, StudentModule, Students, Teacher};
+use crate::block::{relabel, Activation, Block, BlockSpec, StudentModule, Students, Teacher};
+use crate::checkpoint::{self, CheckpointPolicy, Refusal, ResumedBlock};
 use crate::config::OptimizerConfig;
 use crate::data::{epoch_order, Dataset};
 use crate::error::{Error, Result};
+use crate::fault::{Fault, FaultKind};
 use crate::plan::{Phase, Plan, Stage};
+use crate::planner::CostTable;
+use crate::recovery::{flops_costs, replan, FailureRecord, Replan, ResilienceLog, RestoredBlock};
 use crate::trace::{summarise, Span, SpanKind, SpanRecorder, WorkerSummary};
 use crate::train::{detached_copy, steps_per_epoch, BlockTrainer, MetricRow, Progress, TrainLog};
 
@@ -55,16 +61,40 @@ const POLL: Duration = Duration::from_millis(20);
 pub struct RuntimeOptions {
     /// Capacity of each activation channel between stages (batches in flight).
     pub channel_capacity: usize,
-    /// Longest a worker waits on a channel or the barrier before failing.
+    /// A worker that makes no progress for this long (not counting waits
+    /// for its peers) has failed; a wait for a peer gives up after twice this.
     pub timeout: Duration,
     /// Intra-op threads per worker; 0 = the machine's cores divided by the
     /// number of workers of the phase (at least 1).
     pub threads_per_worker: usize,
+    /// Worker failures survived by re-routing or re-planning; one more stops
+    /// the run (with its checkpoints intact).
+    pub max_failures: usize,
+    /// Per-block checkpoints (none: no checkpoints).
+    pub checkpoints: Option<CheckpointPolicy>,
+    /// Resume every block from its newest usable checkpoint in this folder.
+    pub resume_from: Option<PathBuf>,
+    /// Injected faults (tests).
+    pub faults: Vec<Fault>,
+    /// Costs for re-planning after a lost stage (none: from FLOPs).
+    pub costs: Option<CostTable>,
+    /// Memory per device slot for re-planning.
+    pub memory_per_device: Option<u64>,
 }
 
 impl Default for RuntimeOptions {
     fn default() -> Self {
-        Self { channel_capacity: 2, timeout: Duration::from_secs(120), threads_per_worker: 0 }
+        Self {
+            channel_capacity: 2,
+            timeout: Duration::from_secs(120),
+            threads_per_worker: 0,
+            max_failures: 0,
+            checkpoints: None,
+            resume_from: None,
+            faults: Vec::new(),
+            costs: None,
+            memory_per_device: None,
+        }
     }
 }
 
@@ -112,6 +142,8 @@ pub struct PlanOutput<B: DistillBackend, S: StudentModule<B>> {
     pub spans: Vec<Span>,
     /// Busy / idle summary per worker.
     pub workers: Vec<WorkerSummary>,
+    /// Resume, failures survived, checkpoints written.
+    pub resilience: ResilienceLog,
 }
 
 /// Trains `students` against `teacher` on `data` under `plan`, with device
@@ -164,6 +196,13 @@ where
     }
     let total_steps = per_epoch * settings.epochs;
     let Students { blocks: modules, specs, .. } = students;
+    let identities: Vec<BTreeMap<String, serde_json::Value>> =
+        specs.iter().map(|spec| block_identity(options, settings, spec, total_steps)).collect();
+    // Fresh copies, for blocks lost before their first checkpoint.
+    let initial: Vec<S> = modules.iter().map(detached_copy).collect();
+    let fresh = |k: usize| {
+        BlockTrainer::new(k, specs[k].clone(), detached_copy(&initial[k]), &settings.optimizer, total_steps)
+    };
     let mut trainers: Vec<Option<BlockTrainer<B, S>>> = modules
         .into_iter()
         .zip(specs.iter().cloned())
@@ -171,15 +210,38 @@ where
         .map(|(k, (m, spec))| Some(BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps)))
         .collect();
 
+    let mut resilience = ResilienceLog::default();
+    if let Some(dir) = &options.resume_from {
+        let dir = checkpoint::resolve_dir(dir);
+        let any = (1..=blocks).any(|b| !checkpoint::list(&dir, b).is_empty());
+        if !any {
+            return Err(Error::Checkpoint {
+                path: dir,
+                message: "no checkpoints to resume from (expected block-NN/step-NNNNNNNN folders)".into(),
+            });
+        }
+        for k in 0..blocks {
+            let trainer = trainers[k].as_mut().ok_or_else(|| plan_error("block missing".into()))?;
+            let resumed = restore_newest(trainer, &dir, &identities[k], &devices[0], true)?;
+            resilience.resumed.push(resumed);
+        }
+    }
+
     let origin = Instant::now();
     let mut log = TrainLog::default();
     let mut spans = Vec::new();
     let mut workers = Vec::new();
-    for (phase_index, phase) in plan.phases.iter().enumerate() {
+    let mut plan = plan.clone();
+    let mut lost_slots: Vec<usize> = Vec::new();
+    let mut awaiting_recovery: Option<Instant> = None;
+    let mut phase_index = 0;
+    while phase_index < plan.phases.len() {
+        let description = plan.describe();
         let context = PhaseContext {
-            phase,
+            phase: &plan.phases[phase_index],
             phase_index,
             phases: plan.phases.len(),
+            plan_description: &description,
             teacher,
             data,
             settings,
@@ -189,13 +251,89 @@ where
             total_steps,
             origin,
             first_worker: workers.len(),
+            identities: &identities,
         };
         let outcome = run_phase(&context, &mut trainers, observer)?;
         log.rows.extend(outcome.rows);
         spans.extend(outcome.spans);
         workers.extend(outcome.workers);
+        resilience.checkpoints_written += outcome.checkpoints_written;
+        if let (Some(detected), Some(first_step)) = (awaiting_recovery, outcome.first_step_at) {
+            if let Some(last) = resilience.failures.last_mut() {
+                last.recovery_seconds = first_step.saturating_duration_since(detected).as_secs_f64();
+            }
+            awaiting_recovery = None;
+        }
+        let Some(failure) = outcome.failure else {
+            phase_index += 1;
+            continue;
+        };
+        let Error::Worker { stage, replica, slot, .. } = &failure.error else {
+            return Err(failure.error);
+        };
+        let (stage, replica, slot) = (*stage, *replica, *slot);
+        if !failure.error.is_device_failure() || resilience.failures.len() >= options.max_failures {
+            return Err(failure.error);
+        }
+        lost_slots.push(slot);
+        let survivors: Vec<usize> = (0..plan.slots()).filter(|s| !lost_slots.contains(s)).collect();
+        let costs = options.costs.clone().unwrap_or_else(|| {
+            let flops = |s: &BlockSpec| s.flops as f64;
+            let teacher_flops: Vec<f64> = teacher.specs.iter().map(flops).collect();
+            let student_flops: Vec<f64> = specs.iter().map(flops).collect();
+            flops_costs(&teacher_flops, &student_flops, survivors.len().max(1))
+        });
+        let (new_plan, action) =
+            match replan(&plan, phase_index, slot, &survivors, &costs, options.memory_per_device) {
+                Ok(Replan::Reroute(p)) => {
+                    (p, "re-routed its share of each batch to the other replicas".to_string())
+                }
+                Ok(Replan::Replanned(p)) => {
+                    (p, format!("re-planned the blocks over the surviving slots {survivors:?}"))
+                }
+                Err(why) => {
+                    return Err(Error::Plan {
+                        plan: plan.name.clone(),
+                        message: format!(
+                            "cannot continue after losing device slot {slot}: {why}; {}",
+                            failure.error
+                        ),
+                    })
+                }
+            };
+        let mut restored = Vec::new();
+        for k in failure.lost_blocks {
+            let lost_at = failure.block_steps.get(&k).copied().unwrap_or(0);
+            let mut trainer = fresh(k);
+            let resumed_at = match &options.checkpoints {
+                Some(policy) => {
+                    restore_newest(&mut trainer, &policy.dir, &identities[k], &devices[0], false)?.step
+                }
+                None => 0,
+            };
+            trainers[k] = Some(trainer);
+            restored.push(RestoredBlock { block: k + 1, lost_at, resumed_at });
+        }
+        restored.sort_by_key(|r| r.block);
+        resilience.failures.push(FailureRecord {
+            stage,
+            replica,
+            slot,
+            error: failure.error.to_string(),
+            action,
+            old_plan: description,
+            new_plan: new_plan.describe(),
+            steps_lost: restored.iter().map(|r| r.lost_at.saturating_sub(r.resumed_at)).sum(),
+            restored,
+            recovery_seconds: 0.0,
+        });
+        awaiting_recovery = Some(failure.detected_at);
+        plan = new_plan;
     }
+    resilience.final_plan = plan.describe();
+    // Steps redone after a failure or resume log twice; keep the last row.
     log.rows.sort_by_key(|r| (r.step, r.block));
+    log.rows.dedup_by_key(|r| (r.step, r.block));
     log.seconds = origin.elapsed().as_secs_f64();
     log.steps = total_steps;
     log.samples = total_steps * batch;
@@ -210,7 +348,67 @@ where
             message: "module missing after training".into(),
         })?);
     }
-    Ok(PlanOutput { students: Students::new(trained, specs.clone(), &specs)?, log, spans, workers })
+    Ok(PlanOutput {
+        students: Students::new(trained, specs.clone(), &specs)?,
+        log,
+        spans,
+        workers,
+        resilience,
+    })
+}
+
+/// What a block checkpoint must match besides the run's own fields.
+fn block_identity(
+    options: &RuntimeOptions,
+    settings: &TrainSettings,
+    spec: &BlockSpec,
+    total_steps: usize,
+) -> BTreeMap<String, serde_json::Value> {
+    use serde_json::json;
+    let mut identity = options.checkpoints.as_ref().map(|p| p.identity.clone()).unwrap_or_default();
+    identity.insert("block.name".into(), json!(spec.name));
+    identity.insert("block.input_shape".into(), json!(spec.input_shape));
+    identity.insert("block.output_shape".into(), json!(spec.output_shape));
+    identity.insert("block.params".into(), json!(spec.params));
+    identity.insert("train.total_steps".into(), json!(total_steps));
+    identity.insert("train.batch_size".into(), json!(settings.batch_size));
+    identity.insert("seed".into(), json!(settings.seed));
+    identity.insert("optimizer".into(), serde_json::to_value(&settings.optimizer).unwrap_or_default());
+    identity
+}
+
+/// Loads the newest usable checkpoint of `trainer`'s block from `dir`,
+/// falling back past damaged ones. A checkpoint of another run is an error.
+/// With `required`, a block whose checkpoints are all damaged is an error;
+/// a block with none starts from scratch either way.
+fn restore_newest<B: DistillBackend, S: StudentModule<B>>(
+    trainer: &mut BlockTrainer<B, S>,
+    dir: &std::path::Path,
+    identity: &BTreeMap<String, serde_json::Value>,
+    device: &B::Device,
+    required: bool,
+) -> Result<ResumedBlock> {
+    let block = trainer.index + 1;
+    let mut refused = Vec::new();
+    for (_, folder) in checkpoint::list(dir, block) {
+        match checkpoint::read(&folder, identity) {
+            Ok((_, state)) => match trainer.load_state(state, device) {
+                Ok(()) => {
+                    return Ok(ResumedBlock { block, step: trainer.step, checkpoint: Some(folder), refused })
+                }
+                Err(why) => refused.push(format!("{}: {why}", folder.display())),
+            },
+            Err(Refusal::Damaged(e)) => refused.push(e.to_string()),
+            Err(Refusal::Mismatch(e)) => return Err(e),
+        }
+    }
+    if required && !refused.is_empty() {
+        return Err(Error::Checkpoint {
+            path: checkpoint::block_dir(dir, block),
+            message: format!("no usable checkpoint of block {block}: {}", refused.join("; ")),
+        });
+    }
+    Ok(ResumedBlock { block, step: 0, checkpoint: None, refused })
 }
 
 struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>> {
@@ -226,18 +424,35 @@ struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>> {
     first_worker: usize,
     phase_index: usize,
     phases: usize,
+    plan_description: &'a str,
+    identities: &'a [BTreeMap<String, serde_json::Value>],
 }
 
 struct PhaseOutcome {
     rows: Vec<MetricRow>,
     spans: Vec<Span>,
     workers: Vec<WorkerSummary>,
+    checkpoints_written: usize,
+    /// When the first step of the phase completed.
+    first_step_at: Option<Instant>,
+    /// The worker failure that ended the phase early.
+    failure: Option<PhaseFailure>,
+}
+
+/// A phase ended by a failed worker; the surviving trainers are back in place.
+struct PhaseFailure {
+    error: Error,
+    detected_at: Instant,
+    /// Blocks whose state was on the failed worker (zero-based).
+    lost_blocks: Vec<usize>,
+    /// Steps completed per block, as last reported (zero-based block -> steps).
+    block_steps: BTreeMap<usize, usize>,
 }
 
 /// The first error of a phase, and the flag every wait polls.
 struct Stop {
     raised: AtomicBool,
-    first: Mutex<Option<Error>>,
+    first: Mutex<Option<(Error, Instant)>>,
 }
 
 impl Stop {
@@ -247,15 +462,62 @@ impl Stop {
     fn raise(&self, error: Error) {
         let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
         if first.is_none() {
-            *first = Some(error);
+            *first = Some((error, Instant::now()));
         }
         self.raised.store(true, Ordering::SeqCst);
     }
     fn is_raised(&self) -> bool {
         self.raised.load(Ordering::SeqCst)
     }
-    fn take(&self) -> Option<Error> {
+    fn take(&self) -> Option<(Error, Instant)> {
         self.first.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// A worker's sign of life, read by the phase's watchdog: when it last
+/// moved, and whether it is waiting for a peer (which is not its fault).
+struct Heartbeat {
+    origin: Instant,
+    last_ms: AtomicU64,
+    waiting: AtomicUsize,
+    finished: AtomicBool,
+    step: AtomicUsize,
+}
+
+impl Heartbeat {
+    fn new(origin: Instant) -> Self {
+        Self {
+            origin,
+            last_ms: AtomicU64::new(origin.elapsed().as_millis() as u64),
+            waiting: AtomicUsize::new(0),
+            finished: AtomicBool::new(false),
+            step: AtomicUsize::new(0),
+        }
+    }
+    fn beat(&self) {
+        self.last_ms.store(self.origin.elapsed().as_millis() as u64, Ordering::SeqCst);
+    }
+    /// Marks a wait for a peer until the guard is dropped.
+    fn waiting(&self) -> WaitGuard<'_> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        WaitGuard(self)
+    }
+    /// Seconds since the last beat, if the worker is working (not waiting, not done).
+    fn silent_for(&self) -> Option<f64> {
+        if self.finished.load(Ordering::SeqCst) || self.waiting.load(Ordering::SeqCst) > 0 {
+            return None;
+        }
+        let now = self.origin.elapsed().as_millis() as u64;
+        Some(now.saturating_sub(self.last_ms.load(Ordering::SeqCst)) as f64 / 1e3)
+    }
+}
+
+struct WaitGuard<'a>(&'a Heartbeat);
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        self.0.beat();
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -533,71 +795,133 @@ where
     T: Block<B::InnerBackend> + Sync,
     S: StudentModule<B>,
 {
+    // Blocks ahead of the others (resumed from a newer checkpoint, or kept
+    // through a failure) skip their student work until the rest catch up.
+    let phase_blocks_iter = || context.phase.stages.iter().flat_map(|s| s.blocks.clone());
+    let mut block_steps: BTreeMap<usize, usize> = BTreeMap::new();
+    for k in phase_blocks_iter() {
+        if let Some(t) = trainers.get(k).and_then(|t| t.as_ref()) {
+            block_steps.insert(k, t.step);
+        }
+    }
+    let start_step = block_steps.values().copied().min().unwrap_or(0).min(context.total_steps);
     let workers = build_workers(context, trainers)?;
     let count = workers.len();
+    let who: Vec<(usize, usize, usize)> = workers.iter().map(|w| (w.stage, w.replica, w.slot)).collect();
+    let heartbeats: Vec<Heartbeat> = (0..count).map(|_| Heartbeat::new(Instant::now())).collect();
     let stop = Stop::new();
     let barrier = context.phase.barrier.then(|| StepBarrier::new(count));
     let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
     let stages = context.phase.stages.len();
     let phase_blocks: usize = context.phase.stages.iter().map(|s| s.blocks.len()).sum();
     let threads = threads_per_worker(context.options.threads_per_worker, count);
+    let stall_limit = context.options.timeout.as_secs_f64();
+    let mut first_step_at = None;
 
     let results: Vec<std::thread::Result<WorkerResult<B, S>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = workers
             .into_iter()
-            .map(|worker| {
+            .zip(&heartbeats)
+            .map(|(worker, beat)| {
                 let progress_tx = progress_tx.clone();
                 let stop = &stop;
                 let barrier = barrier.as_ref();
+                let run = move || run_worker(context, worker, stop, barrier, &progress_tx, beat, start_step);
                 scope.spawn(move || {
                     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
                     match pool {
-                        Ok(pool) => pool.install(|| run_worker(context, worker, stop, barrier, &progress_tx)),
-                        Err(_) => run_worker(context, worker, stop, barrier, &progress_tx),
+                        Ok(pool) => pool.install(run),
+                        Err(_) => run(),
                     }
                 })
             })
             .collect();
         drop(progress_tx);
-        // Forward progress to the observer until every worker has hung up.
-        let mut stage_step = vec![0usize; stages];
+        // Forward progress to the observer until every worker has hung up,
+        // and watch for workers that stopped moving.
+        let mut stage_step = vec![start_step; stages];
         let mut losses = vec![f32::NAN; phase_blocks];
         let first_block = context.phase.stages.first().map_or(0, |s| s.blocks.start);
-        let mut reported = 0usize;
-        while let Ok(msg) = progress_rx.recv() {
-            stage_step[msg.stage] = stage_step[msg.stage].max(msg.step + 1);
-            for (block, loss) in msg.losses {
-                if let Some(slot) = losses.get_mut(block.saturating_sub(first_block)) {
-                    *slot = loss;
+        let mut reported = start_step;
+        loop {
+            match progress_rx.recv_timeout(POLL * 5) {
+                Ok(msg) => {
+                    first_step_at.get_or_insert_with(Instant::now);
+                    stage_step[msg.stage] = stage_step[msg.stage].max(msg.step + 1);
+                    for (block, loss) in msg.losses {
+                        block_steps.insert(block, msg.step + 1);
+                        if let Some(slot) = losses.get_mut(block.saturating_sub(first_block)) {
+                            *slot = loss;
+                        }
+                    }
+                    let done = stage_step.iter().copied().min().unwrap_or(0);
+                    while reported < done {
+                        observer(&Progress {
+                            phase: context.phase_index,
+                            phases: context.phases,
+                            epoch: reported / context.per_epoch,
+                            epochs: context.settings.epochs,
+                            step_in_epoch: reported % context.per_epoch,
+                            steps_per_epoch: context.per_epoch,
+                            losses: losses.clone(),
+                        });
+                        reported += 1;
+                    }
                 }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
             }
-            let done = stage_step.iter().copied().min().unwrap_or(0);
-            while reported < done {
-                observer(&Progress {
-                    phase: context.phase_index,
-                    phases: context.phases,
-                    epoch: reported / context.per_epoch,
-                    epochs: context.settings.epochs,
-                    step_in_epoch: reported % context.per_epoch,
-                    steps_per_epoch: context.per_epoch,
-                    losses: losses.clone(),
+            if stop.is_raised() {
+                continue;
+            }
+            let stalled = heartbeats
+                .iter()
+                .enumerate()
+                .find_map(|(i, beat)| beat.silent_for().filter(|&s| s > stall_limit).map(|s| (i, s)));
+            if let Some((i, seconds)) = stalled {
+                let (stage, replica, slot) = who[i];
+                let step = heartbeats[i].step.load(Ordering::SeqCst);
+                stop.raise(Error::Worker {
+                    stage: stage + 1,
+                    replica,
+                    slot,
+                    source: Box::new(Error::Stalled { seconds, step }),
                 });
-                reported += 1;
             }
         }
         handles.into_iter().map(|h| h.join()).collect()
     });
 
-    if let Some(error) = stop.take() {
-        return Err(error);
-    }
-    let mut outcome = PhaseOutcome { rows: Vec::new(), spans: Vec::new(), workers: Vec::new() };
-    for result in results {
+    let mut outcome = PhaseOutcome {
+        rows: Vec::new(),
+        spans: Vec::new(),
+        workers: Vec::new(),
+        checkpoints_written: 0,
+        first_step_at,
+        failure: None,
+    };
+    // The worker named by the first error is the failed one (its device is
+    // gone with the state on it), whether it reported the error itself or
+    // the watchdog found it silent.
+    let first = stop.take();
+    let failed_worker = match &first {
+        Some((Error::Worker { stage, replica, .. }, _)) => {
+            who.iter().position(|&(s, r, _)| s + 1 == *stage && r == *replica)
+        }
+        _ => None,
+    };
+    let mut lost_blocks = Vec::new();
+    for (i, result) in results.into_iter().enumerate() {
         let result = result.map_err(|_| Error::Timeout { message: "a worker thread died".into() })?;
-        for (k, trainer) in result.trainers {
-            trainers[k] = Some(trainer);
+        if failed_worker == Some(i) {
+            lost_blocks.extend(result.trainers.iter().map(|(k, _)| *k));
+        } else {
+            for (k, trainer) in result.trainers {
+                trainers[k] = Some(trainer);
+            }
         }
         outcome.rows.extend(result.rows);
+        outcome.checkpoints_written += result.checkpoints_written;
         outcome.workers.push(summarise(
             result.id,
             result.role,
@@ -607,6 +931,9 @@ where
         ));
         outcome.spans.extend(result.spans);
     }
+    if let Some((error, detected_at)) = first {
+        outcome.failure = Some(PhaseFailure { error, detected_at, lost_blocks, block_steps });
+    }
     Ok(outcome)
 }
 
@@ -614,10 +941,12 @@ struct WorkerResult<B: DistillBackend, S: StudentModule<B>> {
     id: usize,
     role: String,
     slot: usize,
+    /// The leader's trainers (a failed worker's are lost with its device).
     trainers: Vec<(usize, BlockTrainer<B, S>)>,
     rows: Vec<MetricRow>,
     spans: Vec<Span>,
     wall_seconds: f64,
+    checkpoints_written: usize,
 }
 
 /// Runs one worker to completion; any failure or panic raises the stop
@@ -628,6 +957,8 @@ fn run_worker<B, T, S>(
     stop: &Stop,
     barrier: Option<&StepBarrier>,
     progress: &Sender<ProgressMsg>,
+    beat: &Heartbeat,
+    start_step: usize,
 ) -> WorkerResult<B, S>
 where
     B: DistillBackend,
@@ -638,20 +969,25 @@ where
     let mut recorder = SpanRecorder::new(worker.id, context.origin);
     let mut rows = Vec::new();
     let mut position = Position::default();
+    let mut checkpoints_written = 0;
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        worker_loop(context, &mut worker, stop, barrier, progress, &mut recorder, &mut rows, &mut position)
+        let mut state = LoopState {
+            recorder: &mut recorder,
+            rows: &mut rows,
+            position: &mut position,
+            beat,
+            checkpoints_written: &mut checkpoints_written,
+        };
+        worker_loop(context, &mut worker, stop, barrier, progress, &mut state, start_step)
     }));
+    beat.finished.store(true, Ordering::SeqCst);
     let failure = match outcome {
         Ok(Ok(())) => None,
         Ok(Err(Halt::Stopped)) => None,
         Ok(Err(Halt::Failed(error))) => Some(error),
         Err(panic) => {
             let message = crate::error::panic_message(panic.as_ref());
-            Some(Error::Training {
-                block: position.block.unwrap_or(0),
-                step: position.step,
-                message: format!("panicked: {message}"),
-            })
+            Some(Error::Panic { block: position.block.unwrap_or(0), step: position.step, message })
         }
     };
     if let Some(error) = failure {
@@ -675,6 +1011,7 @@ where
         rows,
         spans: recorder.spans,
         wall_seconds: start.elapsed().as_secs_f64(),
+        checkpoints_written,
     }
 }
 
@@ -685,6 +1022,15 @@ struct Position {
     step: usize,
 }
 
+/// What a worker loop writes into besides its worker.
+struct LoopState<'a> {
+    recorder: &'a mut SpanRecorder,
+    rows: &'a mut Vec<MetricRow>,
+    position: &'a mut Position,
+    beat: &'a Heartbeat,
+    checkpoints_written: &'a mut usize,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn worker_loop<B, T, S>(
     context: &PhaseContext<'_, B, T>,
@@ -692,9 +1038,8 @@ fn worker_loop<B, T, S>(
     stop: &Stop,
     barrier: Option<&StepBarrier>,
     progress: &Sender<ProgressMsg>,
-    recorder: &mut SpanRecorder,
-    rows: &mut Vec<MetricRow>,
-    position: &mut Position,
+    state: &mut LoopState<'_>,
+    start_step: usize,
 ) -> Flow<()>
 where
     B: DistillBackend,
@@ -704,7 +1049,9 @@ where
     let device = &context.devices[worker.slot];
     let settings = context.settings;
     let batch = settings.batch_size;
-    let timeout = context.options.timeout;
+    // The watchdog declares a silent worker failed after `timeout`; a wait
+    // for a peer is only the backstop behind it.
+    let timeout = context.options.timeout * 2;
     let stage = worker.stage_spec.clone();
     let teacher_start = stage.teacher_start();
     let teacher_blocks: Vec<T> = context.teacher.blocks[teacher_start..stage.blocks.end]
@@ -720,15 +1067,23 @@ where
     let name = worker.name();
     let mut order: Vec<usize> = Vec::new();
     let mut order_epoch = usize::MAX;
+    let mut last_checkpoint = Instant::now();
+    let beat = state.beat;
 
-    for step in 0..context.total_steps {
-        position.step = step;
-        position.block = None;
+    for step in start_step..context.total_steps {
+        state.position.step = step;
+        state.position.block = None;
+        beat.step.store(step, Ordering::SeqCst);
+        beat.beat();
         if stop.is_raised() {
             return Err(Halt::Stopped);
         }
+        inject_fault(context, worker.slot, step, stop)?;
         let epoch = step / context.per_epoch;
         let in_epoch = step % context.per_epoch;
+        // A block ahead of this step (resumed from a newer checkpoint) only relays.
+        let active: Vec<bool> = worker.trainers.iter().map(|t| t.step == step).collect();
+        let any_active = active.iter().any(|&a| a);
 
         // 1. Input: data or the previous stage's activation.
         let mut x = if stage.loads_data {
@@ -738,11 +1093,12 @@ where
             }
             let base = in_epoch * batch;
             let indices = &order[base + worker.share.start..base + worker.share.end];
-            recorder.time(SpanKind::DataLoad, None, || context.data.batch(indices, device))
+            state.recorder.time(SpanKind::DataLoad, None, || context.data.batch(indices, device))
         } else {
             let started = Instant::now();
             let mut parts = Vec::with_capacity(worker.inbound.len());
             for inbound in &worker.inbound {
+                let _waiting = beat.waiting();
                 let msg = receive(&inbound.rx, stop, timeout, || {
                     format!(
                         "{name} timed out waiting for the activation of step {step} from {}",
@@ -759,53 +1115,69 @@ where
                 }
                 parts.push(msg.activation.to_device(device));
             }
-            recorder.record(SpanKind::RecvWait, None, started);
+            state.recorder.record(SpanKind::RecvWait, None, started);
             Activation::cat_batch(parts).ok_or_else(|| Error::Block {
                 block: stage.blocks.start + 1,
                 message: "received activations of different kinds".into(),
             })?
         };
+        beat.beat();
 
         // 2. Teacher blocks; keep (input, output) of the blocks trained here.
         let mut pairs = Vec::with_capacity(stage.blocks.len());
         for (offset, block) in teacher_blocks.iter().enumerate() {
             let k = teacher_start + offset;
-            position.block = Some(k + 1);
-            let y = recorder.time(SpanKind::TeacherForward, Some(k + 1), || block.forward(x.clone()));
+            state.position.block = Some(k + 1);
+            let y = state.recorder.time(SpanKind::TeacherForward, Some(k + 1), || block.forward(x.clone()));
             let y = y.map_err(|e| relabel(e, k + 1))?;
-            if k >= stage.blocks.start {
+            if k >= stage.blocks.start && active[k - stage.blocks.start] {
                 pairs.push((x, y.clone()));
             }
             x = y;
+            beat.beat();
         }
 
         // 3. Relay the boundary activation at once.
         for out in &worker.outbound {
             let started = Instant::now();
             let msg = ActivationMsg { step, activation: x.clone().narrow_batch(out.start, out.len) };
+            let _waiting = beat.waiting();
             send(&out.tx, msg, stop, timeout, || format!("{name} could not hand step {step} to {}", out.to))?;
-            recorder.record(SpanKind::SendWait, None, started);
+            state.recorder.record(SpanKind::SendWait, None, started);
         }
         drop(x);
 
         // 4. Students: forward + backward per block.
         let mut grads = Vec::with_capacity(pairs.len());
         let mut weighted_losses = Vec::with_capacity(pairs.len());
-        for (trainer, (input, target)) in worker.trainers.iter().zip(pairs) {
-            position.block = Some(trainer.index + 1);
+        let active_trainers = worker.trainers.iter().zip(&active).filter(|(_, &a)| a).map(|(t, _)| t);
+        for (trainer, (input, target)) in active_trainers.zip(pairs) {
+            state.position.block = Some(trainer.index + 1);
             let block = Some(trainer.index + 1);
-            let (loss, g) = recorder.time(SpanKind::StudentForwardBackward, block, || {
+            let (loss, g) = state.recorder.time(SpanKind::StudentForwardBackward, block, || {
                 trainer.compute_grads(input, target, weight)
             })?;
             grads.push(g);
             weighted_losses.push(loss * weight);
+            beat.beat();
         }
-        position.block = None;
+        state.position.block = None;
 
         // 5. Gradient exchange, barrier, optimizer step.
+        if !any_active {
+            if let Some(barrier) = barrier {
+                let _waiting = beat.waiting();
+                barrier.wait(stop, timeout, &name)?;
+            }
+            if worker.is_leader() {
+                let _ = progress.send(ProgressMsg { stage: worker.stage, step, losses: Vec::new() });
+            }
+            continue;
+        }
         match &worker.role {
             Role::Follower { to_leader, from_leader } => {
                 let started = Instant::now();
+                let _waiting = beat.waiting();
                 send(to_leader, GradientMsg { step, grads, weighted_losses }, stop, timeout, || {
                     format!("{name} could not hand its gradients of step {step} to replica 0")
                 })?;
@@ -815,9 +1187,10 @@ where
                 let msg = receive(from_leader, stop, timeout, || {
                     format!("{name} timed out waiting for replica 0's update of step {step}")
                 })?;
-                recorder.record(SpanKind::GradientAverage, None, started);
+                state.recorder.record(SpanKind::GradientAverage, None, started);
                 debug_assert_eq!(msg.step, step);
-                for (trainer, module) in worker.trainers.iter_mut().zip(msg.modules) {
+                let active_trainers = worker.trainers.iter_mut().zip(&active).filter(|(_, &a)| a);
+                for ((trainer, _), module) in active_trainers.zip(msg.modules) {
                     trainer.replace_module(module.fork(device));
                     trainer.advance(f32::NAN);
                 }
@@ -827,6 +1200,7 @@ where
                 let mut losses = weighted_losses;
                 if let Role::Leader { from_followers, .. } = &worker.role {
                     let started = Instant::now();
+                    let _waiting = beat.waiting();
                     for (i, rx) in from_followers.iter().enumerate() {
                         let msg = receive(rx, stop, timeout, || {
                             format!(
@@ -840,42 +1214,137 @@ where
                             *total += l;
                         }
                     }
-                    recorder.record(SpanKind::GradientAverage, None, started);
+                    state.recorder.record(SpanKind::GradientAverage, None, started);
                 }
                 if let Some(barrier) = barrier {
                     let started = Instant::now();
+                    let _waiting = beat.waiting();
                     barrier.wait(stop, timeout, &name)?;
-                    recorder.record(SpanKind::BarrierWait, None, started);
+                    state.recorder.record(SpanKind::BarrierWait, None, started);
                 }
                 let log_this = step % settings.log_every == 0 || step + 1 == context.total_steps;
                 let mut report = Vec::with_capacity(worker.trainers.len());
-                for (trainer, &loss) in worker.trainers.iter_mut().zip(&losses) {
-                    position.block = Some(trainer.index + 1);
+                let active_trainers = worker.trainers.iter_mut().zip(&active).filter(|(_, &a)| a);
+                for ((trainer, _), &loss) in active_trainers.zip(&losses) {
+                    state.position.block = Some(trainer.index + 1);
                     let block_grads: Vec<GradientsParams> =
                         per_replica.iter_mut().map(|g| g.next().unwrap_or_default()).collect();
                     let lr = trainer.current_lr();
-                    recorder.time(SpanKind::OptimizerStep, Some(trainer.index + 1), || {
+                    state.recorder.time(SpanKind::OptimizerStep, Some(trainer.index + 1), || {
                         trainer.apply(block_grads, &[loss])
                     })?;
                     if log_this {
-                        rows.push(MetricRow { epoch, step, block: trainer.index + 1, loss, lr });
+                        state.rows.push(MetricRow { epoch, step, block: trainer.index + 1, loss, lr });
                     }
                     report.push((trainer.index, loss));
                 }
+                beat.beat();
                 if let Role::Leader { to_followers, .. } = &worker.role {
                     let started = Instant::now();
+                    let _waiting = beat.waiting();
                     for (i, tx) in to_followers.iter().enumerate() {
-                        let modules: Vec<S> =
-                            worker.trainers.iter().filter_map(|t| t.module().map(detached_copy)).collect();
+                        let modules: Vec<S> = worker
+                            .trainers
+                            .iter()
+                            .zip(&active)
+                            .filter(|(_, &a)| a)
+                            .filter_map(|(t, _)| t.module().map(detached_copy))
+                            .collect();
                         send(tx, ModuleMsg { step, modules }, stop, timeout, || {
                             format!("{name} could not hand the update of step {step} to replica {}", i + 1)
                         })?;
                     }
-                    recorder.record(SpanKind::GradientAverage, None, started);
+                    state.recorder.record(SpanKind::GradientAverage, None, started);
                 }
+                write_checkpoints(context, worker, &active, &mut last_checkpoint, state, stop)?;
                 let _ = progress.send(ProgressMsg { stage: worker.stage, step, losses: report });
             }
         }
+    }
+    Ok(())
+}
+
+/// Fires an injected fault for the worker on `slot` at `step`, if any.
+fn inject_fault<B: DistillBackend, T: Block<B::InnerBackend>>(
+    context: &PhaseContext<'_, B, T>,
+    slot: usize,
+    step: usize,
+    stop: &Stop,
+) -> Flow<()> {
+    let Some(fault) = context.options.faults.iter().find(|f| f.hits_worker(slot, step)) else {
+        return Ok(());
+    };
+    match fault.kind {
+        FaultKind::Error => Err(Halt::Failed(Error::InjectedFault { kind: "error".into(), step })),
+        FaultKind::Panic => panic!("injected fault `panic` at step {step}"),
+        FaultKind::Hang => loop {
+            // Silent until the watchdog gives up on this worker.
+            std::thread::sleep(POLL);
+            if stop.is_raised() {
+                return Err(Halt::Stopped);
+            }
+        },
+        FaultKind::StallCheckpoint => Ok(()),
+    }
+}
+
+/// The leader's checkpoints after a step: every `every_steps` steps of a
+/// block, when `every_seconds` have passed, and at the block's last step.
+fn write_checkpoints<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    worker: &Worker<B, S>,
+    active: &[bool],
+    last_checkpoint: &mut Instant,
+    state: &mut LoopState<'_>,
+    stop: &Stop,
+) -> Flow<()>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let Some(policy) = &context.options.checkpoints else {
+        return Ok(());
+    };
+    let timed = policy.every_seconds > 0.0 && last_checkpoint.elapsed().as_secs_f64() >= policy.every_seconds;
+    let mut wrote = false;
+    for (trainer, _) in worker.trainers.iter().zip(active).filter(|(_, &a)| a) {
+        let step = trainer.step;
+        let by_steps = policy.every_steps > 0 && step % policy.every_steps == 0;
+        if !(timed || by_steps || step == context.total_steps) {
+            continue;
+        }
+        let block = trainer.index + 1;
+        state.position.block = Some(block);
+        let started = Instant::now();
+        let saved = trainer.save_state()?;
+        let stall = |tmp: &std::path::Path| {
+            eprintln!(
+                "pipebd: fault: checkpoint write stalled (block {block}, step {step}, {})",
+                tmp.display()
+            );
+            let until = Instant::now() + Duration::from_secs(3600);
+            while Instant::now() < until && !stop.is_raised() {
+                std::thread::sleep(POLL);
+            }
+        };
+        let pause = context.options.faults.iter().any(|f| f.hits_checkpoint(block, step));
+        let identity = context.identities[trainer.index].clone();
+        checkpoint::write(
+            policy,
+            block,
+            &saved,
+            context.plan_description,
+            identity,
+            if pause { Some(&stall) } else { None },
+        )?;
+        state.recorder.record(SpanKind::Checkpoint, Some(block), started);
+        *state.checkpoints_written += 1;
+        state.beat.beat();
+        wrote = true;
+    }
+    if wrote || timed {
+        *last_checkpoint = Instant::now();
     }
     Ok(())
 }

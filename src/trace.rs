@@ -30,11 +30,13 @@ pub enum SpanKind {
     BarrierWait,
     /// Averaging gradients with the other replicas of the stage.
     GradientAverage,
+    /// Writing the stage's block checkpoints.
+    Checkpoint,
 }
 
 impl SpanKind {
     /// Every kind, in display order.
-    pub const ALL: [SpanKind; 8] = [
+    pub const ALL: [SpanKind; 9] = [
         SpanKind::DataLoad,
         SpanKind::TeacherForward,
         SpanKind::StudentForwardBackward,
@@ -43,6 +45,7 @@ impl SpanKind {
         SpanKind::RecvWait,
         SpanKind::BarrierWait,
         SpanKind::GradientAverage,
+        SpanKind::Checkpoint,
     ];
 
     /// The snake_case name used in traces.
@@ -56,6 +59,7 @@ impl SpanKind {
             SpanKind::RecvWait => "recv_wait",
             SpanKind::BarrierWait => "barrier_wait",
             SpanKind::GradientAverage => "gradient_average",
+            SpanKind::Checkpoint => "checkpoint",
         }
     }
 

@@ -6,7 +6,10 @@
 //! ([`Activation::from_inner`]), so the backward pass of block k reaches only
 //! block k's parameters.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
 use burn::optim::{GradientsParams, MultiGradientsParams};
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder, RecorderError};
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ElementConversion;
 use pipebd_kernels::DistillBackend;
@@ -164,10 +167,63 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         self.recent.iter().sum::<f32>() / self.recent.len() as f32
     }
 
+    /// The block's resumable state: weights, optimizer state, step counter
+    /// (which is also the learning-rate position) and recent losses.
+    pub fn save_state(&self) -> Result<TrainerState> {
+        let block = self.index + 1;
+        let module = self.module.as_ref().ok_or_else(|| self.lost())?;
+        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+        let record_error = |what: &str, e: RecorderError| Error::Training {
+            block,
+            step: self.step,
+            message: format!("cannot serialise the {what} for a checkpoint: {e}"),
+        };
+        let weights = Recorder::<B>::record(&recorder, module.clone().into_record(), ())
+            .map_err(|e| record_error("weights", e))?;
+        let optimizer = self.optimizer.to_bytes().map_err(|e| record_error("optimizer state", e))?;
+        let recent_losses = self.recent.iter().copied().filter(|l| l.is_finite()).collect();
+        Ok(TrainerState { weights, optimizer, step: self.step, recent_losses })
+    }
+
+    /// Restores a state written by [`Self::save_state`] (on `device`). On
+    /// error the trainer is left as it was.
+    pub fn load_state(&mut self, state: TrainerState, device: &B::Device) -> std::result::Result<(), String> {
+        let module = self.module.clone().ok_or("the block has no module to load into")?;
+        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+        let record = Recorder::<B>::load(&recorder, state.weights, device)
+            .map_err(|e| format!("weights do not decode: {e}"))?;
+        let optimizer = self
+            .optimizer
+            .clone()
+            .with_bytes(state.optimizer, device)
+            .map_err(|e| format!("optimizer state does not decode: {e}"))?;
+        let module = catch_unwind(AssertUnwindSafe(|| module.load_record(record)))
+            .map_err(|_| "weights do not fit the block (other shapes?)".to_string())?;
+        self.module = Some(module);
+        self.optimizer = optimizer;
+        self.step = state.step;
+        self.recent = state.recent_losses;
+        Ok(())
+    }
+
     /// The trained module.
     pub fn into_module(self) -> Option<S> {
         self.module
     }
+}
+
+/// What a checkpoint keeps of one block (see [`crate::checkpoint`]).
+#[derive(Debug, Clone)]
+pub struct TrainerState {
+    /// The module record (burn named MessagePack, full precision).
+    pub weights: Vec<u8>,
+    /// The optimizer record (moments per parameter id).
+    pub optimizer: Vec<u8>,
+    /// Optimizer steps taken: the learning-rate position, and with the seed
+    /// the data-order position (the order depends only on seed and epoch).
+    pub step: usize,
+    /// The last losses (for the report's final loss).
+    pub recent_losses: Vec<f32>,
 }
 
 /// A copy of a module with its own autodiff leaves (same parameter ids and

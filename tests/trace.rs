@@ -21,7 +21,8 @@ fn traced_run(
     );
     let config = RunConfig::parse(&text, Path::new("trace.toml")).unwrap();
     let out = tempfile::tempdir().unwrap();
-    let report = run(&config, out.path(), &RunOptions { trace: true }, &mut |_| {}).unwrap();
+    let report =
+        run(&config, out.path(), &RunOptions { trace: true, ..Default::default() }, &mut |_| {}).unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("trace.json")).unwrap()).unwrap();
     let mut kinds: HashMap<u64, HashSet<String>> = HashMap::new();

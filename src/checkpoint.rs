@@ -1,0 +1,309 @@
+//! Per-block checkpoints: written so that a crash never leaves one that
+//! loads wrong, and read back newest-first, skipping damaged ones.
+//!
+//! Layout, one folder per block and step:
+//!
+//! ```text
+//! <dir>/block-02/step-00000120/weights.mpk     module record
+//!                             /optimizer.mpk   optimizer record (moments per parameter)
+//!                             /manifest.json   step, plan, identity, sha256 of both files
+//! ```
+//!
+//! A checkpoint is written into `.step-00000120.tmp`, every file flushed to
+//! disk, the manifest last, then the folder is renamed into place and the
+//! parent folder flushed: a folder named `step-*` is complete or absent.
+//! Reading verifies the manifest's sizes and sha256 sums before anything is
+//! decoded. A damaged checkpoint is refused (the reason names the file) and
+//! the next older one is tried; one whose identity (config fields, block
+//! shapes, total steps) differs from the run's is refused too, naming each
+//! field that does not match.
+//!
+//! The data order depends only on the seed and the epoch
+//! ([`crate::data::epoch_order`]), and the learning rate only on the step,
+//! so the step counter is the whole data-order and schedule position; the
+//! training loop draws no other random numbers.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+use crate::train::TrainerState;
+
+/// Version of the on-disk format.
+pub const FORMAT: u32 = 1;
+const WEIGHTS: &str = "weights.mpk";
+const OPTIMIZER: &str = "optimizer.mpk";
+const MANIFEST: &str = "manifest.json";
+
+/// When and where to write checkpoints.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointPolicy {
+    /// The checkpoint folder (`<run>/checkpoints`).
+    pub dir: PathBuf,
+    /// Write every this many steps of a block (0: not by steps).
+    pub every_steps: usize,
+    /// Write when this many seconds passed since a stage's last checkpoint
+    /// (0: not by time).
+    pub every_seconds: f64,
+    /// Complete checkpoints kept per block (at least 1; older ones are deleted).
+    pub keep: usize,
+    /// Run-level fields a checkpoint must match to be resumed from (config
+    /// fields by dotted name); the runtime adds the block's own.
+    pub identity: BTreeMap<String, Value>,
+}
+
+/// One file of a checkpoint with its checksum.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// File name inside the checkpoint folder.
+    pub name: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// sha256, lower-case hex.
+    pub sha256: String,
+}
+
+/// `manifest.json` of one block checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// One-based block.
+    pub block: usize,
+    /// Optimizer steps the block had taken.
+    pub step: usize,
+    /// The plan in force when it was written (`{1-2 x2 | 3-4}`).
+    pub plan: String,
+    /// Seconds since the Unix epoch at writing.
+    pub written_unix: f64,
+    /// What must match for a resume: config fields and block facts.
+    pub identity: BTreeMap<String, Value>,
+    /// Recent losses (for the report's final loss after a resume).
+    pub recent_losses: Vec<f32>,
+    /// The weight and optimizer files.
+    pub files: Vec<FileEntry>,
+}
+
+/// The folder of block `block` (one-based) inside `dir`.
+pub fn block_dir(dir: &Path, block: usize) -> PathBuf {
+    dir.join(format!("block-{block:02}"))
+}
+
+fn step_name(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut file = std::fs::File::create(path).map_err(|e| Error::io("creating", path, e))?;
+    file.write_all(bytes).map_err(|e| Error::io("writing", path, e))?;
+    file.sync_all().map_err(|e| Error::io("flushing", path, e))
+}
+
+fn sync_dir(dir: &Path) {
+    // Makes a rename durable; not every platform can open a folder, so best effort.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// A pause injected into the middle of a write (tests kill the process there).
+pub type WritePause<'a> = &'a dyn Fn(&Path);
+
+/// Writes block `block`'s state at its current step; `identity` is the
+/// policy's plus the block's own fields. Returns the checkpoint folder.
+/// `pause` (fault injection) runs after half of the weights are on disk.
+pub fn write(
+    policy: &CheckpointPolicy,
+    block: usize,
+    state: &TrainerState,
+    plan: &str,
+    identity: BTreeMap<String, Value>,
+    pause: Option<WritePause<'_>>,
+) -> Result<PathBuf> {
+    let parent = block_dir(&policy.dir, block);
+    std::fs::create_dir_all(&parent).map_err(|e| Error::io("creating directory", &parent, e))?;
+    let name = step_name(state.step);
+    let tmp = parent.join(format!(".{name}.tmp"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io("removing", &tmp, e))?;
+    }
+    std::fs::create_dir(&tmp).map_err(|e| Error::io("creating directory", &tmp, e))?;
+    if let Some(pause) = pause {
+        let half = state.weights.len() / 2;
+        let path = tmp.join(WEIGHTS);
+        let mut file = std::fs::File::create(&path).map_err(|e| Error::io("creating", &path, e))?;
+        file.write_all(&state.weights[..half]).map_err(|e| Error::io("writing", &path, e))?;
+        file.sync_all().map_err(|e| Error::io("flushing", &path, e))?;
+        pause(&tmp);
+    }
+    write_synced(&tmp.join(WEIGHTS), &state.weights)?;
+    write_synced(&tmp.join(OPTIMIZER), &state.optimizer)?;
+    let entry = |name: &str, bytes: &[u8]| FileEntry {
+        name: name.into(),
+        bytes: bytes.len() as u64,
+        sha256: sha256_hex(bytes),
+    };
+    let manifest = Manifest {
+        format: FORMAT,
+        block,
+        step: state.step,
+        plan: plan.into(),
+        written_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
+        identity,
+        recent_losses: state.recent_losses.clone(),
+        files: vec![entry(WEIGHTS, &state.weights), entry(OPTIMIZER, &state.optimizer)],
+    };
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Checkpoint {
+        path: tmp.join(MANIFEST),
+        message: format!("cannot serialise the manifest: {e}"),
+    })?;
+    write_synced(&tmp.join(MANIFEST), &json)?;
+    sync_dir(&tmp);
+    let target = parent.join(&name);
+    if target.exists() {
+        std::fs::remove_dir_all(&target).map_err(|e| Error::io("replacing", &target, e))?;
+    }
+    std::fs::rename(&tmp, &target).map_err(|e| Error::io("renaming into", &target, e))?;
+    sync_dir(&parent);
+    prune(&parent, policy.keep.max(1))?;
+    Ok(target)
+}
+
+/// Complete checkpoint folders of one block, newest (highest step) first.
+pub fn list(dir: &Path, block: usize) -> Vec<(usize, PathBuf)> {
+    let parent = block_dir(dir, block);
+    let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(&parent)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("step-")?.parse::<usize>().ok()?;
+            Some((step, entry.path()))
+        })
+        .collect();
+    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found
+}
+
+fn prune(parent: &Path, keep: usize) -> Result<()> {
+    let dir = parent.parent().unwrap_or(parent);
+    let block = parent
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("block-"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    for (_, old) in list(dir, block).into_iter().skip(keep) {
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io("removing old checkpoint", &old, e))?;
+    }
+    Ok(())
+}
+
+/// Reads and verifies one checkpoint folder against `identity`. A damaged
+/// folder gives [`Refusal::Damaged`], one of another run [`Refusal::Mismatch`].
+pub fn read(
+    folder: &Path,
+    identity: &BTreeMap<String, Value>,
+) -> std::result::Result<(Manifest, TrainerState), Refusal> {
+    let manifest_path = folder.join(MANIFEST);
+    let damaged =
+        |path: &Path, message: String| Refusal::Damaged(Error::Checkpoint { path: path.into(), message });
+    let text =
+        std::fs::read(&manifest_path).map_err(|e| damaged(&manifest_path, format!("unreadable: {e}")))?;
+    let manifest: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| damaged(&manifest_path, format!("not a valid manifest: {e}")))?;
+    if manifest.format != FORMAT {
+        return Err(Refusal::Mismatch(Error::Checkpoint {
+            path: manifest_path,
+            message: format!("format {} (this pipebd reads format {FORMAT})", manifest.format),
+        }));
+    }
+    let mut differences = Vec::new();
+    for (key, expected) in identity {
+        match manifest.identity.get(key) {
+            Some(found) if found == expected => {}
+            Some(found) => {
+                differences.push(format!("`{key}` is {found} in the checkpoint, {expected} in this run"))
+            }
+            None => differences.push(format!("`{key}` is missing from the checkpoint")),
+        }
+    }
+    if !differences.is_empty() {
+        return Err(Refusal::Mismatch(Error::Checkpoint {
+            path: manifest_path,
+            message: format!("written by another run: {}", differences.join("; ")),
+        }));
+    }
+    let mut contents = BTreeMap::new();
+    for entry in &manifest.files {
+        let path = folder.join(&entry.name);
+        let bytes = std::fs::read(&path).map_err(|e| damaged(&path, format!("unreadable: {e}")))?;
+        if bytes.len() as u64 != entry.bytes {
+            return Err(damaged(
+                &path,
+                format!("truncated: {} bytes, the manifest says {}", bytes.len(), entry.bytes),
+            ));
+        }
+        let sum = sha256_hex(&bytes);
+        if sum != entry.sha256 {
+            return Err(damaged(
+                &path,
+                format!("sha256 {sum} does not match the manifest's {}", entry.sha256),
+            ));
+        }
+        contents.insert(entry.name.clone(), bytes);
+    }
+    let mut take = |name: &str| {
+        contents.remove(name).ok_or_else(|| damaged(&manifest_path, format!("lists no `{name}`")))
+    };
+    let state = TrainerState {
+        weights: take(WEIGHTS)?,
+        optimizer: take(OPTIMIZER)?,
+        step: manifest.step,
+        recent_losses: manifest.recent_losses.clone(),
+    };
+    Ok((manifest, state))
+}
+
+/// Why a checkpoint folder was not used.
+#[derive(Debug)]
+pub enum Refusal {
+    /// Truncated, corrupt or unreadable: an older checkpoint may be used.
+    Damaged(Error),
+    /// Written by another run (other config or shapes): resuming is refused.
+    Mismatch(Error),
+}
+
+/// What a resume did for one block (written in the report).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResumedBlock {
+    /// One-based block.
+    pub block: usize,
+    /// The step it resumed at (0: from scratch, no usable checkpoint).
+    pub step: usize,
+    /// The checkpoint folder used, if any.
+    pub checkpoint: Option<PathBuf>,
+    /// Newer checkpoints refused as damaged, with the reason.
+    pub refused: Vec<String>,
+}
+
+/// The checkpoint folder inside a run folder, or `dir` itself if it is one.
+pub fn resolve_dir(dir: &Path) -> PathBuf {
+    let inner = dir.join("checkpoints");
+    if inner.is_dir() {
+        inner
+    } else {
+        dir.to_path_buf()
+    }
+}
