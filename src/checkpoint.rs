@@ -78,6 +78,11 @@ pub struct Manifest {
     pub block: usize,
     /// Optimizer steps the block had taken.
     pub step: usize,
+    /// Where the block is in the data and the schedule: epoch, batch within
+    /// the epoch, next learning rate, data-order seed (all follow from
+    /// `step` and the identity; written out for people reading the file).
+    #[serde(default)]
+    pub position: BTreeMap<String, Value>,
     /// The plan in force when it was written (`{1-2 x2 | 3-4}`).
     pub plan: String,
     /// Seconds since the Unix epoch at writing.
@@ -120,7 +125,8 @@ fn sync_dir(dir: &Path) {
 pub type WritePause<'a> = &'a dyn Fn(&Path);
 
 /// Writes block `block`'s state at its current step; `identity` is the
-/// policy's plus the block's own fields. Returns the checkpoint folder.
+/// policy's plus the block's own fields, `position` its data and schedule
+/// position. Returns the checkpoint folder.
 /// `pause` (fault injection) runs after half of the weights are on disk.
 pub fn write(
     policy: &CheckpointPolicy,
@@ -128,6 +134,7 @@ pub fn write(
     state: &TrainerState,
     plan: &str,
     identity: BTreeMap<String, Value>,
+    position: BTreeMap<String, Value>,
     pause: Option<WritePause<'_>>,
 ) -> Result<PathBuf> {
     let parent = block_dir(&policy.dir, block);
@@ -157,6 +164,7 @@ pub fn write(
         format: FORMAT,
         block,
         step: state.step,
+        position,
         plan: plan.into(),
         written_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
         identity,

@@ -250,6 +250,15 @@ pub struct TrainConfig {
     /// Write a metrics row every this many steps (and at the last step).
     #[serde(default = "default_log_every")]
     pub log_every: usize,
+    /// Passes of stitched fine-tuning after the blockwise epochs (default
+    /// 0): each student block learns from the stitched student's output of
+    /// the blocks before it instead of the teacher's, so that errors do not
+    /// compound at inference. Runs on the first device slot.
+    #[serde(default)]
+    pub stitched_epochs: usize,
+    /// Peak learning rate of the stitched passes (default: `optimizer.lr` / 3).
+    #[serde(default)]
+    pub stitched_lr: Option<f64>,
 }
 
 fn default_log_every() -> usize {
@@ -475,6 +484,11 @@ impl RunConfig {
         }
         if self.students.is_empty() {
             return fail("", "students", "at least one [[students]] block is required".into());
+        }
+        if let Some(lr) = self.train.stitched_lr {
+            if !(lr > 0.0 && lr.is_finite()) {
+                return fail("train", "stitched_lr", format!("must be a positive number, got {lr}"));
+            }
         }
         if self.checkpoint.keep == 0 {
             return fail("checkpoint", "keep", "must be at least 1".into());

@@ -107,7 +107,7 @@ pub enum Error {
     #[error(transparent)]
     Student(#[from] pipebd_students::StudentError),
     /// A worker panicked (a bug in a block, or a device that failed).
-    #[error("block {block}, step {step}: panicked: {message}")]
+    #[error("{}panicked: {message}", at_block(*block, *step))]
     Panic {
         /// One-based block number (0 when outside a block).
         block: usize,
@@ -195,6 +195,13 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".into())
+}
+
+fn at_block(block: usize, step: usize) -> String {
+    match block {
+        0 => format!("step {step}: "),
+        b => format!("block {b}, step {step}: "),
+    }
 }
 
 fn location(path: &std::path::Path, line: Option<usize>, field: Option<&str>) -> String {

@@ -41,6 +41,7 @@ pub mod report;
 pub mod run;
 pub mod runtime;
 pub mod simulate;
+pub mod stitch;
 pub mod sweep;
 pub mod text;
 pub mod trace;

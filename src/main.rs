@@ -222,8 +222,17 @@ fn print_resilience(log: &pipe_bd::recovery::ResilienceLog) {
     }
     for f in &log.failures {
         println!(
-            "failure: stage {} replica {} (slot {}): {}\n  {}; plan {} -> {}; {} block steps lost, recovered in {:.1}s",
-            f.stage, f.replica, f.slot, f.error, f.action, f.old_plan, f.new_plan, f.steps_lost, f.recovery_seconds
+            "failure: stage {} replica {} (slot {}): {}\n  {}; plan {} -> {}; {} block steps lost, detected after {:.1}s, back where it was {:.1}s later",
+            f.stage,
+            f.replica,
+            f.slot,
+            f.error,
+            f.action,
+            f.old_plan,
+            f.new_plan,
+            f.steps_lost,
+            f.detection_seconds,
+            f.recovery_seconds
         );
     }
 }

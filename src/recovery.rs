@@ -47,8 +47,11 @@ pub struct FailureRecord {
     pub restored: Vec<RestoredBlock>,
     /// Block steps of training discarded (sum over restored blocks).
     pub steps_lost: usize,
-    /// Seconds from the failure being detected to the first step completed
-    /// after the restart.
+    /// Seconds the worker had been silent when it was declared lost (a
+    /// hang; 0 for an error or a panic, which are noticed at once).
+    pub detection_seconds: f64,
+    /// Seconds from the failure being detected to every stage being back
+    /// at the step it had reached (lost steps retrained).
     pub recovery_seconds: f64,
 }
 

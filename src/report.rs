@@ -37,6 +37,22 @@ pub struct BlockReport {
     pub final_loss: f32,
 }
 
+/// What the stitched fine-tuning did (`train.stitched_epochs`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StitchedReport {
+    /// Passes over the data.
+    pub epochs: usize,
+    /// Optimizer steps per block.
+    pub steps: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Wall time of the pass.
+    pub seconds: f64,
+    /// Per block, the mean loss over its last steps (against the teacher,
+    /// from stitched inputs).
+    pub final_losses: Vec<f32>,
+}
+
 /// Everything `pipebd run` measured, plus the config that produced it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunReport {
@@ -80,6 +96,9 @@ pub struct RunReport {
     pub blocks: Vec<BlockReport>,
     /// Busy and idle time of each pipeline worker.
     pub workers: Vec<crate::trace::WorkerSummary>,
+    /// The stitched fine-tuning after the blockwise epochs, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stitched: Option<StitchedReport>,
     /// Resume, failures survived and checkpoints written.
     #[serde(default)]
     pub resilience: crate::recovery::ResilienceLog,

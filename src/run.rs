@@ -19,7 +19,7 @@ use crate::device::{parse_slots, DeviceSpec};
 use crate::error::{Error, Result};
 use crate::plan::{flops_cost, Plan, StageSpec};
 use crate::planner::{Candidate, CostTable};
-use crate::report::{write_metrics, BlockReport, RunReport};
+use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
 use crate::runtime::{concurrent_workers, threads_per_worker, train_plan};
 use crate::simulate::simulate_shared;
 use crate::text::{mean_and_min_cosine, sentence_embeddings, ProbeReport, TextReport};
@@ -302,8 +302,35 @@ impl BackendJob for Job<'_> {
             &runtime,
             self.observer,
         )?;
-        let students = output.students;
-        let log = output.log;
+        let mut log = output.log;
+        let (students, stitched) = match config.train.stitched_epochs {
+            0 => (output.students, None),
+            epochs => {
+                let mut optimizer = config.optimizer.clone();
+                optimizer.lr = config.train.stitched_lr.unwrap_or(config.optimizer.lr / 3.0);
+                optimizer.min_lr = optimizer.min_lr.min(optimizer.lr);
+                let (students, pass) = crate::stitch::stitched_pass(
+                    &teacher,
+                    output.students,
+                    train.as_ref(),
+                    &config.train_settings(),
+                    epochs,
+                    &optimizer,
+                    log.steps,
+                    device,
+                    self.observer,
+                )?;
+                log.rows.extend(pass.rows);
+                let report = StitchedReport {
+                    epochs,
+                    steps: pass.steps,
+                    lr: optimizer.lr,
+                    seconds: pass.seconds,
+                    final_losses: pass.final_losses,
+                };
+                (students, Some(report))
+            }
+        };
         let predicted_step_seconds = self.costs.and_then(|costs| {
             let data_load = costs.input_transfer.first().cloned().unwrap_or_default();
             let threads = threads_per_worker(config.runtime.threads_per_worker, devices.len());
@@ -356,6 +383,7 @@ impl BackendJob for Job<'_> {
                 .map(|p| log.seconds / log.steps.max(1) as f64 / p.max(1e-12)),
             blocks,
             workers: output.workers,
+            stitched,
             resilience: output.resilience,
             config: config.clone(),
         };

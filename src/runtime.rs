@@ -233,7 +233,9 @@ where
     let mut workers = Vec::new();
     let mut plan = plan.clone();
     let mut lost_slots: Vec<usize> = Vec::new();
-    let mut awaiting_recovery: Option<Instant> = None;
+    // After a failure: when it was detected, and the step every stage must
+    // complete again for the run to have regained what it lost.
+    let mut awaiting_recovery: Option<(Instant, usize)> = None;
     let mut phase_index = 0;
     while phase_index < plan.phases.len() {
         let description = plan.describe();
@@ -252,15 +254,16 @@ where
             origin,
             first_worker: workers.len(),
             identities: &identities,
+            recovery_target: awaiting_recovery.map(|(_, target)| target),
         };
         let outcome = run_phase(&context, &mut trainers, observer)?;
         log.rows.extend(outcome.rows);
         spans.extend(outcome.spans);
         workers.extend(outcome.workers);
         resilience.checkpoints_written += outcome.checkpoints_written;
-        if let (Some(detected), Some(first_step)) = (awaiting_recovery, outcome.first_step_at) {
+        if let (Some((detected, _)), Some(regained)) = (awaiting_recovery, outcome.target_reached_at) {
             if let Some(last) = resilience.failures.last_mut() {
-                last.recovery_seconds = first_step.saturating_duration_since(detected).as_secs_f64();
+                last.recovery_seconds = regained.saturating_duration_since(detected).as_secs_f64();
             }
             awaiting_recovery = None;
         }
@@ -315,6 +318,14 @@ where
             restored.push(RestoredBlock { block: k + 1, lost_at, resumed_at });
         }
         restored.sort_by_key(|r| r.block);
+        let target = restored.iter().map(|r| r.lost_at).max().unwrap_or(0).max(failure.completed + 1);
+        let detection_seconds = match &failure.error {
+            Error::Worker { source, .. } => match source.as_ref() {
+                Error::Stalled { seconds, .. } => *seconds,
+                _ => 0.0,
+            },
+            _ => 0.0,
+        };
         resilience.failures.push(FailureRecord {
             stage,
             replica,
@@ -325,9 +336,10 @@ where
             new_plan: new_plan.describe(),
             steps_lost: restored.iter().map(|r| r.lost_at.saturating_sub(r.resumed_at)).sum(),
             restored,
+            detection_seconds,
             recovery_seconds: 0.0,
         });
-        awaiting_recovery = Some(failure.detected_at);
+        awaiting_recovery = Some((failure.detected_at, target.min(total_steps)));
         plan = new_plan;
     }
     resilience.final_plan = plan.describe();
@@ -426,6 +438,8 @@ struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>> {
     phases: usize,
     plan_description: &'a str,
     identities: &'a [BTreeMap<String, serde_json::Value>],
+    /// Note when every stage has completed this many steps.
+    recovery_target: Option<usize>,
 }
 
 struct PhaseOutcome {
@@ -433,8 +447,8 @@ struct PhaseOutcome {
     spans: Vec<Span>,
     workers: Vec<WorkerSummary>,
     checkpoints_written: usize,
-    /// When the first step of the phase completed.
-    first_step_at: Option<Instant>,
+    /// When every stage had completed `recovery_target` steps.
+    target_reached_at: Option<Instant>,
     /// The worker failure that ended the phase early.
     failure: Option<PhaseFailure>,
 }
@@ -447,6 +461,8 @@ struct PhaseFailure {
     lost_blocks: Vec<usize>,
     /// Steps completed per block, as last reported (zero-based block -> steps).
     block_steps: BTreeMap<usize, usize>,
+    /// Steps every stage had completed.
+    completed: usize,
 }
 
 /// The first error of a phase, and the flag every wait polls.
@@ -816,7 +832,8 @@ where
     let phase_blocks: usize = context.phase.stages.iter().map(|s| s.blocks.len()).sum();
     let threads = threads_per_worker(context.options.threads_per_worker, count);
     let stall_limit = context.options.timeout.as_secs_f64();
-    let mut first_step_at = None;
+    let mut target_reached_at = None;
+    let mut completed = start_step;
 
     let results: Vec<std::thread::Result<WorkerResult<B, S>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = workers
@@ -846,7 +863,6 @@ where
         loop {
             match progress_rx.recv_timeout(POLL * 5) {
                 Ok(msg) => {
-                    first_step_at.get_or_insert_with(Instant::now);
                     stage_step[msg.stage] = stage_step[msg.stage].max(msg.step + 1);
                     for (block, loss) in msg.losses {
                         block_steps.insert(block, msg.step + 1);
@@ -866,6 +882,10 @@ where
                             losses: losses.clone(),
                         });
                         reported += 1;
+                    }
+                    completed = reported;
+                    if context.recovery_target.is_some_and(|t| reported >= t) {
+                        target_reached_at.get_or_insert_with(Instant::now);
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
@@ -897,7 +917,7 @@ where
         spans: Vec::new(),
         workers: Vec::new(),
         checkpoints_written: 0,
-        first_step_at,
+        target_reached_at,
         failure: None,
     };
     // The worker named by the first error is the failed one (its device is
@@ -932,7 +952,7 @@ where
         outcome.spans.extend(result.spans);
     }
     if let Some((error, detected_at)) = first {
-        outcome.failure = Some(PhaseFailure { error, detected_at, lost_blocks, block_steps });
+        outcome.failure = Some(PhaseFailure { error, detected_at, lost_blocks, block_steps, completed });
     }
     Ok(outcome)
 }
@@ -1330,12 +1350,19 @@ where
         };
         let pause = context.options.faults.iter().any(|f| f.hits_checkpoint(block, step));
         let identity = context.identities[trainer.index].clone();
+        let position = BTreeMap::from([
+            ("epoch".to_string(), serde_json::json!(step / context.per_epoch)),
+            ("batch_in_epoch".to_string(), serde_json::json!(step % context.per_epoch)),
+            ("next_lr".to_string(), serde_json::json!(trainer.current_lr())),
+            ("data_seed".to_string(), serde_json::json!(context.settings.seed)),
+        ]);
         checkpoint::write(
             policy,
             block,
             &saved,
             context.plan_description,
             identity,
+            position,
             if pause { Some(&stall) } else { None },
         )?;
         state.recorder.record(SpanKind::Checkpoint, Some(block), started);

@@ -295,3 +295,29 @@ fn past_max_failures_the_run_stops_with_an_error_and_its_checkpoints() {
     // Blocks 3-4 had written step 4 and 8 before their worker failed at step 9.
     assert_eq!(newest_step(&out.join("checkpoints"), 3), Some(8));
 }
+
+#[test]
+fn dp_on_three_slots_reroutes_every_later_phase_around_a_lost_slot() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let text = common::small_config(640, 200, 1).replace(
+        "device = \"cpu\"\n",
+        "device = \"cpu\"\ndevices = [\"cpu\", \"cpu\", \"cpu\"]\nschedule = \"dp\"\n",
+    );
+    let config = RunConfig::parse(&text, Path::new("dp.toml")).unwrap();
+    let clean = run(&config, &dir.path().join("clean"), &RunOptions::default(), &mut |_| {}).unwrap();
+    let mut faulty_config = config.clone();
+    faulty_config.faults = pipe_bd::fault::parse_list("error slot=2 step=5").unwrap();
+    let faulty =
+        run(&faulty_config, &dir.path().join("faulty"), &RunOptions::default(), &mut |_| {}).unwrap();
+    let failures = &faulty.resilience.failures;
+    assert_eq!(failures.len(), 1, "{failures:#?}");
+    assert_eq!(
+        failures[0].new_plan,
+        "{1 x2} then {2 x2 (recompute)} then {3 x2 (recompute)} then {4 x2 (recompute)}"
+    );
+    assert_eq!(faulty.resilience.final_plan, failures[0].new_plan);
+    assert_eq!(failures[0].steps_lost, 0);
+    let gap = 100.0 * (faulty.student_accuracy - clean.student_accuracy).abs();
+    assert!(gap <= 0.5, "accuracy {} vs fault-free {}", faulty.student_accuracy, clean.student_accuracy);
+}

@@ -1,0 +1,109 @@
+//! An optional pass after blockwise training: each student block learns
+//! from the *stitched student's* output of the blocks before it, the input
+//! it will see at inference, against the teacher's output of its own block.
+//!
+//! Blockwise distillation trains block k on the teacher's input to block k,
+//! so at inference the small errors of blocks 1..k-1 reach block k as an
+//! input it never saw, and they compound. This pass (`train.stitched_epochs`)
+//! closes that gap. Gradients still stop at block boundaries (the stitched
+//! input is detached), so every block keeps its own loss and optimizer;
+//! what changes is only where its input comes from. It is not part of
+//! Pipe-BD proper and runs on one device, block after block per batch.
+
+use pipebd_kernels::DistillBackend;
+
+use crate::block::{relabel, Block, StudentModule, Students, Teacher};
+use crate::config::OptimizerConfig;
+use crate::data::{epoch_order, Dataset};
+use crate::error::Result;
+use crate::runtime::TrainSettings;
+use crate::train::{steps_per_epoch, BlockTrainer, MetricRow, Progress};
+
+/// What the stitched pass did.
+#[derive(Debug, Clone, Default)]
+pub struct StitchedLog {
+    /// Optimizer steps per block.
+    pub steps: usize,
+    /// Wall time.
+    pub seconds: f64,
+    /// Metric rows (steps numbered after the blockwise steps).
+    pub rows: Vec<MetricRow>,
+    /// Per block, the mean loss over its last steps.
+    pub final_losses: Vec<f32>,
+}
+
+/// Runs `epochs` stitched passes over `data` with the optimizer `optimizer`
+/// (a fresh state per block, cosine schedule over the pass); metric rows
+/// are numbered from `first_step`.
+#[allow(clippy::too_many_arguments)]
+pub fn stitched_pass<B, T, S>(
+    teacher: &Teacher<B::InnerBackend, T>,
+    students: Students<B, S>,
+    data: &dyn Dataset<B::InnerBackend>,
+    settings: &TrainSettings,
+    epochs: usize,
+    optimizer: &OptimizerConfig,
+    first_step: usize,
+    device: &B::Device,
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<(Students<B, S>, StitchedLog)>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let start = std::time::Instant::now();
+    let per_epoch = steps_per_epoch(data.len(), settings.batch_size);
+    let total = per_epoch * epochs;
+    let Students { blocks, specs, .. } = students;
+    let mut trainers: Vec<BlockTrainer<B, S>> = blocks
+        .into_iter()
+        .zip(specs.iter().cloned())
+        .enumerate()
+        .map(|(k, (m, spec))| BlockTrainer::new(k, spec, m.fork(device), optimizer, total))
+        .collect();
+    let mut log = StitchedLog { steps: total, ..Default::default() };
+    for step in 0..total {
+        let epoch = step / per_epoch;
+        let base = (step % per_epoch) * settings.batch_size;
+        // A different order from the blockwise epochs', still fixed by the seed.
+        let order = epoch_order(data.len(), settings.seed ^ 0x5717_c4ed, epoch);
+        let input = data.batch(&order[base..base + settings.batch_size], device);
+        let mut teacher_x = input.clone();
+        let mut student_x = input;
+        let mut losses = Vec::with_capacity(trainers.len());
+        for (k, trainer) in trainers.iter_mut().enumerate() {
+            let target = teacher.blocks[k].forward(teacher_x).map_err(|e| relabel(e, k + 1))?;
+            let next = match trainer.module() {
+                Some(module) => {
+                    Some(module.valid().forward(student_x.clone()).map_err(|e| relabel(e, k + 1))?)
+                }
+                None => None,
+            };
+            let lr = trainer.current_lr();
+            let loss = trainer.step(student_x, target.clone())?;
+            if step % settings.log_every == 0 || step + 1 == total {
+                log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });
+            }
+            losses.push(loss);
+            teacher_x = target;
+            student_x = match next {
+                Some(x) => x,
+                None => break,
+            };
+        }
+        observer(&Progress {
+            phase: 0,
+            phases: 1,
+            epoch,
+            epochs,
+            step_in_epoch: step % per_epoch,
+            steps_per_epoch: per_epoch,
+            losses,
+        });
+    }
+    log.final_losses = trainers.iter().map(|t| t.recent_loss()).collect();
+    log.seconds = start.elapsed().as_secs_f64();
+    let modules: Vec<S> = trainers.into_iter().filter_map(|t| t.into_module()).collect();
+    Ok((Students::new(modules, specs.clone(), &specs)?, log))
+}
