@@ -259,6 +259,33 @@ pub struct TrainConfig {
     /// Peak learning rate of the stitched passes (default: `optimizer.lr` / 3).
     #[serde(default)]
     pub stitched_lr: Option<f64>,
+    /// How gradients flow in the stitched passes: `end-to-end` (default: the
+    /// sum of every block's loss, backpropagated through the stitched chain,
+    /// so blocks learn to correct each other) or `local` (each block's
+    /// gradient stops at its input, as in blockwise training).
+    #[serde(default)]
+    pub stitched_gradients: StitchedGradients,
+}
+
+/// How gradients flow in the stitched passes (`train.stitched_gradients`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StitchedGradients {
+    /// Through the whole stitched chain.
+    #[default]
+    EndToEnd,
+    /// Stopped at every block's input.
+    Local,
+}
+
+impl StitchedGradients {
+    /// The name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::EndToEnd => "end-to-end",
+            Self::Local => "local",
+        }
+    }
 }
 
 fn default_log_every() -> usize {

@@ -310,9 +310,14 @@ fn execute(command: Command) -> Result<(), Error> {
                     b.final_loss
                 );
             }
+            let resumed = if report.steps_run < report.steps {
+                format!(" (of {}; the rest came from checkpoints)", report.steps)
+            } else {
+                String::new()
+            };
             println!(
-                "trained {} steps in {:.1}s ({:.0} samples/s); whole run {:.1}s",
-                report.steps, report.train_seconds, report.samples_per_second, report.wall_seconds
+                "trained {} steps{resumed} in {:.1}s ({:.0} samples/s); whole run {:.1}s",
+                report.steps_run, report.train_seconds, report.samples_per_second, report.wall_seconds
             );
             for w in &report.workers {
                 println!(
@@ -321,6 +326,18 @@ fn execute(command: Command) -> Result<(), Error> {
                     w.role,
                     w.slot,
                     100.0 * w.busy_fraction
+                );
+            }
+            if let Some(s) = &report.stitched {
+                let losses: Vec<String> = s.final_losses.iter().map(|l| format!("{l:.5}")).collect();
+                println!(
+                    "then stitched ({} gradients): {} epochs, {} steps at lr {} in {:.1}s; final losses [{}]",
+                    s.gradients.name(),
+                    s.epochs,
+                    s.steps,
+                    s.lr,
+                    s.seconds,
+                    losses.join(" ")
                 );
             }
             print_resilience(&report.resilience);

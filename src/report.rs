@@ -42,6 +42,8 @@ pub struct BlockReport {
 pub struct StitchedReport {
     /// Passes over the data.
     pub epochs: usize,
+    /// Through the stitched chain or stopped at each block.
+    pub gradients: crate::config::StitchedGradients,
     /// Optimizer steps per block.
     pub steps: usize,
     /// Peak learning rate.
@@ -79,6 +81,9 @@ pub struct RunReport {
     pub train_samples: usize,
     /// Optimizer steps per block.
     pub steps: usize,
+    /// Optimizer steps this process ran (fewer after a `--resume`).
+    #[serde(default)]
+    pub steps_run: usize,
     /// Wall time of the whole run (loading, training, evaluation, saving).
     pub wall_seconds: f64,
     /// Wall time of the training loop alone.

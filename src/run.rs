@@ -317,12 +317,14 @@ impl BackendJob for Job<'_> {
                     epochs,
                     &optimizer,
                     log.steps,
+                    config.train.stitched_gradients == crate::config::StitchedGradients::EndToEnd,
                     device,
                     self.observer,
                 )?;
                 log.rows.extend(pass.rows);
                 let report = StitchedReport {
                     epochs,
+                    gradients: config.train.stitched_gradients,
                     steps: pass.steps,
                     lr: optimizer.lr,
                     seconds: pass.seconds,
@@ -374,13 +376,14 @@ impl BackendJob for Job<'_> {
             text: score.text,
             train_samples: train.len(),
             steps: log.steps,
+            steps_run: log.steps_run,
             wall_seconds: start.elapsed().as_secs_f64(),
             train_seconds: log.seconds,
             samples_per_second: log.samples as f64 / log.seconds.max(1e-9),
-            measured_step_seconds: log.seconds / log.steps.max(1) as f64,
+            measured_step_seconds: log.seconds / log.steps_run.max(1) as f64,
             predicted_step_seconds,
             measured_over_predicted: predicted_step_seconds
-                .map(|p| log.seconds / log.steps.max(1) as f64 / p.max(1e-12)),
+                .map(|p| log.seconds / log.steps_run.max(1) as f64 / p.max(1e-12)),
             blocks,
             workers: output.workers,
             stitched,

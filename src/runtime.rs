@@ -227,6 +227,7 @@ where
         }
     }
 
+    let resumed_from = trainers.iter().flatten().map(|t| t.step).min().unwrap_or(0).min(total_steps);
     let origin = Instant::now();
     let mut log = TrainLog::default();
     let mut spans = Vec::new();
@@ -348,7 +349,8 @@ where
     log.rows.dedup_by_key(|r| (r.step, r.block));
     log.seconds = origin.elapsed().as_secs_f64();
     log.steps = total_steps;
-    log.samples = total_steps * batch;
+    log.steps_run = total_steps - resumed_from;
+    log.samples = log.steps_run * batch;
     let mut trained = Vec::with_capacity(blocks);
     for (k, t) in trainers.into_iter().enumerate() {
         let t = t.ok_or_else(|| plan_error(format!("block {} was not trained by any stage", k + 1)))?;

@@ -5,17 +5,27 @@
 //! Blockwise distillation trains block k on the teacher's input to block k,
 //! so at inference the small errors of blocks 1..k-1 reach block k as an
 //! input it never saw, and they compound. This pass (`train.stitched_epochs`)
-//! closes that gap. Gradients still stop at block boundaries (the stitched
-//! input is detached), so every block keeps its own loss and optimizer;
-//! what changes is only where its input comes from. It is not part of
-//! Pipe-BD proper and runs on one device, block after block per batch.
+//! closes that gap, in one of two ways:
+//!
+//! - `local`: the stitched input is detached, so every block keeps its own
+//!   loss, gradient and optimizer; only its input changes.
+//! - `end-to-end` (default): the sum of the blocks' losses is
+//!   backpropagated through the stitched chain, so earlier blocks also learn
+//!   to make the later ones' job easier; each block still steps its own
+//!   optimizer.
+//!
+//! Every block's loss is still against the teacher's output of that block.
+//! It is not part of Pipe-BD proper and runs on one device.
 
 use pipebd_kernels::DistillBackend;
 
-use crate::block::{relabel, Block, StudentModule, Students, Teacher};
+use burn::optim::GradientsParams;
+use burn::tensor::{ElementConversion, Tensor};
+
+use crate::block::{block_loss, relabel, Activation, Block, StudentModule, Students, Teacher};
 use crate::config::OptimizerConfig;
 use crate::data::{epoch_order, Dataset};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::runtime::TrainSettings;
 use crate::train::{steps_per_epoch, BlockTrainer, MetricRow, Progress};
 
@@ -44,6 +54,7 @@ pub fn stitched_pass<B, T, S>(
     epochs: usize,
     optimizer: &OptimizerConfig,
     first_step: usize,
+    through_blocks: bool,
     device: &B::Device,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<(Students<B, S>, StitchedLog)>
@@ -69,6 +80,26 @@ where
         // A different order from the blockwise epochs', still fixed by the seed.
         let order = epoch_order(data.len(), settings.seed ^ 0x5717_c4ed, epoch);
         let input = data.batch(&order[base..base + settings.batch_size], device);
+        let log_this = step % settings.log_every == 0 || step + 1 == total;
+        if through_blocks {
+            let losses = end_to_end_step(teacher, &mut trainers, input)?;
+            for (k, (&loss, trainer)) in losses.iter().zip(&trainers).enumerate() {
+                if log_this {
+                    let lr = trainer.lr_at(trainer.step.saturating_sub(1));
+                    log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });
+                }
+            }
+            observer(&Progress {
+                phase: 0,
+                phases: 1,
+                epoch,
+                epochs,
+                step_in_epoch: step % per_epoch,
+                steps_per_epoch: per_epoch,
+                losses,
+            });
+            continue;
+        }
         let mut teacher_x = input.clone();
         let mut student_x = input;
         let mut losses = Vec::with_capacity(trainers.len());
@@ -82,7 +113,7 @@ where
             };
             let lr = trainer.current_lr();
             let loss = trainer.step(student_x, target.clone())?;
-            if step % settings.log_every == 0 || step + 1 == total {
+            if log_this {
                 log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });
             }
             losses.push(loss);
@@ -106,4 +137,59 @@ where
     log.seconds = start.elapsed().as_secs_f64();
     let modules: Vec<S> = trainers.into_iter().filter_map(|t| t.into_module()).collect();
     Ok((Students::new(modules, specs.clone(), &specs)?, log))
+}
+
+/// One step with gradients through the stitched chain: the sum of every
+/// block's loss against the teacher, backpropagated through all blocks;
+/// each block steps its own optimizer. Returns the per-block losses.
+fn end_to_end_step<B, T, S>(
+    teacher: &Teacher<B::InnerBackend, T>,
+    trainers: &mut [BlockTrainer<B, S>],
+    input: Activation<B::InnerBackend>,
+) -> Result<Vec<f32>>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let mut teacher_x = input.clone();
+    let mut student_x = Activation::<B>::from_inner(input);
+    let mut total: Option<Tensor<B, 1>> = None;
+    let mut values = Vec::with_capacity(trainers.len());
+    for (k, trainer) in trainers.iter().enumerate() {
+        let block = k + 1;
+        let target = teacher.blocks[k].forward(teacher_x).map_err(|e| relabel(e, block))?;
+        let module = trainer.module().ok_or_else(|| Error::Training {
+            block,
+            step: trainer.step,
+            message: "the block was lost by an earlier failed step".into(),
+        })?;
+        let output = module.forward(student_x).map_err(|e| relabel(e, block))?;
+        let loss =
+            block_loss(trainer.spec.loss, output.clone(), Activation::from_inner(target.clone()), block)?;
+        let value: f32 = loss.clone().into_scalar().elem();
+        if !value.is_finite() {
+            return Err(Error::Training { block, step: trainer.step, message: format!("loss is {value}") });
+        }
+        values.push(value);
+        total = Some(match total {
+            None => loss,
+            Some(sum) => sum.add(loss),
+        });
+        student_x = output;
+        teacher_x = target;
+    }
+    let Some(total) = total else {
+        return Ok(values);
+    };
+    let mut grads = total.backward();
+    for (trainer, &value) in trainers.iter_mut().zip(&values) {
+        let module = trainer.module().cloned();
+        let block_grads = match &module {
+            Some(m) => GradientsParams::from_module(&mut grads, m),
+            None => GradientsParams::new(),
+        };
+        trainer.apply(vec![block_grads], &[value])?;
+    }
+    Ok(values)
 }

@@ -87,6 +87,11 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         self.lr.at(self.step)
     }
 
+    /// Learning rate at zero-based step `step` of this block's plan.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        self.lr.at(step)
+    }
+
     /// One distillation step on a whole batch: [`Self::compute_grads`] then
     /// [`Self::apply`]. Returns the loss.
     pub fn step(
@@ -257,7 +262,9 @@ pub struct TrainLog {
     pub final_losses: Vec<f32>,
     /// Optimizer steps per block.
     pub steps: usize,
-    /// Training samples processed (per block).
+    /// Steps this process ran (fewer than `steps` after a resume).
+    pub steps_run: usize,
+    /// Training samples processed by this process (per block).
     pub samples: usize,
     /// Wall time of the training loop.
     pub seconds: f64,

@@ -127,6 +127,7 @@ fn sigkill_mid_run_and_mid_checkpoint_write_then_resume_reproduces_the_uninterru
     let resumed = run_to_end(&config, &killed, true);
     let steps: Vec<usize> = resumed.resilience.resumed.iter().map(|r| r.step).collect();
     assert_eq!(steps, before, "each block resumes from its own newest checkpoint");
+    assert_eq!(resumed.steps_run, 80 - before.iter().min().unwrap());
     assert_same_weights(&reference, &killed);
 
     // 2. SIGKILL in the middle of a checkpoint write (block 2 at step 12,

@@ -1,6 +1,7 @@
 //! The stitched pass trains each block on the stitched student's own
-//! input: afterwards the stitched student's intermediate output is closer
-//! to the teacher's than after blockwise training alone.
+//! input (local or end to end): afterwards the stitched student's
+//! intermediate output is closer to the teacher's than after the same
+//! number of further blockwise steps.
 
 use std::path::Path;
 
@@ -59,8 +60,10 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     optimizer.lr /= 3.0;
     let mut steps = 0;
     let (stitched, log) =
-        stitched_pass(&teacher, trained, &data, &settings, 2, &optimizer, 40, &device, &mut |_| steps += 1)
-            .unwrap();
+        stitched_pass(&teacher, trained, &data, &settings, 2, &optimizer, 40, false, &device, &mut |_| {
+            steps += 1
+        })
+        .unwrap();
     assert_eq!((log.steps, steps), (40, 40));
     assert_eq!(log.rows.first().map(|r| r.step), Some(40), "rows are numbered after the blockwise steps");
     let after = gap(&stitched);
@@ -72,6 +75,15 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let mut more = settings.clone();
     more.optimizer = optimizer;
     let control = gap(&blockwise(&more, again));
-    eprintln!("stitched gap: blockwise {before}, +stitched {after}, +blockwise {control}");
-    assert!(after < control, "stitched {after} vs blockwise {control}: the stitched input should matter");
+    // End to end (gradients through the stitched chain), from the same start.
+    let again = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
+    let (chained, _) =
+        stitched_pass(&teacher, again, &data, &settings, 2, &more.optimizer, 40, true, &device, &mut |_| {})
+            .unwrap();
+    let end_to_end = gap(&chained);
+    eprintln!(
+        "stitched gap: blockwise {before}, +local {after}, +end-to-end {end_to_end}, +blockwise {control}"
+    );
+    assert!(after < control, "local {after} vs blockwise {control}: the stitched input should matter");
+    assert!(end_to_end < control, "end-to-end {end_to_end} vs blockwise {control}");
 }
