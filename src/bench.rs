@@ -22,6 +22,9 @@ use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
 use crate::zoo::{build_students, load_workload, Workload};
 
+/// One schedule's timing: seconds, spans, per-worker busy fractions, peak memory.
+type Timed = (f64, Vec<Span>, Vec<f64>, Option<u64>);
+
 /// Single-replica cost of one block at the full batch, from the profile.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BlockCost {
@@ -186,9 +189,7 @@ impl BackendJob for BenchJob<'_> {
         let steps = steps_per_epoch(data.len(), settings.batch_size) * settings.epochs;
         let blocks = teacher.blocks.len();
 
-        let time = |plan: &Plan,
-                    say: &mut dyn FnMut(&str)|
-         -> Result<(f64, Vec<Span>, Vec<f64>, Option<u64>)> {
+        let time = |plan: &Plan, say: &mut dyn FnMut(&str)| -> Result<Timed> {
             say(&format!("{:<8} {}", plan.name, plan.describe()));
             reset_peak_resident();
             let start = Instant::now();

@@ -200,7 +200,7 @@ pub fn list(dir: &Path, block: usize) -> Vec<(usize, PathBuf)> {
             Some((step, entry.path()))
         })
         .collect();
-    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.sort_by_key(|f| std::cmp::Reverse(f.0));
     found
 }
 

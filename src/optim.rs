@@ -25,7 +25,7 @@ impl<B: DistillBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
         let decay = (config.weight_decay > 0.0).then(|| WeightDecayConfig::new(config.weight_decay as f32));
         match config.kind {
             OptimizerKind::Sgd => {
-                let momentum = (config.momentum > 0.0).then(|| MomentumConfig {
+                let momentum = (config.momentum > 0.0).then_some(MomentumConfig {
                     momentum: config.momentum,
                     dampening: 0.0,
                     nesterov: config.nesterov,
