@@ -24,7 +24,6 @@
 //! training loop draws no other random numbers.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -33,6 +32,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::report::write_synced;
 use crate::train::TrainerState;
 
 /// Version of the on-disk format.
@@ -108,12 +108,6 @@ fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut file = std::fs::File::create(path).map_err(|e| Error::io("creating", path, e))?;
-    file.write_all(bytes).map_err(|e| Error::io("writing", path, e))?;
-    file.sync_all().map_err(|e| Error::io("flushing", path, e))
-}
-
 fn sync_dir(dir: &Path) {
     // Makes a rename durable; not every platform can open a folder, so best effort.
     if let Ok(d) = std::fs::File::open(dir) {
@@ -146,11 +140,7 @@ pub fn write(
     }
     std::fs::create_dir(&tmp).map_err(|e| Error::io("creating directory", &tmp, e))?;
     if let Some(pause) = pause {
-        let half = state.weights.len() / 2;
-        let path = tmp.join(WEIGHTS);
-        let mut file = std::fs::File::create(&path).map_err(|e| Error::io("creating", &path, e))?;
-        file.write_all(&state.weights[..half]).map_err(|e| Error::io("writing", &path, e))?;
-        file.sync_all().map_err(|e| Error::io("flushing", &path, e))?;
+        write_synced(&tmp.join(WEIGHTS), &state.weights[..state.weights.len() / 2])?;
         pause(&tmp);
     }
     write_synced(&tmp.join(WEIGHTS), &state.weights)?;
@@ -183,7 +173,9 @@ pub fn write(
     }
     std::fs::rename(&tmp, &target).map_err(|e| Error::io("renaming into", &target, e))?;
     sync_dir(&parent);
-    prune(&parent, policy.keep.max(1))?;
+    for (_, old) in list(&policy.dir, block).into_iter().skip(policy.keep.max(1)) {
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io("removing old checkpoint", &old, e))?;
+    }
     Ok(target)
 }
 
@@ -202,20 +194,6 @@ pub fn list(dir: &Path, block: usize) -> Vec<(usize, PathBuf)> {
         .collect();
     found.sort_by_key(|f| std::cmp::Reverse(f.0));
     found
-}
-
-fn prune(parent: &Path, keep: usize) -> Result<()> {
-    let dir = parent.parent().unwrap_or(parent);
-    let block = parent
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix("block-"))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0);
-    for (_, old) in list(dir, block).into_iter().skip(keep) {
-        std::fs::remove_dir_all(&old).map_err(|e| Error::io("removing old checkpoint", &old, e))?;
-    }
-    Ok(())
 }
 
 /// Reads and verifies one checkpoint folder against `identity`. A damaged

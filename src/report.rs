@@ -115,10 +115,15 @@ pub struct RunReport {
 /// crash never leaves a half-written file under the final name.
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
-    let mut file = std::fs::File::create(&tmp).map_err(|e| Error::io("creating", &tmp, e))?;
-    file.write_all(contents).map_err(|e| Error::io("writing", &tmp, e))?;
-    file.sync_all().map_err(|e| Error::io("flushing", &tmp, e))?;
+    write_synced(&tmp, contents)?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io("renaming into", path, e))
+}
+
+/// Writes `contents` to `path` and flushes it to disk before returning.
+pub(crate) fn write_synced(path: &Path, contents: &[u8]) -> Result<()> {
+    let mut file = std::fs::File::create(path).map_err(|e| Error::io("creating", path, e))?;
+    file.write_all(contents).map_err(|e| Error::io("writing", path, e))?;
+    file.sync_all().map_err(|e| Error::io("flushing", path, e))
 }
 
 impl RunReport {

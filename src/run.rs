@@ -292,12 +292,13 @@ impl BackendJob for Job<'_> {
         let students = build_students::<B>(config, &teacher.specs, device)?;
 
         let runtime = runtime_options_for(config, self.out_dir, self.options, self.costs)?;
+        let settings = config.train_settings();
         let output = train_plan(
             self.plan,
             &teacher,
             students,
             train.as_ref(),
-            &config.train_settings(),
+            &settings,
             devices,
             &runtime,
             self.observer,
@@ -313,7 +314,7 @@ impl BackendJob for Job<'_> {
                     &teacher,
                     output.students,
                     train.as_ref(),
-                    &config.train_settings(),
+                    &settings,
                     epochs,
                     &optimizer,
                     log.steps,

@@ -1009,7 +1009,8 @@ where
         Ok(Err(Halt::Failed(error))) => Some(error),
         Err(panic) => {
             let message = crate::error::panic_message(panic.as_ref());
-            Some(Error::Panic { block: position.block.unwrap_or(0), step: position.step, message })
+            let step = beat.step.load(Ordering::SeqCst);
+            Some(Error::Panic { block: position.block.unwrap_or(0), step, message })
         }
     };
     if let Some(error) = failure {
@@ -1037,11 +1038,11 @@ where
     }
 }
 
-/// Where a worker is, for error messages after a panic.
+/// The block a worker is in, for error messages after a panic (its step is
+/// on its heartbeat).
 #[derive(Default)]
 struct Position {
     block: Option<usize>,
-    step: usize,
 }
 
 /// What a worker loop writes into besides its worker.
@@ -1093,7 +1094,6 @@ where
     let beat = state.beat;
 
     for step in start_step..context.total_steps {
-        state.position.step = step;
         state.position.block = None;
         beat.step.store(step, Ordering::SeqCst);
         beat.beat();

@@ -74,54 +74,25 @@ where
         .map(|(k, (m, spec))| BlockTrainer::new(k, spec, m.fork(device), optimizer, total))
         .collect();
     let mut log = StitchedLog { steps: total, ..Default::default() };
+    let mut order = Vec::new();
     for step in 0..total {
         let epoch = step / per_epoch;
-        let base = (step % per_epoch) * settings.batch_size;
-        // A different order from the blockwise epochs', still fixed by the seed.
-        let order = epoch_order(data.len(), settings.seed ^ 0x5717_c4ed, epoch);
-        let input = data.batch(&order[base..base + settings.batch_size], device);
-        let log_this = step % settings.log_every == 0 || step + 1 == total;
-        if through_blocks {
-            let losses = end_to_end_step(teacher, &mut trainers, input)?;
-            for (k, (&loss, trainer)) in losses.iter().zip(&trainers).enumerate() {
-                if log_this {
-                    let lr = trainer.lr_at(trainer.step.saturating_sub(1));
-                    log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });
-                }
-            }
-            observer(&Progress {
-                phase: 0,
-                phases: 1,
-                epoch,
-                epochs,
-                step_in_epoch: step % per_epoch,
-                steps_per_epoch: per_epoch,
-                losses,
-            });
-            continue;
+        if step % per_epoch == 0 {
+            // A different order from the blockwise epochs', still fixed by the seed.
+            order = epoch_order(data.len(), settings.seed ^ 0x5717_c4ed, epoch);
         }
-        let mut teacher_x = input.clone();
-        let mut student_x = input;
-        let mut losses = Vec::with_capacity(trainers.len());
-        for (k, trainer) in trainers.iter_mut().enumerate() {
-            let target = teacher.blocks[k].forward(teacher_x).map_err(|e| relabel(e, k + 1))?;
-            let next = match trainer.module() {
-                Some(module) => {
-                    Some(module.valid().forward(student_x.clone()).map_err(|e| relabel(e, k + 1))?)
-                }
-                None => None,
-            };
-            let lr = trainer.current_lr();
-            let loss = trainer.step(student_x, target.clone())?;
-            if log_this {
+        let base = (step % per_epoch) * settings.batch_size;
+        let input = data.batch(&order[base..base + settings.batch_size], device);
+        let lrs: Vec<f64> = trainers.iter().map(|t| t.current_lr()).collect();
+        let losses = if through_blocks {
+            end_to_end_step(teacher, &mut trainers, input)?
+        } else {
+            local_step(teacher, &mut trainers, input)?
+        };
+        if step % settings.log_every == 0 || step + 1 == total {
+            for (k, (&loss, &lr)) in losses.iter().zip(&lrs).enumerate() {
                 log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });
             }
-            losses.push(loss);
-            teacher_x = target;
-            student_x = match next {
-                Some(x) => x,
-                None => break,
-            };
         }
         observer(&Progress {
             phase: 0,
@@ -137,6 +108,37 @@ where
     log.seconds = start.elapsed().as_secs_f64();
     let modules: Vec<S> = trainers.into_iter().filter_map(|t| t.into_module()).collect();
     Ok((Students::new(modules, specs.clone(), &specs)?, log))
+}
+
+/// One step with each block's gradient stopped at its input: block k
+/// learns from the (detached) stitched output of blocks 1..k-1. Returns the
+/// per-block losses.
+fn local_step<B, T, S>(
+    teacher: &Teacher<B::InnerBackend, T>,
+    trainers: &mut [BlockTrainer<B, S>],
+    input: Activation<B::InnerBackend>,
+) -> Result<Vec<f32>>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let mut teacher_x = input.clone();
+    let mut student_x = input;
+    let mut losses = Vec::with_capacity(trainers.len());
+    for (k, trainer) in trainers.iter_mut().enumerate() {
+        let block = k + 1;
+        let target = teacher.blocks[k].forward(teacher_x).map_err(|e| relabel(e, block))?;
+        // The block's output before its step is the next block's input.
+        let next = match trainer.module() {
+            Some(module) => module.valid().forward(student_x.clone()).map_err(|e| relabel(e, block))?,
+            None => student_x.clone(),
+        };
+        losses.push(trainer.step(student_x, target.clone())?);
+        teacher_x = target;
+        student_x = next;
+    }
+    Ok(losses)
 }
 
 /// One step with gradients through the stitched chain: the sum of every

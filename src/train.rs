@@ -87,11 +87,6 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         self.lr.at(self.step)
     }
 
-    /// Learning rate at zero-based step `step` of this block's plan.
-    pub fn lr_at(&self, step: usize) -> f64 {
-        self.lr.at(step)
-    }
-
     /// One distillation step on a whole batch: [`Self::compute_grads`] then
     /// [`Self::apply`]. Returns the loss.
     pub fn step(
