@@ -8,15 +8,16 @@ use std::time::Instant;
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
-use crate::block::Students;
+use pipebd_core::Students;
 use crate::config::RunConfig;
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::planner::CostTable;
 use crate::profile::{reset_peak_resident, resident_bytes};
-use crate::report::write_atomic;
-use crate::run::{dispatch, plan_from_candidate, preflight, BackendJob, AUTO};
-use crate::runtime::{concurrent_workers, threads_per_worker, train_plan, RuntimeOptions};
+use crate::fsio::write_atomic;
+use crate::plan::Schedule;
+use crate::run::{dispatch, plan_from_candidate, preflight, BackendJob};
+use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeOptions};
 use crate::simulate::simulate_shared;
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
@@ -194,8 +195,11 @@ impl BackendJob for BenchJob<'_> {
             reset_peak_resident();
             let start = Instant::now();
             let fresh = copy_students(&students)?;
-            let out =
-                train_plan(plan, &teacher, fresh, data.as_ref(), &settings, devices, &options, &mut |_| {})?;
+            let out = Distillation::new(&teacher, fresh, data.as_ref())
+                .settings(settings.clone())
+                .devices(devices.to_vec())
+                .options(options.clone())
+                .run(plan)?;
             let seconds = start.elapsed().as_secs_f64();
             let idle = out.workers.iter().map(|w| w.idle_fraction).collect();
             Ok((seconds, out.spans, idle, resident_bytes("VmHWM:")))
@@ -218,10 +222,10 @@ impl BackendJob for BenchJob<'_> {
             .schedules
             .iter()
             .map(|name| {
-                if name == AUTO {
+                if name == Schedule::Auto.name() {
                     let best = crate::planner::plan(costs, slots, config.runtime.memory_per_device, 1);
                     let best = best.first().ok_or_else(|| Error::Plan {
-                        plan: AUTO.into(),
+                        plan: Schedule::Auto.name().into(),
                         message: "no feasible plan for the profiled costs".into(),
                     })?;
                     return plan_from_candidate(best, blocks, slots);
@@ -241,7 +245,7 @@ impl BackendJob for BenchJob<'_> {
                     })
             })
             .collect::<Result<Vec<_>>>()?;
-        let dp_index = plans.iter().position(|p| p.name == "dp");
+        let dp_index = plans.iter().position(|p| p.name == Schedule::Dp.name());
         let cost_model: Vec<f64> = plans.iter().map(|p| cost_model_step_seconds(p, &block_costs)).collect();
 
         let mut rows = Vec::new();
@@ -292,5 +296,5 @@ fn copy_students<B: DistillBackend>(
     students: &Students<B, pipebd_students::StudentBlock<B>>,
 ) -> Result<Students<B, pipebd_students::StudentBlock<B>>> {
     let blocks = students.blocks.iter().map(detached_copy).collect();
-    Students::new(blocks, students.specs.clone(), &students.specs)
+    Ok(Students::new(blocks, students.specs.clone(), &students.specs)?)
 }

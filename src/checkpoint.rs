@@ -32,7 +32,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::report::write_synced;
+use crate::fsio::{sync_dir, write_synced};
 use crate::train::TrainerState;
 
 /// Version of the on-disk format.
@@ -106,13 +106,6 @@ fn step_name(step: usize) -> String {
 
 fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn sync_dir(dir: &Path) {
-    // Makes a rename durable; not every platform can open a folder, so best effort.
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
 }
 
 /// A pause injected into the middle of a write (tests kill the process there).

@@ -10,6 +10,9 @@ use pipebd_students::StudentBlockConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::optim::OptimizerConfig;
+use crate::stitch::StitchedGradients;
+use pipebd_core::Schedule;
 
 /// A whole run: data, teacher, students, training and where to run it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -94,7 +97,7 @@ fn default_device() -> String {
     "cpu".into()
 }
 fn default_schedule() -> String {
-    "ideal".into()
+    Schedule::Ideal.name().into()
 }
 
 /// Pipeline runtime knobs (none changes the mathematics).
@@ -265,94 +268,19 @@ pub struct TrainConfig {
     /// gradient stops at its input, as in blockwise training).
     #[serde(default)]
     pub stitched_gradients: StitchedGradients,
+    /// Softmax temperature of the soft-target cross-entropy of logits
+    /// blocks (default 1). Both logits are divided by it and the loss is
+    /// multiplied by its square.
+    #[serde(default = "default_temperature")]
+    pub temperature: f64,
 }
 
-/// How gradients flow in the stitched passes (`train.stitched_gradients`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum StitchedGradients {
-    /// Through the whole stitched chain.
-    #[default]
-    EndToEnd,
-    /// Stopped at every block's input.
-    Local,
-}
-
-impl StitchedGradients {
-    /// The name used in configs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::EndToEnd => "end-to-end",
-            Self::Local => "local",
-        }
-    }
+fn default_temperature() -> f64 {
+    1.0
 }
 
 fn default_log_every() -> usize {
     10
-}
-
-/// Optimizer family.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum OptimizerKind {
-    /// SGD with (optionally Nesterov) momentum and weight decay.
-    Sgd,
-    /// Adam.
-    Adam,
-}
-
-/// Learning-rate schedule over the optimizer steps of a block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum LrSchedule {
-    /// The same rate for every step.
-    Constant,
-    /// Cosine decay from `lr` to `min_lr` over all steps.
-    Cosine,
-}
-
-/// Per-block optimizer settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OptimizerConfig {
-    /// `sgd` or `adam`.
-    pub kind: OptimizerKind,
-    /// Peak learning rate.
-    pub lr: f64,
-    /// Final learning rate of the cosine schedule.
-    #[serde(default)]
-    pub min_lr: f64,
-    /// `cosine` (default) or `constant`.
-    #[serde(default = "default_lr_schedule")]
-    pub schedule: LrSchedule,
-    /// SGD momentum (default 0.9).
-    #[serde(default = "default_momentum")]
-    pub momentum: f64,
-    /// Nesterov momentum for SGD (default true).
-    #[serde(default = "default_true")]
-    pub nesterov: bool,
-    /// L2 weight decay (default 0).
-    #[serde(default)]
-    pub weight_decay: f64,
-    /// Adam's epsilon (default 1e-5, burn's). Per-element MSE losses over
-    /// wide activations have tiny gradients; below about 1e-5 they are
-    /// damped by this term, so token-state students use 1e-8 (PyTorch's).
-    #[serde(default = "default_epsilon")]
-    pub epsilon: f64,
-}
-
-fn default_epsilon() -> f64 {
-    1e-5
-}
-fn default_lr_schedule() -> LrSchedule {
-    LrSchedule::Cosine
-}
-fn default_momentum() -> f64 {
-    0.9
-}
-fn default_true() -> bool {
-    true
 }
 
 impl RunConfig {
@@ -393,36 +321,17 @@ impl RunConfig {
         if self.train.log_every == 0 {
             return fail("train", "log_every", "must be at least 1".into());
         }
-        if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
-            return fail("optimizer", "lr", format!("must be a positive number, got {}", self.optimizer.lr));
+        if let Err((key, message)) = validate_optimizer(&self.optimizer) {
+            return fail("optimizer", key, message);
         }
-        if !(0.0..=self.optimizer.lr).contains(&self.optimizer.min_lr) {
-            return fail(
-                "optimizer",
-                "min_lr",
-                format!("must be between 0 and lr ({}), got {}", self.optimizer.lr, self.optimizer.min_lr),
-            );
+        if !(self.train.temperature > 0.0 && self.train.temperature.is_finite()) {
+            let message = format!("must be a positive number, got {}", self.train.temperature);
+            return fail("train", "temperature", message);
         }
-        if !(0.0..1.0).contains(&self.optimizer.momentum) {
-            return fail(
-                "optimizer",
-                "momentum",
-                format!("must be in [0, 1), got {}", self.optimizer.momentum),
-            );
-        }
-        if !(self.optimizer.epsilon > 0.0 && self.optimizer.epsilon.is_finite()) {
-            return fail(
-                "optimizer",
-                "epsilon",
-                format!("must be a positive number, got {}", self.optimizer.epsilon),
-            );
-        }
-        if self.optimizer.weight_decay < 0.0 {
-            return fail(
-                "optimizer",
-                "weight_decay",
-                format!("must not be negative, got {}", self.optimizer.weight_decay),
-            );
+        for (key, limit) in [("train_limit", self.data.train_limit), ("test_limit", self.data.test_limit)] {
+            if limit == Some(0) {
+                return fail("data", key, "must be at least 1 (leave it out to use every sample)".into());
+            }
         }
         if !["mnist", "brown"].contains(&self.data.dataset.as_str()) {
             return fail(
@@ -462,6 +371,13 @@ impl RunConfig {
                     format!("must be in (0, 1), got {}", probe.test_fraction),
                 );
             }
+            if probe.limit == Some(0) {
+                return fail(
+                    "data.probe",
+                    "limit",
+                    "must be at least 1 (leave it out to use every email)".into(),
+                );
+            }
         }
         if let Some(groups) = &self.teacher.layers_per_block {
             let layers = pipebd_teachers::minilm::LAYERS;
@@ -473,18 +389,11 @@ impl RunConfig {
                 );
             }
         }
-        if !crate::plan::SCHEDULES.contains(&self.schedule.as_str()) {
-            return fail(
-                "",
-                "schedule",
-                format!(
-                    "unknown schedule `{}`: expected one of {}",
-                    self.schedule,
-                    crate::plan::SCHEDULES.join(", ")
-                ),
-            );
-        }
-        if self.schedule == "hybrid" && self.stages.is_empty() {
+        let schedule = match Schedule::parse(&self.schedule) {
+            Ok(schedule) => schedule,
+            Err(e) => return fail("", "schedule", e.0),
+        };
+        if schedule == Schedule::Hybrid && self.stages.is_empty() {
             return fail(
                 "",
                 "schedule",
@@ -511,6 +420,24 @@ impl RunConfig {
         }
         if self.students.is_empty() {
             return fail("", "students", "at least one [[students]] block is required".into());
+        }
+        let teacher_blocks = if self.data.is_text() {
+            self.teacher.layers_per_block.as_ref().map_or(pipebd_teachers::minilm::LAYERS, Vec::len)
+        } else {
+            pipebd_teachers::mnist_cnn::block_output_shapes().len()
+        };
+        if self.students.len() != teacher_blocks {
+            return Err(Error::Config {
+                path: path.to_path_buf(),
+                line: find_key_line(text, "students", ""),
+                field: Some("students".into()),
+                message: format!(
+                    "the teacher `{}` has {teacher_blocks} blocks but {} student blocks are configured: \
+                     give one [[students]] entry per teacher block",
+                    self.teacher.kind,
+                    self.students.len()
+                ),
+            });
         }
         if let Some(lr) = self.train.stitched_lr {
             if !(lr > 0.0 && lr.is_finite()) {
@@ -554,20 +481,60 @@ impl RunConfig {
     }
 
     /// The training settings as the runtime takes them.
-    pub fn train_settings(&self) -> crate::runtime::TrainSettings {
-        crate::runtime::TrainSettings {
+    pub fn train_settings(&self) -> crate::train::TrainSettings {
+        crate::train::TrainSettings {
             epochs: self.train.epochs,
             batch_size: self.train.batch_size,
             seed: self.seed,
             log_every: self.train.log_every,
             optimizer: self.optimizer.clone(),
+            temperature: self.train.temperature,
         }
+    }
+
+    /// The configured schedule (checked by [`RunConfig::parse`]; an error
+    /// naming the field for a config built in code with a bad name).
+    pub fn schedule(&self) -> Result<Schedule> {
+        Schedule::parse(&self.schedule).map_err(|e| Error::Config {
+            path: PathBuf::from("<memory>"),
+            line: None,
+            field: Some("schedule".into()),
+            message: e.0,
+        })
     }
 
     /// The config as TOML text (what a report echoes back).
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_default()
     }
+}
+
+/// Checks the optimizer's numbers: every one finite, the rates positive,
+/// `min_lr` within `[0, lr]`, `momentum` within `[0, 1)`, `weight_decay` not
+/// negative. On failure, the key within `[optimizer]` and what is wrong.
+fn validate_optimizer(optimizer: &OptimizerConfig) -> std::result::Result<(), (&'static str, String)> {
+    let positive = |x: f64| x > 0.0 && x.is_finite();
+    if !positive(optimizer.lr) {
+        return Err(("lr", format!("must be a positive number, got {}", optimizer.lr)));
+    }
+    // The range excludes NaN and (lr being finite) infinity.
+    if !(0.0..=optimizer.lr).contains(&optimizer.min_lr) {
+        return Err((
+            "min_lr",
+            format!("must be a number between 0 and lr ({}), got {}", optimizer.lr, optimizer.min_lr),
+        ));
+    }
+    if !(0.0..1.0).contains(&optimizer.momentum) {
+        return Err(("momentum", format!("must be a number in [0, 1), got {}", optimizer.momentum)));
+    }
+    if !positive(optimizer.epsilon) {
+        return Err(("epsilon", format!("must be a positive number, got {}", optimizer.epsilon)));
+    }
+    if !(optimizer.weight_decay >= 0.0 && optimizer.weight_decay.is_finite()) {
+        let message = format!("must be 0 or a positive number, got {}", optimizer.weight_decay);
+        return Err(("weight_decay", message));
+    }
+    Ok(())
 }
 
 /// Turns a TOML parse error into an [`Error::Config`] with line and field.

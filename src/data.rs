@@ -1,4 +1,4 @@
-//! Datasets: the [`Dataset`] trait the runtime draws batches from, the IDX
+//! Datasets: MNIST as a [`Dataset`] (the trait is `pipebd-core`'s), the IDX
 //! reader and MNIST splits, and seeded batch order. Text corpora are in
 //! [`crate::text`].
 //!
@@ -13,34 +13,22 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use crate::block::Activation;
+use pipebd_core::{Activation, Dataset};
+
 use crate::error::{Error, Result};
-
-/// Training samples as the runtime sees them: a length, and the first
-/// block's input for any set of sample indices.
-///
-/// Implement this for your own data to train custom teachers through
-/// [`crate::runtime::train_plan`].
-pub trait Dataset<B: Backend>: Send + Sync {
-    /// Number of samples.
-    fn len(&self) -> usize;
-
-    /// True when there are no samples.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The first block's input for samples `indices`, on `device`.
-    fn batch(&self, indices: &[usize], device: &B::Device) -> Activation<B>;
-}
 
 impl<B: Backend> Dataset<B> for ImageDataset {
     fn len(&self) -> usize {
         self.labels.len()
     }
 
-    fn batch(&self, indices: &[usize], device: &B::Device) -> Activation<B> {
-        Activation::Maps(self.images(indices, device))
+    fn batch(&self, indices: &[usize], device: &B::Device) -> pipebd_core::Result<Activation<B>> {
+        if let Some(i) = indices.iter().find(|&&i| i >= self.len()) {
+            return Err(pipebd_core::Error::Data {
+                message: format!("image {i} requested, but there are {}", self.len()),
+            });
+        }
+        Ok(Activation::Maps(self.images(indices, device)))
     }
 }
 
@@ -64,14 +52,18 @@ pub(crate) fn data_error(path: &Path, message: impl Into<String>) -> Error {
     Error::Data { path: path.to_path_buf(), message: message.into() }
 }
 
+/// The error for a data file that cannot be opened or read: missing files
+/// point to the setup script.
+fn open_error(path: &Path, e: std::io::Error) -> Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        data_error(path, "not found (run scripts/setup-data.sh, or fix `data.dir` in the config)")
+    } else {
+        data_error(path, format!("cannot read: {e}"))
+    }
+}
+
 fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            data_error(path, "not found (run scripts/setup-data.sh, or fix `data.dir` in the config)")
-        } else {
-            Error::io("reading", path, e)
-        }
-    })
+    std::fs::read(path).map_err(|e| open_error(path, e))
 }
 
 fn header(path: &Path, bytes: &[u8], words: usize) -> Result<Vec<u32>> {
@@ -102,13 +94,26 @@ fn check_length(path: &Path, actual: usize, expected: usize) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of a `u8` IDX file whose header holds the magic number and `dims`:
+/// the header plus the product of the dimensions. A crafted header whose
+/// size does not fit in memory is reported as corrupt, not multiplied blindly.
+fn idx_length(path: &Path, dims: &[u32]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d as usize))
+        .and_then(|n| n.checked_add(4 * (1 + dims.len())))
+        .ok_or_else(|| {
+            let message = format!("corrupt header: dimensions {dims:?} announce more bytes than can exist");
+            data_error(path, message)
+        })
+}
+
 /// Reads an uncompressed IDX3 image file (`*-images-idx3-ubyte`).
 pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
     let bytes = read_file(path)?;
     check_magic(path, header(path, &bytes, 1)?[0], IMAGES_MAGIC, "image (idx3, u8)")?;
     let h = header(path, &bytes, 4)?;
+    check_length(path, bytes.len(), idx_length(path, &h[1..])?)?;
     let (count, rows, cols) = (h[1] as usize, h[2] as usize, h[3] as usize);
-    check_length(path, bytes.len(), 16 + count * rows * cols)?;
     Ok(IdxImages { count, rows, cols, pixels: bytes[16..].to_vec() })
 }
 
@@ -119,13 +124,53 @@ pub fn read_idx_labels(path: &Path, classes: u8) -> Result<Vec<u8>> {
     let bytes = read_file(path)?;
     check_magic(path, header(path, &bytes, 1)?[0], LABELS_MAGIC, "label (idx1, u8)")?;
     let h = header(path, &bytes, 2)?;
-    let count = h[1] as usize;
-    check_length(path, bytes.len(), 8 + count)?;
+    check_length(path, bytes.len(), idx_length(path, &h[1..])?)?;
     let labels = bytes[8..].to_vec();
     if let Some((i, bad)) = labels.iter().enumerate().find(|(_, &l)| l >= classes) {
         return Err(data_error(path, format!("label {bad} at index {i} is not below {classes}")));
     }
     Ok(labels)
+}
+
+/// Reads only the header of an IDX file: checks its magic number and that
+/// the file is as long as the header announces. Returns the item count.
+fn check_idx_file(path: &Path, magic: u32, dims: usize, what: &str) -> Result<usize> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| open_error(path, e))?;
+    let size = file.metadata().map_err(|e| open_error(path, e))?.len();
+    let words = 1 + dims;
+    let mut bytes = Vec::with_capacity(4 * words);
+    file.take(4 * words as u64).read_to_end(&mut bytes).map_err(|e| open_error(path, e))?;
+    check_magic(path, header(path, &bytes, 1)?[0], magic, what)?;
+    let h = header(path, &bytes, words)?;
+    let size = usize::try_from(size).unwrap_or(usize::MAX);
+    check_length(path, size, idx_length(path, &h[1..])?)?;
+    Ok(h[1] as usize)
+}
+
+/// Checks the four MNIST files in `dir` without reading their pixels: each
+/// is there, has the right magic number and is as long as its header says,
+/// and each split has as many labels as images. What `pipebd check` runs.
+pub fn check_mnist_files(dir: &Path) -> Result<()> {
+    if !dir.is_dir() {
+        return Err(data_error(
+            dir,
+            "folder not found (run scripts/setup-data.sh, or fix `data.dir` in the config)",
+        ));
+    }
+    for prefix in ["train", "t10k"] {
+        let images = dir.join(format!("{prefix}-images-idx3-ubyte"));
+        let labels = dir.join(format!("{prefix}-labels-idx1-ubyte"));
+        let image_count = check_idx_file(&images, IMAGES_MAGIC, 3, "image (idx3, u8)")?;
+        let label_count = check_idx_file(&labels, LABELS_MAGIC, 1, "label (idx1, u8)")?;
+        if image_count != label_count {
+            return Err(data_error(
+                &labels,
+                format!("{label_count} labels for {image_count} images in {}", images.display()),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Which half of a dataset.

@@ -48,6 +48,20 @@ pub enum Error {
         /// The teacher's per-sample shape.
         teacher: Vec<usize>,
     },
+    /// The teacher and the students have different numbers of blocks.
+    #[error("the teacher has {teacher} blocks but {students} student blocks are configured")]
+    BlockCount {
+        /// Student blocks.
+        students: usize,
+        /// Teacher blocks.
+        teacher: usize,
+    },
+    /// A data set could not produce a batch.
+    #[error("data set: {message}")]
+    Dataset {
+        /// What went wrong.
+        message: String,
+    },
     /// A block received an activation it cannot process.
     #[error("block {block}: {message}")]
     Block {
@@ -151,19 +165,22 @@ pub enum Error {
 }
 
 impl Error {
-    /// True when the error is the user's input (config, data paths, shapes,
-    /// device): the CLI exits with code 2 for those, 1 for the rest.
+    /// True when the error is the user's input (config, data paths, teacher
+    /// weights, shapes, device): the CLI exits with code 2 for those, 1 for
+    /// the rest.
     pub fn is_user_error(&self) -> bool {
         matches!(
             self,
             Error::Config { .. }
                 | Error::Plan { .. }
                 | Error::ShapeMismatch { .. }
+                | Error::BlockCount { .. }
                 | Error::Device { .. }
                 | Error::Student(_)
                 | Error::Data { .. }
                 | Error::Checkpoint { .. }
-                | Error::Teacher(pipebd_teachers::TeacherError::MissingWeights { .. })
+                // Missing, unreadable or not-a-checkpoint weight and tokenizer files.
+                | Error::Teacher(_)
         )
     }
 
@@ -186,6 +203,37 @@ impl Error {
     pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { action, path: path.into(), source }
     }
+}
+
+impl From<pipebd_core::Error> for Error {
+    /// The block API's errors, as the engine's own variants.
+    fn from(error: pipebd_core::Error) -> Self {
+        use pipebd_core::Error as Core;
+        match error {
+            Core::Block { block, message } => Error::Block { block, message },
+            Core::ShapeMismatch { block, what, student, teacher } => {
+                Error::ShapeMismatch { block, what, student, teacher }
+            }
+            Core::BlockCount { students, teacher } => Error::BlockCount { students, teacher },
+            Core::Data { message } => Error::Dataset { message },
+        }
+    }
+}
+
+impl Error {
+    /// Puts `block` (one-based) on a block error raised without a number.
+    pub fn at_block(self, block: usize) -> Self {
+        match self {
+            Error::Block { block: 0, message } => Error::Block { block, message },
+            other => other,
+        }
+    }
+}
+
+/// Puts the right block number on a block error raised with `block: 0`
+/// (by the engine or by a block through `pipebd-core`).
+pub(crate) fn relabel(error: impl Into<Error>, block: usize) -> Error {
+    error.into().at_block(block)
 }
 
 /// The message of a caught panic (`&str` or `String` payloads).

@@ -5,11 +5,17 @@
 //! teacher's own input to that block. The shape of the engine is
 //! **data -> blocks -> schedule -> runtime -> report**:
 //!
+//! The block API comes from `pipebd-core` and is re-exported here
+//! ([`Activation`], [`Block`], [`BlockSpec`], [`Teacher`], [`Students`],
+//! [`Dataset`], [`Plan`], and the backend traits [`FusedBackend`] and
+//! [`DistillBackend`]), so a user's crate needs only `pipe-bd` and `burn`.
+//! Train your own blocks with [`runtime::Distillation`]; see
+//! `examples/` and `ARCHITECTURE.md`.
+//!
 //! - [`data`]: datasets and seeded batching,
-//! - [`block`]: the block API ([`block::Block`], [`block::Activation`],
-//!   [`block::BlockSpec`], [`block::Teacher`], [`block::Students`]),
-//! - [`zoo`]: the built-in teachers and students behind that API,
-//! - [`train`]: per-block optimizer steps and the schedules,
+//! - [`zoo`]: the built-in teachers and students, from config sections,
+//! - [`train`]: one block's optimizer step, its settings, the stitched pass,
+//! - [`runtime`]: the one interpreter of plans,
 //! - [`run`]: a whole job from a [`config::RunConfig`],
 //! - [`report`]: `report.json` and `metrics.csv`.
 //!
@@ -24,19 +30,18 @@
 #![warn(missing_docs)]
 
 pub mod bench;
-pub mod block;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod fsio;
 pub mod fault;
 pub mod optim;
-pub mod plan;
+pub use pipebd_core::plan;
 pub mod planner;
 pub mod plot;
 pub mod profile;
-pub mod recovery;
 pub mod report;
 pub mod run;
 pub mod runtime;
@@ -49,3 +54,10 @@ pub mod train;
 pub mod zoo;
 
 pub use error::{Error, Result};
+pub use pipebd_core::{
+    Error as BlockError, Result as BlockResult,
+};
+pub use pipebd_core::{
+    flat_parameters, forward_chain, Activation, Block, BlockSpec, Dataset, DistillBackend, FusedBackend, Loss,
+    LossKind, Phase, Plan, Schedule, Stage, StageSpec, StudentModule, Students, Teacher,
+};

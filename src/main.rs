@@ -25,7 +25,8 @@ enum Command {
         /// The run config, e.g. experiments/mnist-cnn.toml.
         config: PathBuf,
         /// Folder that receives report.json, metrics.csv, the student weights
-        /// and checkpoints/ (default: the --resume folder, else runs/latest).
+        /// and checkpoints/ (default: the --resume folder, else runs/latest);
+        /// created if missing, and must not be a file.
         #[arg(long)]
         out: Option<PathBuf>,
         /// Continue the run saved in this folder from the newest complete
@@ -134,7 +135,8 @@ enum Command {
         #[arg(long)]
         verbose: bool,
     },
-    /// Check a config (syntax, fields, student shapes, device) without running it.
+    /// Check a config without running it: syntax, fields, student shapes,
+    /// device, and that the data files and teacher weights are there and load.
     Check {
         /// The run config.
         config: PathBuf,
@@ -183,13 +185,8 @@ fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
         config.devices = Some(devices);
     }
     if let Some(schedule) = overrides.schedule {
-        if !pipe_bd::plan::SCHEDULES.contains(&schedule.as_str()) {
-            let expected = pipe_bd::plan::SCHEDULES.join(", ");
-            return Err(flag_error(
-                "--schedule",
-                "schedule",
-                format!("unknown schedule `{schedule}`: expected one of {expected}"),
-            ));
+        if let Err(e) = pipe_bd::plan::Schedule::parse(&schedule) {
+            return Err(flag_error("--schedule", "schedule", e.0));
         }
         config.schedule = schedule;
     }
@@ -209,7 +206,7 @@ fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
 }
 
 /// Resume and failure lines after a run.
-fn print_resilience(log: &pipe_bd::recovery::ResilienceLog) {
+fn print_resilience(log: &pipe_bd::runtime::recovery::ResilienceLog) {
     for r in &log.resumed {
         let from = match &r.checkpoint {
             Some(path) => format!("step {} ({})", r.step, path.display()),
@@ -421,7 +418,7 @@ fn execute(command: Command) -> Result<(), Error> {
                     source: e,
                 })?;
             }
-            pipe_bd::report::write_atomic(&out, text.as_bytes())?;
+            pipe_bd::fsio::write_atomic(&out, text.as_bytes())?;
             println!("wrote {}", out.display());
             Ok(())
         }

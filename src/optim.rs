@@ -8,7 +8,87 @@ use burn::optim::{Adam, AdamConfig, GradientsParams, MultiGradientsParams, Optim
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder, RecorderError};
 use pipebd_kernels::DistillBackend;
 
-use crate::config::{LrSchedule, OptimizerConfig, OptimizerKind};
+use serde::{Deserialize, Serialize};
+
+/// Optimizer family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerKind {
+    /// SGD with (optionally Nesterov) momentum and weight decay.
+    Sgd,
+    /// Adam.
+    Adam,
+}
+
+/// Learning-rate schedule over the optimizer steps of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LrSchedule {
+    /// The same rate for every step.
+    Constant,
+    /// Cosine decay from `lr` to `min_lr` over all steps.
+    Cosine,
+}
+
+/// Per-block optimizer settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// `sgd` or `adam`.
+    pub kind: OptimizerKind,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine schedule.
+    #[serde(default)]
+    pub min_lr: f64,
+    /// `cosine` (default) or `constant`.
+    #[serde(default = "default_lr_schedule")]
+    pub schedule: LrSchedule,
+    /// SGD momentum (default 0.9).
+    #[serde(default = "default_momentum")]
+    pub momentum: f64,
+    /// Nesterov momentum for SGD (default true).
+    #[serde(default = "default_true")]
+    pub nesterov: bool,
+    /// L2 weight decay (default 0).
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Adam's epsilon (default 1e-5, burn's). Per-element MSE losses over
+    /// wide activations have tiny gradients; below about 1e-5 they are
+    /// damped by this term, so token-state students use 1e-8 (PyTorch's).
+    #[serde(default = "default_epsilon")]
+    pub epsilon: f64,
+}
+
+fn default_epsilon() -> f64 {
+    1e-5
+}
+fn default_lr_schedule() -> LrSchedule {
+    LrSchedule::Cosine
+}
+fn default_momentum() -> f64 {
+    0.9
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for OptimizerConfig {
+    /// Adam at 0.002 with cosine decay to 0 and epsilon 1e-5: the
+    /// quickstart's settings.
+    fn default() -> Self {
+        Self {
+            kind: OptimizerKind::Adam,
+            lr: 0.002,
+            min_lr: 0.0,
+            schedule: default_lr_schedule(),
+            momentum: default_momentum(),
+            nesterov: true,
+            weight_decay: 0.0,
+            epsilon: default_epsilon(),
+        }
+    }
+}
 
 /// The optimizer of one student block.
 #[derive(Clone)]

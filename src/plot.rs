@@ -71,7 +71,7 @@ pub fn draw_sweep(path: &Path, rows: &[Row], keys: &[String], x: &str) -> Result
         throughput.entry(label(row)).or_default().push((px, row.samples_per_second));
         if let Some(si) = schedule {
             let baseline = rows.iter().find(|r| {
-                r.values[si] == "dp"
+                r.values[si] == pipebd_core::Schedule::Dp.name()
                     && r.values.iter().enumerate().all(|(i, v)| i == si || *v == row.values[i])
             });
             if let Some(dp) = baseline {

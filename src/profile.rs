@@ -17,12 +17,12 @@ use std::time::Instant;
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
-use crate::block::{Activation, Block};
+use pipebd_core::{Activation, Block};
 use crate::config::RunConfig;
 use crate::data::epoch_order;
 use crate::error::{Error, Result};
 use crate::planner::CostTable;
-use crate::report::write_atomic;
+use crate::fsio::write_atomic;
 use crate::run::{dispatch, preflight, BackendJob};
 use crate::runtime::{concurrent_workers, threads_per_worker};
 use crate::train::{detached_copy, BlockTrainer};
@@ -247,7 +247,7 @@ impl ProfileJob<'_> {
     fn measure_block<
         B: DistillBackend,
         T: Block<B::InnerBackend> + Sync,
-        S: crate::block::StudentModule<B>,
+        S: pipebd_core::StudentModule<B>,
     >(
         &self,
         g: usize,
@@ -305,9 +305,9 @@ impl BackendJob for ProfileJob<'_> {
             let row = (|| -> Result<Vec<Entry>> {
                 let mut row = Vec::with_capacity(blocks);
                 let indices = &order[..share.min(order.len())];
-                let mut x = data.batch(indices, device);
+                let mut x = data.batch(indices, device)?;
                 let load = time_repeated(|| {
-                    sync(data.batch(indices, device));
+                    sync(data.batch(indices, device)?);
                     Ok(())
                 });
                 for k in 0..blocks {
@@ -387,7 +387,7 @@ impl BackendJob for ProfileJob<'_> {
 
 /// Times only the optimizer update of a step that sums `g` gradient sets
 /// (the backward passes that produce them are not timed).
-fn time_update<B: DistillBackend, S: crate::block::StudentModule<B>>(
+fn time_update<B: DistillBackend, S: pipebd_core::StudentModule<B>>(
     trainer: &mut BlockTrainer<B, S>,
     input: &Activation<B::InnerBackend>,
     target: &Activation<B::InnerBackend>,

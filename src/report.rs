@@ -1,7 +1,6 @@
 //! What a run measured, written where the user can find it: `report.json`
 //! and `metrics.csv` in the run's output folder.
 
-use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -43,7 +42,7 @@ pub struct StitchedReport {
     /// Passes over the data.
     pub epochs: usize,
     /// Through the stitched chain or stopped at each block.
-    pub gradients: crate::config::StitchedGradients,
+    pub gradients: crate::stitch::StitchedGradients,
     /// Optimizer steps per block.
     pub steps: usize,
     /// Peak learning rate.
@@ -62,8 +61,12 @@ pub struct RunReport {
     pub name: String,
     /// Schedule used.
     pub schedule: String,
-    /// The plan: stages per phase, e.g. `{1-2 | 3-4}`.
+    /// The plan the run started with: stages per phase, e.g. `{1-2 | 3-4}`.
     pub plan: String,
+    /// The plan the run ended on: differs from `plan` after a lost device
+    /// was re-routed around or re-planned over (see `resilience`).
+    #[serde(default)]
+    pub final_plan: String,
     /// Device slots used, comma-separated.
     pub device: String,
     /// Top-1 accuracy of the teacher on the test split (text: the spam
@@ -106,24 +109,9 @@ pub struct RunReport {
     pub stitched: Option<StitchedReport>,
     /// Resume, failures survived and checkpoints written.
     #[serde(default)]
-    pub resilience: crate::recovery::ResilienceLog,
+    pub resilience: crate::runtime::recovery::ResilienceLog,
     /// The configuration, echoed back.
     pub config: RunConfig,
-}
-
-/// Writes `contents` to `path` through a temporary file and a rename, so a
-/// crash never leaves a half-written file under the final name.
-pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    write_synced(&tmp, contents)?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io("renaming into", path, e))
-}
-
-/// Writes `contents` to `path` and flushes it to disk before returning.
-pub(crate) fn write_synced(path: &Path, contents: &[u8]) -> Result<()> {
-    let mut file = std::fs::File::create(path).map_err(|e| Error::io("creating", path, e))?;
-    file.write_all(contents).map_err(|e| Error::io("writing", path, e))?;
-    file.sync_all().map_err(|e| Error::io("flushing", path, e))
 }
 
 impl RunReport {
@@ -133,7 +121,7 @@ impl RunReport {
             path: dir.join("report.json"),
             message: format!("cannot serialise the report: {e}"),
         })?;
-        write_atomic(&dir.join("report.json"), json.as_bytes())
+        crate::fsio::write_atomic(&dir.join("report.json"), json.as_bytes())
     }
 
     /// Reads `report.json` from a run folder.
@@ -151,5 +139,5 @@ pub fn write_metrics(dir: &Path, rows: &[MetricRow]) -> Result<()> {
     for r in rows {
         text.push_str(&format!("{},{},{},{},{}\n", r.epoch, r.step, r.block, r.loss, r.lr));
     }
-    write_atomic(&dir.join("metrics.csv"), text.as_bytes())
+    crate::fsio::write_atomic(&dir.join("metrics.csv"), text.as_bytes())
 }

@@ -12,15 +12,16 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use pipebd_kernels::DistillBackend;
 use pipebd_students::StudentBlock;
 
-use crate::block::Block;
-use crate::block::{BlockSpec, Students};
+use pipebd_core::Block;
+use pipebd_core::{BlockSpec, Students};
 use crate::config::RunConfig;
 use crate::device::{parse_slots, DeviceSpec};
 use crate::error::{Error, Result};
-use crate::plan::{flops_cost, Plan, StageSpec};
+use crate::plan::{flops_cost, Plan, Schedule, StageSpec};
 use crate::planner::{Candidate, CostTable};
 use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
-use crate::runtime::{concurrent_workers, threads_per_worker, train_plan};
+use crate::runtime::{concurrent_workers, threads_per_worker, Distillation};
+use crate::stitch::StitchedPass;
 use crate::simulate::simulate_shared;
 use crate::text::{mean_and_min_cosine, sentence_embeddings, ProbeReport, TextReport};
 use crate::trace::write_chrome_trace;
@@ -33,8 +34,9 @@ use crate::zoo::{
 const EVAL_CHUNK: usize = 1000;
 
 /// Checks a config before any heavy work: devices usable, student shapes
-/// matching the teacher's, schedule buildable. Returns the device slots and
-/// the plan (`None` for `schedule = "auto"`, planned from a profile later).
+/// matching the teacher's, schedule buildable, and the files it names there
+/// and readable ([`check_inputs`]). Returns the device slots and the plan
+/// (`None` for `schedule = "auto"`, planned from a profile later).
 pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Option<Plan>)> {
     let slots = config.device_slots();
     let devices =
@@ -47,15 +49,106 @@ pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Option<Plan>)> 
     for (k, student) in config.students.iter().enumerate() {
         crate::zoo::check_teacher_init(k, student)?;
     }
-    if config.schedule == AUTO {
-        return Ok((devices, None));
-    }
-    let plan = plan_for(config, &teacher, &students, devices.len())?;
-    Ok((devices, Some(plan)))
+    let plan = match config.schedule()? {
+        Schedule::Auto => None,
+        _ => Some(plan_for(config, &teacher, &students, devices.len())?),
+    };
+    check_inputs(config)?;
+    Ok((devices, plan))
 }
 
-/// The schedule name that asks for automatic hybrid distribution.
-pub const AUTO: &str = "auto";
+/// Checks that the files a config names are there and what they should be,
+/// without reading what training reads: the MNIST files' headers and sizes
+/// and the MNIST teacher's weights (loaded on the CPU: 1.5 MB), or the
+/// Brown corpus, the probe's folder, MiniLM's safetensors header and its
+/// tokenizer. Every error names the file.
+pub fn check_inputs(config: &RunConfig) -> Result<()> {
+    let data = &config.data;
+    if !data.is_text() {
+        crate::data::check_mnist_files(&data.dir)?;
+        pipebd_teachers::mnist_cnn::MnistCnn::<burn::backend::Flex>::load_pytorch(
+            &config.teacher.weights,
+            &Default::default(),
+        )?;
+        return Ok(());
+    }
+    crate::text::read_brown(&data.dir)?;
+    if let Some(probe) = &data.probe {
+        if !probe.dir.is_dir() {
+            return Err(crate::data::data_error(
+                &probe.dir,
+                "folder not found (run scripts/setup-data.sh, or fix `data.probe.dir` in the config)",
+            ));
+        }
+    }
+    check_safetensors_header(&config.teacher.weights)?;
+    pipebd_teachers::minilm::MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;
+    Ok(())
+}
+
+/// Checks that `path` is laid out as a safetensors file (an 8-byte header
+/// length, a JSON header, tensor data up to the last offset it announces)
+/// without reading the tensors.
+fn check_safetensors_header(path: &Path) -> Result<()> {
+    use pipebd_teachers::TeacherError;
+    use std::io::Read;
+    let bad =
+        |message: String| Error::Teacher(TeacherError::BadWeights { path: path.to_path_buf(), message });
+    if path.is_dir() {
+        return Err(bad("is a folder, expected the `model.safetensors` file".into()));
+    }
+    if !path.is_file() {
+        return Err(Error::Teacher(TeacherError::MissingWeights { path: path.to_path_buf() }));
+    }
+    let mut file = std::fs::File::open(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let size = file.metadata().map_err(|e| bad(format!("cannot read: {e}")))?.len();
+    let not_safetensors = |what: String| bad(format!("not a safetensors file: {what}"));
+    let mut word = [0u8; 8];
+    file.read_exact(&mut word)
+        .map_err(|_| not_safetensors(format!("{size} bytes, too short for the header length")))?;
+    let header_len = u64::from_le_bytes(word);
+    if header_len > size.saturating_sub(8) {
+        return Err(not_safetensors(format!(
+            "the header length {header_len} exceeds the file's {size} bytes"
+        )));
+    }
+    let mut header = Vec::new();
+    file.take(header_len).read_to_end(&mut header).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| not_safetensors(format!("the header is not a JSON object ({e})")))?;
+    let tensors: Vec<&serde_json::Value> =
+        header.iter().filter(|(name, _)| name.as_str() != "__metadata__").map(|(_, t)| t).collect();
+    if tensors.is_empty() {
+        return Err(not_safetensors("the header lists no tensors".into()));
+    }
+    let data_end = tensors
+        .iter()
+        .filter_map(|tensor| tensor.get("data_offsets")?.get(1)?.as_u64())
+        .max()
+        .unwrap_or(0);
+    let needed = header_len.saturating_add(data_end).saturating_add(8);
+    if needed > size {
+        return Err(bad(format!("truncated: the tensors end at byte {needed}, the file has {size}")));
+    }
+    Ok(())
+}
+
+/// Fails, before any work, when the output folder of a run (`--out`), or a
+/// folder it would be created in, is an existing file.
+pub fn check_out_dir(out_dir: &Path) -> Result<()> {
+    let Some(existing) = out_dir.ancestors().find(|p| p.exists()) else {
+        return Ok(());
+    };
+    if existing.is_dir() {
+        return Ok(());
+    }
+    let message = if existing == out_dir {
+        format!("{} is a file, expected a directory", out_dir.display())
+    } else {
+        format!("{}: {} is a file, expected a directory", out_dir.display(), existing.display())
+    };
+    Err(Error::Config { path: "--out".into(), line: None, field: None, message })
+}
 
 /// The plan a config asks for, over `slots` device slots.
 pub fn plan_for(
@@ -115,7 +208,7 @@ pub fn auto_plan(config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<(Plan,
     let blocks = costs.blocks();
     let candidates = crate::planner::plan(&costs, slots, config.runtime.memory_per_device, 3);
     let best = candidates.first().ok_or_else(|| Error::Plan {
-        plan: AUTO.into(),
+        plan: Schedule::Auto.name().into(),
         message: format!(
             "no way to place the {blocks} blocks on {slots} slots fits (memory per device {:?})",
             config.runtime.memory_per_device
@@ -140,8 +233,8 @@ pub fn plan_from_candidate(candidate: &Candidate, blocks: usize, slots: usize) -
         .map(|s| StageSpec { blocks: (s.blocks.start + 1..=s.blocks.end).collect(), replicas: s.replicas })
         .collect();
     let mut plan =
-        Plan::hybrid(&specs, blocks, slots).map_err(|e| Error::Plan { plan: AUTO.into(), message: e.0 })?;
-    plan.name = AUTO.into();
+        Plan::hybrid(&specs, blocks, slots).map_err(|e| Error::Plan { plan: Schedule::Auto.name().into(), message: e.0 })?;
+    plan.name = Schedule::Auto.name().into();
     Ok(plan)
 }
 
@@ -207,6 +300,7 @@ pub fn run(
     options: &RunOptions,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<RunReport> {
+    check_out_dir(out_dir)?;
     let (devices, plan) = preflight(config)?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
     let (plan, costs) = match plan {
@@ -293,16 +387,12 @@ impl BackendJob for Job<'_> {
 
         let runtime = runtime_options_for(config, self.out_dir, self.options, self.costs)?;
         let settings = config.train_settings();
-        let output = train_plan(
-            self.plan,
-            &teacher,
-            students,
-            train.as_ref(),
-            &settings,
-            devices,
-            &runtime,
-            self.observer,
-        )?;
+        let output = Distillation::new(&teacher, students, train.as_ref())
+            .settings(settings.clone())
+            .devices(devices.to_vec())
+            .options(runtime)
+            .observer(&mut *self.observer)
+            .run(self.plan)?;
         let mut log = output.log;
         let (students, stitched) = match config.train.stitched_epochs {
             0 => (output.students, None),
@@ -310,15 +400,18 @@ impl BackendJob for Job<'_> {
                 let mut optimizer = config.optimizer.clone();
                 optimizer.lr = config.train.stitched_lr.unwrap_or(config.optimizer.lr / 3.0);
                 optimizer.min_lr = optimizer.min_lr.min(optimizer.lr);
+                let pass = StitchedPass {
+                    epochs,
+                    optimizer: optimizer.clone(),
+                    first_step: log.steps,
+                    gradients: config.train.stitched_gradients,
+                };
                 let (students, pass) = crate::stitch::stitched_pass(
                     &teacher,
                     output.students,
                     train.as_ref(),
                     &settings,
-                    epochs,
-                    &optimizer,
-                    log.steps,
-                    config.train.stitched_gradients == crate::config::StitchedGradients::EndToEnd,
+                    &pass,
                     device,
                     self.observer,
                 )?;
@@ -370,6 +463,7 @@ impl BackendJob for Job<'_> {
             name: config.name.clone(),
             schedule: self.plan.name.clone(),
             plan: self.plan.describe(),
+            final_plan: output.final_plan.describe(),
             device: config.device_slots().join(","),
             teacher_accuracy: score.teacher_accuracy,
             student_accuracy: score.student_accuracy,

@@ -21,13 +21,15 @@ use pipebd_kernels::DistillBackend;
 
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor};
+use serde::{Deserialize, Serialize};
 
-use crate::block::{block_loss, relabel, Activation, Block, StudentModule, Students, Teacher};
-use crate::config::OptimizerConfig;
-use crate::data::{epoch_order, Dataset};
+use pipebd_core::{Activation, Block, StudentModule, Students, Teacher};
+use crate::error::relabel;
+use crate::optim::OptimizerConfig;
+use crate::data::epoch_order;
+use pipebd_core::Dataset;
 use crate::error::{Error, Result};
-use crate::runtime::TrainSettings;
-use crate::train::{steps_per_epoch, BlockTrainer, MetricRow, Progress};
+use crate::train::{TrainSettings, steps_per_epoch, BlockTrainer, MetricRow, Progress};
 
 /// What the stitched pass did.
 #[derive(Debug, Clone, Default)]
@@ -42,19 +44,61 @@ pub struct StitchedLog {
     pub final_losses: Vec<f32>,
 }
 
-/// Runs `epochs` stitched passes over `data` with the optimizer `optimizer`
-/// (a fresh state per block, cosine schedule over the pass); metric rows
-/// are numbered from `first_step`.
-#[allow(clippy::too_many_arguments)]
+/// How gradients flow in the stitched passes (`train.stitched_gradients`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StitchedGradients {
+    /// Through the whole stitched chain.
+    #[default]
+    EndToEnd,
+    /// Stopped at every block's input.
+    Local,
+}
+
+impl StitchedGradients {
+    /// The name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::EndToEnd => "end-to-end",
+            Self::Local => "local",
+        }
+    }
+}
+
+/// The stitched passes after blockwise training: how many, with which
+/// optimizer, and how gradients flow.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StitchedPass {
+    /// Passes over the data.
+    pub epochs: usize,
+    /// A fresh optimizer per block with these settings (cosine schedule over
+    /// the passes).
+    pub optimizer: OptimizerConfig,
+    /// Metric rows are numbered from this step (the blockwise steps before).
+    pub first_step: usize,
+    /// Through the stitched chain, or stopped at each block's input.
+    pub gradients: StitchedGradients,
+}
+
+impl Default for StitchedPass {
+    /// One end-to-end pass with the default optimizer at a third of its
+    /// learning rate, numbered from step 0.
+    fn default() -> Self {
+        let mut optimizer = OptimizerConfig::default();
+        optimizer.lr /= 3.0;
+        Self { epochs: 1, optimizer, first_step: 0, gradients: StitchedGradients::EndToEnd }
+    }
+}
+
+/// Runs `pass` over `data` on `device`: every block learns from the stitched
+/// student's output of the blocks before it; batches, seed, logging and
+/// temperature come from `settings`.
 pub fn stitched_pass<B, T, S>(
     teacher: &Teacher<B::InnerBackend, T>,
     students: Students<B, S>,
     data: &dyn Dataset<B::InnerBackend>,
     settings: &TrainSettings,
-    epochs: usize,
-    optimizer: &OptimizerConfig,
-    first_step: usize,
-    through_blocks: bool,
+    pass: &StitchedPass,
     device: &B::Device,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<(Students<B, S>, StitchedLog)>
@@ -65,13 +109,17 @@ where
 {
     let start = std::time::Instant::now();
     let per_epoch = steps_per_epoch(data.len(), settings.batch_size);
+    let (epochs, first_step) = (pass.epochs, pass.first_step);
+    let through_blocks = pass.gradients == StitchedGradients::EndToEnd;
     let total = per_epoch * epochs;
     let Students { blocks, specs, .. } = students;
     let mut trainers: Vec<BlockTrainer<B, S>> = blocks
         .into_iter()
         .zip(specs.iter().cloned())
         .enumerate()
-        .map(|(k, (m, spec))| BlockTrainer::new(k, spec, m.fork(device), optimizer, total))
+        .map(|(k, (m, spec))| {
+            BlockTrainer::new(k, spec, m.fork(device), &pass.optimizer, total).with_temperature(settings.temperature)
+        })
         .collect();
     let mut log = StitchedLog { steps: total, ..Default::default() };
     let mut order = Vec::new();
@@ -82,7 +130,7 @@ where
             order = epoch_order(data.len(), settings.seed ^ 0x5717_c4ed, epoch);
         }
         let base = (step % per_epoch) * settings.batch_size;
-        let input = data.batch(&order[base..base + settings.batch_size], device);
+        let input = data.batch(&order[base..base + settings.batch_size], device)?;
         let lrs: Vec<f64> = trainers.iter().map(|t| t.current_lr()).collect();
         let losses = if through_blocks {
             end_to_end_step(teacher, &mut trainers, input)?
@@ -168,7 +216,7 @@ where
         })?;
         let output = module.forward(student_x).map_err(|e| relabel(e, block))?;
         let loss =
-            block_loss(trainer.spec.loss, output.clone(), Activation::from_inner(target.clone()), block)?;
+            module.loss(output.clone(), Activation::from_inner(target.clone()), &trainer.loss).map_err(|e| relabel(e, block))?;
         let value: f32 = loss.clone().into_scalar().elem();
         if !value.is_finite() {
             return Err(Error::Training { block, step: trainer.step, message: format!("loss is {value}") });

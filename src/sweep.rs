@@ -244,7 +244,7 @@ pub fn sweep(path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
         text.push_str(&csv_line(row));
         text.push('\n');
     }
-    crate::report::write_atomic(&csv_path, text.as_bytes())?;
+    crate::fsio::write_atomic(&csv_path, text.as_bytes())?;
     for (i, (point, config)) in points.iter().zip(&configs).enumerate() {
         let id = point.id();
         if rows.iter().any(|r| r.id == id) {

@@ -14,8 +14,9 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-use crate::block::{forward_chain, Activation, Block};
-use crate::data::{data_error, Dataset};
+use pipebd_core::{forward_chain, Activation, Block};
+use crate::data::data_error;
+use pipebd_core::Dataset;
 use crate::error::{Error, Result};
 
 /// Seed of the fixed shuffles that split the corpora (independent of a run's
@@ -190,9 +191,16 @@ impl<B: FusedBackend> Dataset<B> for TextDataset<B> {
         self.sequences.len()
     }
 
-    fn batch(&self, indices: &[usize], device: &B::Device) -> Activation<B> {
-        let sequences: Vec<&[u32]> = indices.iter().map(|&i| self.sequences[i].as_slice()).collect();
-        embed_batch(&self.embeddings, &sequences, self.max_tokens, device)
+    fn batch(&self, indices: &[usize], device: &B::Device) -> pipebd_core::Result<Activation<B>> {
+        let sequences = indices
+            .iter()
+            .map(|&i| {
+                self.sequences.get(i).map(Vec::as_slice).ok_or_else(|| pipebd_core::Error::Data {
+                    message: format!("sentence {i} requested, but there are {}", self.sequences.len()),
+                })
+            })
+            .collect::<pipebd_core::Result<Vec<&[u32]>>>()?;
+        Ok(embed_batch(&self.embeddings, &sequences, self.max_tokens, device))
     }
 }
 

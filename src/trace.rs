@@ -8,7 +8,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
-use crate::report::write_atomic;
+use crate::fsio::write_atomic;
 
 /// What a worker was doing during a span.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

@@ -15,13 +15,45 @@ use burn::tensor::ElementConversion;
 use pipebd_kernels::DistillBackend;
 use serde::Serialize;
 
-use crate::block::{
-    block_loss, forward_chain, relabel, Activation, Block, BlockSpec, StudentModule, Students,
-};
-use crate::config::OptimizerConfig;
+use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
+use crate::error::relabel;
 use crate::data::ImageDataset;
 use crate::error::{Error, Result};
-use crate::optim::{BlockOptimizer, LrPlan};
+use crate::optim::{BlockOptimizer, LrPlan, OptimizerConfig};
+
+/// The training hyper-parameters of a distillation: what the runtime, the
+/// stitched pass and a checkpoint's identity need to know.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainSettings {
+    /// Passes over the data.
+    pub epochs: usize,
+    /// Global batch size.
+    pub batch_size: usize,
+    /// Seed of the data order.
+    pub seed: u64,
+    /// Metric row every this many steps.
+    pub log_every: usize,
+    /// Per-block optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Softmax temperature of the soft-target cross-entropy (1: plain
+    /// softmax; see [`pipebd_core::Loss`]).
+    pub temperature: f64,
+}
+
+impl Default for TrainSettings {
+    /// One epoch at batch 128, seed 0, a metric row every 10 steps, the
+    /// default optimizer (Adam, cosine), temperature 1.
+    fn default() -> Self {
+        Self {
+            epochs: 1,
+            batch_size: 128,
+            seed: 0,
+            log_every: 10,
+            optimizer: OptimizerConfig::default(),
+            temperature: 1.0,
+        }
+    }
+}
 
 /// Number of trailing steps averaged into a block's `final_loss`.
 pub const FINAL_LOSS_WINDOW: usize = 20;
@@ -30,8 +62,11 @@ pub const FINAL_LOSS_WINDOW: usize = 20;
 pub struct BlockTrainer<B: DistillBackend, S: StudentModule<B>> {
     /// Zero-based block index.
     pub index: usize,
-    /// The block's spec (decides the loss).
+    /// The block's spec.
     pub spec: BlockSpec,
+    /// The block's loss: the spec's kind, at temperature 1 unless set with
+    /// [`BlockTrainer::with_temperature`].
+    pub loss: Loss,
     module: Option<S>,
     optimizer: BlockOptimizer<B, S>,
     lr: LrPlan,
@@ -51,6 +86,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     ) -> Self {
         Self {
             index,
+            loss: Loss::new(spec.loss),
             spec,
             module: Some(module),
             optimizer: BlockOptimizer::new(config),
@@ -66,6 +102,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         Self {
             index: self.index,
             spec: self.spec.clone(),
+            loss: self.loss,
             module: self.module.as_ref().map(detached_copy),
             optimizer: self.optimizer.clone(),
             lr: self.lr,
@@ -80,6 +117,12 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             step: self.step,
             message: "the block was lost by an earlier failed step".into(),
         }
+    }
+
+    /// The same trainer with the soft-target cross-entropy at `temperature`.
+    pub fn with_temperature(mut self, temperature: f64) -> Self {
+        self.loss = self.loss.with_temperature(temperature);
+        self
     }
 
     /// Learning rate of the next step.
@@ -113,7 +156,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         let block = self.index + 1;
         let module = self.module.as_ref().ok_or_else(|| self.lost())?;
         let output = module.forward(Activation::from_inner(input)).map_err(|e| relabel(e, block))?;
-        let loss = block_loss(self.spec.loss, output, Activation::from_inner(target), block)?;
+        let loss = module.loss(output, Activation::from_inner(target), &self.loss).map_err(|e| relabel(e, block))?;
         let value: f32 = loss.clone().into_scalar().elem();
         if !value.is_finite() {
             return Err(Error::Training { block, step: self.step, message: format!("loss is {value}") });
@@ -293,7 +336,7 @@ pub fn steps_per_epoch(len: usize, batch_size: usize) -> usize {
 /// Stitches blocks into one network and measures top-1 accuracy on `data`.
 pub fn accuracy<B, M>(blocks: &[M], data: &ImageDataset, device: &B::Device, chunk: usize) -> Result<f64>
 where
-    B: burn::tensor::backend::Backend,
+    B: pipebd_core::FusedBackend,
     M: Block<B>,
 {
     let indices: Vec<usize> = (0..data.len()).collect();

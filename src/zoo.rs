@@ -1,143 +1,26 @@
-//! The built-in teachers and students behind the block API: [`Block`]
-//! implementations for the `teachers` and `students` crates, and builders
-//! that turn config sections into a [`Teacher`] and [`Students`].
+//! The built-in zoo, from config sections: the teachers of `pipebd-teachers`
+//! and the students of `pipebd-students` (both implement the block API of
+//! `pipebd-core` themselves) built into a [`Teacher`] and [`Students`], with
+//! their data.
 
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use pipebd_kernels::encoder::{top_indices, EncoderLayer};
+use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Dataset, Students, Teacher};
+use pipebd_kernels::encoder::top_indices;
 use pipebd_kernels::{DistillBackend, FusedBackend};
-use pipebd_students::{EncoderInit, StudentBlock, StudentBlockConfig, StudentInput, StudentOutput};
+use pipebd_students::{EncoderInit, StudentBlock, StudentBlockConfig};
+use pipebd_teachers::blocks::{minilm_blocks, minilm_specs, mnist_specs};
 use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
-use pipebd_teachers::mnist_cnn::{self, MnistBlock, MnistCnn};
-
-use crate::block::{
-    check_against_teacher, check_block_count, Activation, Block, BlockSpec, LossKind, Students, Teacher,
-};
+use pipebd_teachers::mnist_cnn::MnistCnn;
+use pipebd_teachers::TeacherBlock;
 use crate::config::RunConfig;
-use crate::data::{Dataset, ImageDataset, Split};
+use crate::data::{ImageDataset, Split};
 use crate::error::{Error, Result};
 use crate::text::{brown_splits, tokenize, ProbeData, TextDataset};
-
-/// One block of a built-in teacher.
-#[derive(Module, Debug)]
-pub enum TeacherBlock<B: FusedBackend> {
-    /// A block of the MNIST CNN.
-    Mnist(MnistBlock<B>),
-    /// One or more consecutive MiniLM encoder layers.
-    Encoder(EncoderStack<B>),
-}
-
-/// Consecutive encoder layers run as one block (the mask rides along).
-#[derive(Module, Debug)]
-pub struct EncoderStack<B: FusedBackend> {
-    /// The layers, in order.
-    pub layers: Vec<EncoderLayer<B>>,
-}
-
-impl<B: FusedBackend> Block<B> for TeacherBlock<B> {
-    fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
-        match self {
-            TeacherBlock::Mnist(block) => {
-                let x = input.into_maps(0)?;
-                Ok(match block {
-                    MnistBlock::Conv(stage) => Activation::Maps(stage.forward(x)),
-                    MnistBlock::Head(head) => Activation::Flat(head.forward(x)),
-                })
-            }
-            TeacherBlock::Encoder(stack) => {
-                let (mut hidden, mask) = input.into_tokens(0)?;
-                for layer in &stack.layers {
-                    hidden = layer.forward(hidden, mask.clone());
-                }
-                Ok(Activation::Tokens { hidden, mask })
-            }
-        }
-    }
-}
-
-impl<B: FusedBackend> Block<B> for StudentBlock<B> {
-    fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
-        let dims = input.dims();
-        let (student_input, mask) = match input {
-            Activation::Maps(x) => (StudentInput::Maps(x), None),
-            Activation::Tokens { hidden, mask } => (StudentInput::Tokens(hidden, mask.clone()), Some(mask)),
-            Activation::Flat(_) => {
-                return Err(Error::Block {
-                    block: 0,
-                    message: format!("no student block takes flat input {dims:?}"),
-                })
-            }
-        };
-        match (StudentBlock::forward(self, student_input), mask) {
-            (Some(StudentOutput::Maps(t)), _) => Ok(Activation::Maps(t)),
-            (Some(StudentOutput::Logits(t)), _) => Ok(Activation::Flat(t)),
-            (Some(StudentOutput::Tokens(hidden)), Some(mask)) => Ok(Activation::Tokens { hidden, mask }),
-            _ => Err(Error::Block {
-                block: 0,
-                message: format!("this student block cannot take input of shape {dims:?}"),
-            }),
-        }
-    }
-}
-
-/// The loss for a block whose per-sample output has `shape`: soft-target
-/// cross-entropy for a final logits vector, MSE otherwise.
-fn loss_for(shape: &[usize], last: bool) -> LossKind {
-    if last && shape.len() == 1 {
-        LossKind::SoftTargetCrossEntropy
-    } else {
-        LossKind::Mse
-    }
-}
-
-/// Block specs of the MNIST CNN teacher (parameters counted on `blocks`).
-fn mnist_specs<B: burn::tensor::backend::Backend>(blocks: &[MnistBlock<B>]) -> Vec<BlockSpec> {
-    let outputs = mnist_cnn::block_output_shapes();
-    let flops = mnist_cnn::block_flops();
-    let mut input = mnist_cnn::INPUT_SHAPE.to_vec();
-    let names = ["conv1", "conv2", "conv3", "head"];
-    let mut specs = Vec::new();
-    for (k, block) in blocks.iter().enumerate() {
-        let output = outputs[k].clone();
-        specs.push(BlockSpec {
-            name: names[k].to_string(),
-            input_shape: input,
-            loss: loss_for(&output, k + 1 == blocks.len()),
-            output_shape: output.clone(),
-            flops: flops[k],
-            params: block.num_params(),
-        });
-        input = output;
-    }
-    specs
-}
 
 /// MiniLM layers per block: `teacher.layers_per_block`, or one each.
 pub fn layers_per_block(config: &RunConfig) -> Vec<usize> {
     config.teacher.layers_per_block.clone().unwrap_or_else(|| vec![1; minilm::LAYERS])
-}
-
-/// Block specs of the MiniLM teacher cut into `groups` of layers, for
-/// sequences of `tokens` tokens.
-fn minilm_specs(groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
-    let layer = minilm::layer_config();
-    let mut first = 1;
-    groups
-        .iter()
-        .map(|&n| {
-            let name =
-                if n == 1 { format!("layer{first}") } else { format!("layers{first}-{}", first + n - 1) };
-            first += n;
-            BlockSpec {
-                name,
-                input_shape: vec![tokens, minilm::HIDDEN],
-                output_shape: vec![tokens, minilm::HIDDEN],
-                flops: n as u64 * layer.flops(tokens),
-                params: n * layer.params(),
-                loss: LossKind::Mse,
-            }
-        })
-        .collect()
 }
 
 /// Loads MiniLM and cuts it into the configured blocks; returns the frozen
@@ -148,11 +31,7 @@ pub fn build_minilm<B: FusedBackend>(
 ) -> Result<(Embeddings<B>, Teacher<B, TeacherBlock<B>>)> {
     let (embeddings, layers) = MiniLm::<B>::load(&config.teacher.weights, device)?.into_parts();
     let groups = layers_per_block(config);
-    let mut layers = layers.into_iter();
-    let blocks = groups
-        .iter()
-        .map(|&n| TeacherBlock::Encoder(EncoderStack { layers: layers.by_ref().take(n).collect() }))
-        .collect();
+    let blocks = minilm_blocks(layers, &groups);
     let specs = minilm_specs(&groups, config.data.max_tokens());
     Ok((embeddings, Teacher::new(blocks, specs)?))
 }
@@ -167,7 +46,7 @@ pub fn build_teacher<B: FusedBackend>(
     }
     let blocks = MnistCnn::<B>::load_pytorch(&config.teacher.weights, device)?.into_blocks();
     let specs = mnist_specs(&blocks);
-    Teacher::new(blocks.into_iter().map(TeacherBlock::Mnist).collect(), specs)
+    Ok(Teacher::new(blocks.into_iter().map(TeacherBlock::Mnist).collect(), specs)?)
 }
 
 /// The teacher's block specs without loading its weights (to check a student
@@ -403,5 +282,5 @@ pub fn build_students<B: DistillBackend>(
             Ok(target.load_record(record))
         })
         .collect::<Result<Vec<_>>>()?;
-    Students::new(blocks, specs, teacher)
+    Ok(Students::new(blocks, specs, teacher)?)
 }

@@ -151,9 +151,9 @@ fn student_with_wrong_output_shape_is_rejected_before_training() {
 #[test]
 fn wrong_number_of_student_blocks_is_rejected() {
     let text = GOOD.split("[[students]]\nkind = \"head\"").next().unwrap().to_string();
-    let config = parse(&text).unwrap();
-    let err = pipe_bd::run::preflight(&config).unwrap_err();
+    let err = parse(&text).unwrap_err();
     assert!(err.to_string().contains("4 blocks but 3 student blocks"), "{err}");
+    assert!(err.to_string().contains("students"), "names the field: {err}");
 }
 
 #[test]
@@ -167,12 +167,31 @@ fn head_on_a_too_small_input_is_rejected() {
     assert!(matches!(err, Error::ShapeMismatch { block: 4, .. }), "{err}");
 }
 
+/// Cargo passes the package's features to its integration tests, so
+/// `cfg!(feature = "cuda")` here is the build's own.
 #[test]
-fn cuda_without_the_feature_or_a_driver_is_a_clear_error() {
+fn cuda_is_refused_with_the_reason_unless_built_in_and_present() {
     let config = parse(&GOOD.replace("device = \"cpu\"", "device = \"cuda:0\"")).unwrap();
-    let err = pipe_bd::run::preflight(&config).unwrap_err();
-    assert!(matches!(err, Error::Device { .. }), "{err}");
-    assert!(err.to_string().contains("cuda:0"), "{err}");
+    match pipe_bd::run::preflight(&config) {
+        // Built without CUDA: always refused, saying how to build it in.
+        Err(Error::Device { device, message }) if !cfg!(feature = "cuda") => {
+            assert_eq!(device, "cuda:0");
+            assert!(message.contains("--features cuda"), "{message}");
+        }
+        // Built with CUDA on a machine without a driver: refused, naming the driver.
+        Err(Error::Device { device, message }) => {
+            assert_eq!(device, "cuda:0");
+            assert!(message.contains("driver"), "{message}");
+        }
+        // Built with CUDA and a driver present: the slot is CUDA device 0.
+        Ok((devices, _)) if cfg!(feature = "cuda") => {
+            assert_eq!(devices, vec![pipe_bd::device::DeviceSpec::Cuda(0)]);
+        }
+        other => {
+            let build = if cfg!(feature = "cuda") { "with" } else { "without" };
+            panic!("cuda:0 in a build {build} CUDA: {other:?}")
+        }
+    }
 }
 
 #[test]

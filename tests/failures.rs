@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
-use pipe_bd::block::{Activation, Block, Students};
+use pipe_bd::{Activation, Block, Students};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
-use pipe_bd::runtime::{train_plan, RuntimeOptions};
+use pipe_bd::runtime::{Distillation, RuntimeOptions};
 use pipe_bd::zoo::{build_students, build_teacher};
 use pipe_bd::Error;
 use pipebd_kernels::FusedBackend;
@@ -37,7 +37,7 @@ struct Faulty<B: FusedBackend> {
 }
 
 impl<B: FusedBackend> Block<B> for Faulty<B> {
-    fn forward(&self, input: Activation<B>) -> pipe_bd::Result<Activation<B>> {
+    fn forward(&self, input: Activation<B>) -> pipe_bd::BlockResult<Activation<B>> {
         let out = Block::forward(&self.inner, input)?;
         match self.mode {
             PANICS_ON_THIRD_STEP if PANIC_CALLS.fetch_add(1, Ordering::SeqCst) == 2 => {
@@ -73,16 +73,11 @@ fn run_with_fault(mode: usize) -> (Error, Duration) {
     let plan = Plan::tr(&[1.0, 1.0, 1.0, 1.0], 2, true);
     let options = RuntimeOptions { threads_per_worker: 1, ..Default::default() };
     let start = Instant::now();
-    let result = train_plan(
-        &plan,
-        &teacher,
-        students,
-        &data,
-        &config.train_settings(),
-        &[device; 2],
-        &options,
-        &mut |_| {},
-    );
+    let result = Distillation::new(&teacher, students, &data)
+        .settings(config.train_settings())
+        .devices(vec![device; 2])
+        .options(options)
+        .run(&plan);
     let elapsed = start.elapsed();
     match result {
         Ok(_) => panic!("the faulty run finished without an error"),

@@ -4,7 +4,7 @@
 //! and copied to `tests/data/minilm-l6-reference.json`.
 
 use burn::backend::Flex;
-use pipe_bd::block::{forward_chain, Activation};
+use pipe_bd::{forward_chain, Activation};
 use pipe_bd::config::RunConfig;
 use pipe_bd::text::{cosine, sentence_embeddings};
 use pipe_bd::zoo::build_minilm;
@@ -72,7 +72,7 @@ fn grouping_layers_into_blocks_does_not_change_the_teacher() {
         three.specs.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
         ["layers1-2", "layers3-5", "layer6"]
     );
-    let flops = |t: &pipe_bd::block::Teacher<Flex, _>| t.specs.iter().map(|s| s.flops).sum::<u64>();
+    let flops = |t: &pipe_bd::Teacher<Flex, _>| t.specs.iter().map(|s| s.flops).sum::<u64>();
     assert_eq!(flops(&six), flops(&three));
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
     let input = pipe_bd::text::embed_batch(&embeddings, &refs, 32, &device);
@@ -131,7 +131,7 @@ fn teacher_initialisation_refuses_a_student_wider_than_the_teacher() {
 /// near-zero gradients into full-size steps).
 fn sgd_config() -> RunConfig {
     let mut config = config(None, 16);
-    config.optimizer.kind = pipe_bd::config::OptimizerKind::Sgd;
+    config.optimizer.kind = pipe_bd::optim::OptimizerKind::Sgd;
     config.optimizer.lr = 0.5;
     config
 }
@@ -144,19 +144,14 @@ fn train_text(plan: &pipe_bd::plan::Plan, slots: usize) -> Vec<Vec<f32>> {
     let workload = pipe_bd::zoo::load_workload::<Flex>(&config, &device, false).unwrap();
     let students = pipe_bd::zoo::build_students::<Train>(&config, &workload.teacher.specs, &device).unwrap();
     let options = pipe_bd::runtime::RuntimeOptions { threads_per_worker: 1, ..Default::default() };
-    let output = pipe_bd::runtime::train_plan(
-        plan,
-        &workload.teacher,
-        students,
-        workload.train.as_ref(),
-        &config.train_settings(),
-        &vec![device; slots],
-        &options,
-        &mut |_| {},
-    )
-    .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+    let output = pipe_bd::runtime::Distillation::new(&workload.teacher, students, workload.train.as_ref())
+        .settings(config.train_settings())
+        .devices(vec![device; slots])
+        .options(options)
+        .run(plan)
+        .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
     assert_eq!(output.log.steps, 4);
-    output.students.blocks.iter().map(pipe_bd::block::flat_parameters::<Train, _>).collect()
+    output.students.blocks.iter().map(pipe_bd::flat_parameters::<Train, _>).collect()
 }
 
 #[test]
@@ -167,12 +162,17 @@ fn every_schedule_trains_the_same_text_students() {
         let config = sgd_config();
         let specs = pipe_bd::zoo::teacher_specs(&config);
         let students = pipe_bd::zoo::build_students::<Train>(&config, &specs, &Default::default()).unwrap();
-        students.blocks.iter().map(pipe_bd::block::flat_parameters::<Train, _>).collect()
+        students.blocks.iter().map(pipe_bd::flat_parameters::<Train, _>).collect()
     };
     let max_diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
         a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0f32, f32::max)
     };
-    assert!(max_diff(&reference, &initial) > 1e-5, "training did not move the weights");
+    let moved = max_diff(&reference, &initial);
+    assert!(moved > 1e-5, "training did not move the weights: {moved}");
+    // Agreement means something only if the schedules land far closer to
+    // ideal than training moved the weights: within 1% of that movement (and
+    // never further than 1e-5), so weights that barely moved cannot pass.
+    let tolerance = (moved / 100.0).min(1e-5);
     let config = config(None, 16);
     let specs = pipe_bd::zoo::teacher_specs(&config);
     let students = pipe_bd::zoo::student_specs(&config.students, &specs).unwrap();
@@ -186,25 +186,80 @@ fn every_schedule_trains_the_same_text_students() {
     plans.push(Plan::hybrid(&[StageSpec { blocks: (1..=6).collect(), replicas: 2 }], 6, 2).unwrap());
     for plan in plans {
         let diff = max_diff(&reference, &train_text(&plan, 2));
-        assert!(diff <= 1e-5, "{} ({}) differs from ideal by {diff}", plan.name, plan.describe());
+        assert!(
+            diff <= tolerance,
+            "{} ({}) differs from ideal by {diff}; training moved the weights by {moved}",
+            plan.name,
+            plan.describe()
+        );
     }
+}
+
+/// The mean embedding cosine to the teacher, on the held-out sentences of
+/// `config`, of the students a run of `config` starts from (pruned from the
+/// teacher, not trained), scored as the run scores its trained students.
+fn untrained_cosine(config: &RunConfig) -> f64 {
+    let mut config = config.clone();
+    config.data.probe = None;
+    let device = Default::default();
+    let workload = pipe_bd::zoo::load_workload::<Flex>(&config, &device, true).unwrap();
+    let teacher = &workload.teacher;
+    let students = pipe_bd::zoo::build_students::<Train>(&config, &teacher.specs, &device).unwrap();
+    let blocks = pipe_bd::train::inference_blocks(&students);
+    let (evaluation, specs) = (&workload.evaluation, &teacher.specs);
+    let score =
+        pipe_bd::run::score(evaluation, &teacher.blocks, &blocks, &device, specs, &students.specs).unwrap();
+    score.text.expect("a text workload scores sentence embeddings").embedding_cosine
 }
 
 #[test]
 fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     let mut config = config(None, 16);
+    // Three passes over the 64 training sentences (12 steps), with PyTorch's
+    // Adam epsilon: burn's 1e-5 damps the tiny per-element MSE gradients
+    // (README), and the students must move measurably from their start.
+    config.train.epochs = 3;
+    config.optimizer.epsilon = 1e-8;
     config.data.probe = Some(pipe_bd::config::ProbeConfig {
         dir: common::repo().join("data/spam-assassin"),
         limit: Some(80),
         max_tokens: 24,
         test_fraction: 0.25,
     });
+    let start = untrained_cosine(&config);
     let out = tempfile::tempdir().unwrap();
     let report = pipe_bd::run::run(&config, out.path(), &Default::default(), &mut |_| {}).unwrap();
     let text = report.text.clone().expect("a text run reports its text section");
     assert_eq!(text.heldout_sentences, 16);
-    assert!(text.embedding_cosine > 0.5 && text.embedding_cosine <= 1.0 + 1e-9, "{text:?}");
+    assert!(text.embedding_cosine <= 1.0 + 1e-9, "{text:?}");
     assert!(text.min_embedding_cosine <= text.embedding_cosine);
+    // The pruned start is already close to the teacher; training must bring
+    // the stitched student closer still (a run that trains nothing ties, one
+    // that follows a wrong gradient drifts away).
+    let trained = text.embedding_cosine;
+    eprintln!("embedding cosine to the teacher: pruned start {start:.5}, trained {trained:.5}");
+    assert!(trained > start, "training took the embedding cosine from {start} (untrained) to {trained}");
+    // Each pass sees the same 64 sentences (in another order): every block's
+    // mean loss over the last pass is below its mean over the first.
+    let csv = std::fs::read_to_string(out.path().join("metrics.csv")).unwrap();
+    let rows: Vec<(usize, usize, f64)> = csv
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f[0].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap())
+        })
+        .collect();
+    for block in 1..=6 {
+        let mean = |epoch: usize| {
+            let losses: Vec<f64> =
+                rows.iter().filter(|r| r.0 == epoch && r.1 == block).map(|r| r.2).collect();
+            assert_eq!(losses.len(), 4, "block {block}: steps logged in epoch {epoch}");
+            losses.iter().sum::<f64>() / 4.0
+        };
+        let (first, last) = (mean(0), mean(2));
+        assert!(last < first, "block {block}: mean loss {first} in the first pass, {last} in the last");
+    }
     assert!((text.params_ratio - 1183872.0 / 1774464.0).abs() < 1e-9, "{}", text.params_ratio);
     let probe = text.probe.expect("probe configured");
     assert_eq!((probe.train_emails, probe.test_emails), (60, 20));

@@ -5,11 +5,11 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use pipe_bd::block::flat_parameters;
+use pipe_bd::flat_parameters;
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::{flops_cost, Plan, StageSpec};
-use pipe_bd::runtime::{train_plan, RuntimeOptions};
+use pipe_bd::runtime::{Distillation, RuntimeOptions};
 use pipe_bd::zoo::{build_students, build_teacher};
 
 mod common;
@@ -33,17 +33,12 @@ fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     let students = build_students::<B>(&config, &teacher.specs, &device).unwrap();
     let options = RuntimeOptions { threads_per_worker: 1, ..Default::default() };
     let devices = vec![device; slots];
-    let output = train_plan(
-        plan,
-        &teacher,
-        students,
-        &data,
-        &config.train_settings(),
-        &devices,
-        &options,
-        &mut |_| {},
-    )
-    .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+    let output = Distillation::new(&teacher, students, &data)
+        .settings(config.train_settings())
+        .devices(devices)
+        .options(options)
+        .run(plan)
+        .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
     assert_eq!(output.log.steps, 8);
     output.students.blocks.iter().map(flat_parameters::<B, _>).collect()
 }
@@ -76,19 +71,29 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
         let students = build_students::<B>(&config, &teacher, &Default::default()).unwrap();
         students.blocks.iter().map(flat_parameters::<B, _>).collect::<Vec<_>>()
     };
-    assert!(max_abs_diff(&reference, &initial) > 1e-3, "training did not move the weights");
+    let moved = max_abs_diff(&reference, &initial);
+    assert!(moved > 1e-3, "training did not move the weights: {moved}");
+    // Agreement means something only if the schedules land far closer to
+    // ideal than training moved the weights: within 1% of that movement (and
+    // never further than 1e-4, 1e-3 with replicas), so weights that barely
+    // moved cannot pass.
+    let tolerance = moved / 100.0;
     for plan in plans(slots) {
         let diff = max_abs_diff(&reference, &train(&plan, slots));
         assert!(
-            diff <= 1e-4,
-            "{} on {slots} slots ({}) differs from ideal by {diff}",
+            diff <= tolerance.min(1e-4),
+            "{} on {slots} slots ({}) differs from ideal by {diff}; training moved the weights by {moved}",
             plan.name,
             plan.describe()
         );
     }
     let plan = Plan::hybrid(hybrid, 4, slots).unwrap();
     let diff = max_abs_diff(&reference, &train(&plan, slots));
-    assert!(diff <= 1e-3, "hybrid {} differs from ideal by {diff}", plan.describe());
+    assert!(
+        diff <= tolerance.min(1e-3),
+        "hybrid {} differs from ideal by {diff}; training moved the weights by {moved}",
+        plan.describe()
+    );
 }
 
 #[test]

@@ -7,12 +7,13 @@ use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use pipe_bd::block::{forward_chain, Activation};
+use pipe_bd::{forward_chain, Activation};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
-use pipe_bd::runtime::{train_plan, RuntimeOptions};
-use pipe_bd::stitch::stitched_pass;
+use pipe_bd::runtime::Distillation;
+use pipe_bd::stitch::{stitched_pass, StitchedGradients, StitchedPass};
+use pipe_bd::train::TrainSettings;
 use pipe_bd::zoo::{build_students, build_teacher};
 
 mod common;
@@ -27,19 +28,8 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
     let settings = config.train_settings();
-    let blockwise = |settings: &pipe_bd::runtime::TrainSettings, students| {
-        train_plan(
-            &Plan::ideal(4),
-            &teacher,
-            students,
-            &data,
-            settings,
-            &[device],
-            &RuntimeOptions::default(),
-            &mut |_| {},
-        )
-        .unwrap()
-        .students
+    let blockwise = |settings: &TrainSettings, students| {
+        Distillation::new(&teacher, students, &data).settings(settings.clone()).run(&Plan::ideal(4)).unwrap().students
     };
     let trained = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
 
@@ -48,7 +38,7 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let images = test.images::<Flex>(&indices, &device);
     let target = forward_chain(&teacher.blocks[..3], Activation::Maps(images.clone())).unwrap();
     let target = target.into_maps(3).unwrap();
-    let gap = |students: &pipe_bd::block::Students<B, _>| -> f32 {
+    let gap = |students: &pipe_bd::Students<B, _>| -> f32 {
         let blocks: Vec<_> =
             students.blocks[..3].iter().map(|b: &pipebd_students::StudentBlock<B>| b.valid()).collect();
         let out = forward_chain(&blocks, Activation::Maps(images.clone())).unwrap().into_maps(3).unwrap();
@@ -59,11 +49,9 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let mut optimizer = config.optimizer.clone();
     optimizer.lr /= 3.0;
     let mut steps = 0;
+    let local = StitchedPass { epochs: 2, optimizer, first_step: 40, gradients: StitchedGradients::Local };
     let (stitched, log) =
-        stitched_pass(&teacher, trained, &data, &settings, 2, &optimizer, 40, false, &device, &mut |_| {
-            steps += 1
-        })
-        .unwrap();
+        stitched_pass(&teacher, trained, &data, &settings, &local, &device, &mut |_| steps += 1).unwrap();
     assert_eq!((log.steps, steps), (40, 40));
     assert_eq!(log.rows.first().map(|r| r.step), Some(40), "rows are numbered after the blockwise steps");
     let after = gap(&stitched);
@@ -73,13 +61,12 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     // inputs), from the same starting point, close the gap less.
     let again = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
     let mut more = settings.clone();
-    more.optimizer = optimizer;
+    more.optimizer = local.optimizer.clone();
     let control = gap(&blockwise(&more, again));
     // End to end (gradients through the stitched chain), from the same start.
     let again = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
-    let (chained, _) =
-        stitched_pass(&teacher, again, &data, &settings, 2, &more.optimizer, 40, true, &device, &mut |_| {})
-            .unwrap();
+    let end_to_end = StitchedPass { gradients: StitchedGradients::EndToEnd, ..local };
+    let (chained, _) = stitched_pass(&teacher, again, &data, &settings, &end_to_end, &device, &mut |_| {}).unwrap();
     let end_to_end = gap(&chained);
     eprintln!(
         "stitched gap: blockwise {before}, +local {after}, +end-to-end {end_to_end}, +blockwise {control}"

@@ -1,11 +1,26 @@
-//! Short real-data runs: every block's loss goes down, and the saved
-//! student reloads and scores exactly as it did at the end of training.
+//! Short real-data runs: every block's loss goes down, the stitched student
+//! classifies far better than the same students before training, and the
+//! saved student reloads and scores exactly as it did at the end of training.
 
 use std::path::Path;
 
+use burn::backend::{Autodiff, Flex};
 use pipe_bd::config::RunConfig;
+use pipe_bd::data::{ImageDataset, Split};
+use pipe_bd::train::{accuracy, inference_blocks};
+use pipe_bd::zoo::{build_students, build_teacher};
 
 mod common;
+
+/// Top-1 accuracy on the run's test images of the students the run starts
+/// from (built from the same config and seed), before any training.
+fn untrained_accuracy(config: &RunConfig) -> f64 {
+    let device = Default::default();
+    let teacher = build_teacher::<Flex>(config, &device).unwrap();
+    let students = build_students::<Autodiff<Flex>>(config, &teacher.specs, &device).unwrap();
+    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
+    accuracy::<Flex, _>(&inference_blocks(&students), &test, &device, 1000).unwrap()
+}
 
 #[test]
 fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
@@ -49,7 +64,17 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
         }
     }
     assert!(report.teacher_accuracy > 0.97);
-    assert!(report.student_accuracy > 0.10, "a trained student beats chance: {}", report.student_accuracy);
+    // Against the same students untrained (expected near chance, 10%): 100
+    // steps must lift the stitched student to at least 50% on the 1000 test
+    // images and 30 points above its start. A block whose gradient is lost,
+    // or that learns from the wrong input or target, leaves the stitched chain
+    // near chance; the repository's other ~100-step runs (resilience, wgpu)
+    // clear 50% on less varied data, so a correct run passes with room.
+    let before = untrained_accuracy(&config);
+    let after = report.student_accuracy;
+    eprintln!("stitched student accuracy: untrained {before:.4}, after 100 steps {after:.4}");
+    assert!(after >= 0.5, "after 100 steps the stitched student scores {after} (untrained: {before})");
+    assert!(after >= before + 0.3, "100 steps took the stitched student only from {before} to {after}");
 
     // Reload from disk and re-score.
     let eval = pipe_bd::run::eval_run(out.path()).unwrap();

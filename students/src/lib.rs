@@ -28,9 +28,8 @@ pub use conv::{BottleneckBlock, ConvBlock, SeparableBlock};
 pub use head::HeadBlock;
 
 use burn::module::Module;
-use burn::tensor::Tensor;
+use pipebd_core::{Activation, Block, Error as CoreError, FusedBackend};
 use pipebd_kernels::encoder::{EncoderLayer, EncoderLayerConfig};
-use pipebd_kernels::FusedBackend;
 use serde::{Deserialize, Serialize};
 
 /// Everything that can go wrong while building a student block.
@@ -197,40 +196,40 @@ pub enum StudentBlock<B: FusedBackend> {
     Encoder(EncoderLayer<B>),
 }
 
-/// The input of a student block.
-#[derive(Debug, Clone)]
-pub enum StudentInput<B: FusedBackend> {
-    /// `[batch, channels, height, width]`.
-    Maps(Tensor<B, 4>),
-    /// `[batch, tokens, hidden]` with its `[batch, tokens]` mask (1 = real token).
-    Tokens(Tensor<B, 3>, Tensor<B, 2>),
-}
-
-/// The output of a student block: feature maps, logits or token states.
-#[derive(Debug, Clone)]
-pub enum StudentOutput<B: FusedBackend> {
-    /// `[batch, channels, height, width]`.
-    Maps(Tensor<B, 4>),
-    /// `[batch, classes]`.
-    Logits(Tensor<B, 2>),
-    /// `[batch, tokens, hidden]` (the mask is the input's).
-    Tokens(Tensor<B, 3>),
+impl<B: FusedBackend> Block<B> for StudentBlock<B> {
+    /// Conv, separable and bottleneck blocks map feature maps to feature
+    /// maps, the head maps them to logits, the encoder maps token states to
+    /// token states (the mask travels on). Any other input is an error.
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
+        Ok(match (self, input) {
+            (Self::Conv(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
+            (Self::Separable(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
+            (Self::Bottleneck(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
+            (Self::Head(block), Activation::Maps(x)) => Activation::Flat(block.forward(x)),
+            (Self::Encoder(layer), Activation::Tokens { hidden, mask }) => {
+                Activation::Tokens { hidden: layer.forward(hidden, mask.clone()), mask }
+            }
+            (block, input) => {
+                return Err(CoreError::block(format!(
+                    "a `{}` student block cannot take input of shape {:?}",
+                    block.kind(),
+                    input.dims()
+                )))
+            }
+        })
+    }
 }
 
 impl<B: FusedBackend> StudentBlock<B> {
-    /// Runs the block on a batch; `None` if the input is of the wrong kind
-    /// (token states into a conv block, or feature maps into an encoder).
-    pub fn forward(&self, input: StudentInput<B>) -> Option<StudentOutput<B>> {
-        Some(match (self, input) {
-            (Self::Conv(block), StudentInput::Maps(x)) => StudentOutput::Maps(block.forward(x)),
-            (Self::Separable(block), StudentInput::Maps(x)) => StudentOutput::Maps(block.forward(x)),
-            (Self::Bottleneck(block), StudentInput::Maps(x)) => StudentOutput::Maps(block.forward(x)),
-            (Self::Head(block), StudentInput::Maps(x)) => StudentOutput::Logits(block.forward(x)),
-            (Self::Encoder(layer), StudentInput::Tokens(x, mask)) => {
-                StudentOutput::Tokens(layer.forward(x, mask))
-            }
-            _ => return None,
-        })
+    /// The kind name as written in TOML.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Conv(_) => "conv",
+            Self::Separable(_) => "separable",
+            Self::Bottleneck(_) => "bottleneck",
+            Self::Head(_) => "head",
+            Self::Encoder(_) => "encoder",
+        }
     }
 }
 
@@ -356,16 +355,13 @@ fn image_shape(shape: &[usize]) -> Option<[usize; 3]> {
 mod tests {
     use super::*;
     use burn::backend::Flex;
+    use burn::tensor::Tensor;
 
     fn forward_shape(config: &StudentBlockConfig, input: [usize; 3]) -> (Vec<usize>, Vec<usize>) {
         let device = Default::default();
         let built = config.init::<Flex>(1, &input, &device).unwrap();
         let x = Tensor::<Flex, 4>::zeros([2, input[0], input[1], input[2]], &device);
-        let actual = match built.module.forward(StudentInput::Maps(x)).unwrap() {
-            StudentOutput::Maps(t) => t.dims()[1..].to_vec(),
-            StudentOutput::Logits(t) => t.dims()[1..].to_vec(),
-            StudentOutput::Tokens(t) => t.dims()[1..].to_vec(),
-        };
+        let actual = Block::forward(&built.module, Activation::Maps(x)).unwrap().dims()[1..].to_vec();
         (built.output_shape, actual)
     }
 
@@ -406,12 +402,14 @@ mod tests {
             StudentBlockConfig::Encoder { heads: 2, head_dim: 4, ffn: 16, init: EncoderInit::Random };
         let built = config.init::<Flex>(1, &[5, 12], &device).unwrap();
         assert_eq!(built.output_shape, vec![5, 12]);
-        let input = StudentInput::Tokens(Tensor::zeros([3, 5, 12], &device), Tensor::ones([3, 5], &device));
-        match built.module.forward(input) {
-            Some(StudentOutput::Tokens(t)) => assert_eq!(t.dims(), [3, 5, 12]),
+        let input =
+            Activation::Tokens { hidden: Tensor::zeros([3, 5, 12], &device), mask: Tensor::ones([3, 5], &device) };
+        match Block::forward(&built.module, input) {
+            Ok(Activation::Tokens { hidden, .. }) => assert_eq!(hidden.dims(), [3, 5, 12]),
             other => panic!("unexpected output {other:?}"),
         }
-        assert!(built.module.forward(StudentInput::Maps(Tensor::zeros([1, 1, 5, 12], &device))).is_none());
+        let refused = Block::forward(&built.module, Activation::Maps(Tensor::zeros([1, 1, 5, 12], &device)));
+        assert!(refused.unwrap_err().to_string().contains("`encoder` student block"));
         let err = config.init::<Flex>(2, &[1, 28, 28], &device).unwrap_err();
         assert!(err.to_string().contains("token states"), "{err}");
     }

@@ -2,7 +2,7 @@
 //!
 //! A teacher is a pretrained network cut into consecutive blocks. This crate
 //! knows how to build each teacher, load its published weights and split it
-//! into blocks; the engine (`pipe-bd`) wraps the blocks behind its block API.
+//! into blocks, which implement the block API of `pipebd-core` ([`blocks`]).
 //!
 //! Available teachers:
 //! - [`mnist_cnn`]: the 3-conv MNIST classifier from PyPI `digit-recognizer-py`
@@ -14,22 +14,29 @@
 //! None.
 #![warn(missing_docs)]
 
+pub mod blocks;
 pub mod minilm;
 pub mod mnist_cnn;
+
+pub use blocks::{EncoderStack, TeacherBlock};
 
 use std::path::PathBuf;
 
 /// Everything that can go wrong while building a teacher.
 #[derive(Debug, thiserror::Error)]
 pub enum TeacherError {
-    /// The weight file does not exist.
-    #[error("teacher weights not found at {path}: run scripts/setup-data.sh, or fix `teacher.weights` in the config")]
+    /// The weight (or tokenizer) file does not exist.
+    #[error(
+        "teacher file {path} not found: run scripts/setup-data.sh, or fix `teacher.weights` \
+         (`teacher.tokenizer` for a tokenizer) in the config"
+    )]
     MissingWeights {
         /// Where the weights were expected.
         path: PathBuf,
     },
-    /// The weight file exists but could not be read or does not fit the model.
-    #[error("cannot load teacher weights from {path}: {message}")]
+    /// The weight (or tokenizer) file exists but is a folder, cannot be
+    /// read, is not in the expected format, or does not fit the model.
+    #[error("cannot load teacher file {path}: {message}")]
     BadWeights {
         /// The weight file.
         path: PathBuf,

@@ -17,7 +17,7 @@ use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use burn_store::{ModuleSnapshot, PytorchStore};
+use burn_store::{ModuleSnapshot, PytorchStore, PytorchStoreError};
 
 use crate::TeacherError;
 
@@ -104,17 +104,25 @@ impl<B: Backend> MnistCnn<B> {
 
     /// Loads the published PyTorch state dict (`handwriting_model.pth`).
     ///
-    /// Fails with [`TeacherError`] naming the file if it is missing, unreadable,
-    /// or does not provide every tensor of the model with the right shape.
+    /// Fails with [`TeacherError`] naming the file if it is missing, a folder,
+    /// unreadable, not a PyTorch checkpoint, or does not provide every tensor
+    /// of the model with the right shape.
     pub fn load_pytorch(path: &Path, device: &B::Device) -> Result<Self, TeacherError> {
+        let bad = |message: String| TeacherError::BadWeights { path: path.to_path_buf(), message };
+        if path.is_dir() {
+            return Err(bad("is a folder, expected the PyTorch state dict file (`.pth`)".into()));
+        }
         if !path.is_file() {
             return Err(TeacherError::MissingWeights { path: path.to_path_buf() });
         }
+        // Tell a file we may not read apart from one that is not a checkpoint.
+        std::fs::File::open(path).map_err(|e| bad(format!("cannot read: {e}")))?;
         let mut model = Self::init(device);
         let mut store = PytorchStore::from_file(path);
-        let result = model
-            .load_from(&mut store)
-            .map_err(|e| TeacherError::BadWeights { path: path.to_path_buf(), message: e.to_string() })?;
+        let result = model.load_from(&mut store).map_err(|e| match e {
+            PytorchStoreError::Reader(e) => bad(format!("not a PyTorch checkpoint, or a damaged one ({e})")),
+            other => bad(other.to_string()),
+        })?;
         if !result.missing.is_empty() || !result.errors.is_empty() {
             return Err(TeacherError::BadWeights {
                 path: path.to_path_buf(),

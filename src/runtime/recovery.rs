@@ -9,11 +9,24 @@
 //!   optimizer state): the planner places the blocks over the surviving
 //!   slots from the run's cost table (the profile for `auto`, FLOPs
 //!   otherwise), and the lost blocks restart from their last checkpoint.
+//!
+//! `recover` is the runtime's failure policy: which failures a run
+//! survives, and the plan, record and restored blocks it goes on with.
 
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
+use super::phase::PhaseFailure;
+use super::resume::restore_newest;
+use super::RuntimeOptions;
+use pipebd_core::{BlockSpec, StudentModule};
+use crate::error::{Error, Result};
 use crate::plan::{Plan, StageSpec};
 use crate::planner::{plan as best_plans, CostTable};
+use crate::train::BlockTrainer;
 
 /// One block that restarted from a checkpoint after a failure.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -137,6 +150,125 @@ pub fn replan(
     replanned.phases.push(phase);
     replanned.name = format!("{} (re-planned)", plan.name.trim_end_matches(" (re-planned)"));
     Ok(Replan::Replanned(replanned))
+}
+
+/// What the failure policy needs from the run besides the failure itself.
+pub(super) struct RecoveryContext<'a, B: DistillBackend, S: StudentModule<B>> {
+    /// The failure budget, the re-planning costs and memory, the checkpoints.
+    pub(super) options: &'a RuntimeOptions,
+    /// The teacher's block specs, for re-planning from FLOPs.
+    pub(super) teacher_specs: &'a [BlockSpec],
+    /// The students' block specs, for re-planning from FLOPs.
+    pub(super) student_specs: &'a [BlockSpec],
+    /// Per block, what its checkpoints must match.
+    pub(super) identities: &'a [BTreeMap<String, serde_json::Value>],
+    /// The run's devices; restored blocks are loaded on the first.
+    pub(super) devices: &'a [B::Device],
+    /// Block `k`'s trainer as it was before training, for blocks lost
+    /// before their first checkpoint.
+    pub(super) fresh: &'a dyn Fn(usize) -> BlockTrainer<B, S>,
+}
+
+/// A failure survived: what the run goes on with.
+pub(super) struct Recovered<B: DistillBackend, S: StudentModule<B>> {
+    /// The plan without the lost slot.
+    pub(super) plan: Plan,
+    /// The report's record of the failure (`recovery_seconds` is filled in
+    /// once the lost steps are retrained).
+    pub(super) record: FailureRecord,
+    /// The lost blocks' trainers, reloaded from their newest checkpoint
+    /// (from scratch without one).
+    pub(super) trainers: Vec<BlockTrainer<B, S>>,
+    /// When the failure was detected.
+    pub(super) detected_at: Instant,
+    /// The step every stage must complete again for the run to have
+    /// regained what it lost.
+    pub(super) target: usize,
+}
+
+/// The failure policy. A worker's device failure (`Error::is_device_failure`)
+/// within `options.max_failures` loses its slot: the plan is re-routed or
+/// re-planned over the surviving slots from phase `phase_index` on, and the
+/// blocks whose state was on the worker are reloaded. Any other failure, one
+/// failure too many, or a plan that cannot go on ends the run with an error.
+/// `failures` are the failures survived so far (their slots are lost too).
+pub(super) fn recover<B: DistillBackend, S: StudentModule<B>>(
+    failure: PhaseFailure,
+    plan: &Plan,
+    phase_index: usize,
+    failures: &[FailureRecord],
+    context: &RecoveryContext<'_, B, S>,
+) -> Result<Recovered<B, S>> {
+    let options = context.options;
+    let Error::Worker { stage, replica, slot, .. } = &failure.error else {
+        return Err(failure.error);
+    };
+    let (stage, replica, slot) = (*stage, *replica, *slot);
+    if !failure.error.is_device_failure() || failures.len() >= options.max_failures {
+        return Err(failure.error);
+    }
+    let lost_slots: Vec<usize> = failures.iter().map(|f| f.slot).chain([slot]).collect();
+    let survivors: Vec<usize> = (0..plan.slots()).filter(|s| !lost_slots.contains(s)).collect();
+    let costs = options.costs.clone().unwrap_or_else(|| {
+        let flops = |s: &BlockSpec| s.flops as f64;
+        let teacher_flops: Vec<f64> = context.teacher_specs.iter().map(flops).collect();
+        let student_flops: Vec<f64> = context.student_specs.iter().map(flops).collect();
+        flops_costs(&teacher_flops, &student_flops, survivors.len().max(1))
+    });
+    let (new_plan, action) =
+        match replan(plan, phase_index, slot, &survivors, &costs, options.memory_per_device) {
+            Ok(Replan::Reroute(p)) => {
+                (p, "re-routed its share of each batch to the other replicas".to_string())
+            }
+            Ok(Replan::Replanned(p)) => {
+                (p, format!("re-planned the blocks over the surviving slots {survivors:?}"))
+            }
+            Err(why) => {
+                return Err(Error::Plan {
+                    plan: plan.name.clone(),
+                    message: format!(
+                        "cannot continue after losing device slot {slot}: {why}; {}",
+                        failure.error
+                    ),
+                })
+            }
+        };
+    let mut restored = Vec::new();
+    let mut trainers = Vec::new();
+    for k in failure.lost_blocks {
+        let lost_at = failure.block_steps.get(&k).copied().unwrap_or(0);
+        let mut trainer = (context.fresh)(k);
+        let (identity, device) = (&context.identities[k], &context.devices[0]);
+        let resumed_at = match &options.checkpoints {
+            Some(policy) => restore_newest(&mut trainer, &policy.dir, identity, device, false)?.step,
+            None => 0,
+        };
+        trainers.push(trainer);
+        restored.push(RestoredBlock { block: k + 1, lost_at, resumed_at });
+    }
+    restored.sort_by_key(|r| r.block);
+    let target = restored.iter().map(|r| r.lost_at).max().unwrap_or(0).max(failure.completed + 1);
+    let detection_seconds = match &failure.error {
+        Error::Worker { source, .. } => match source.as_ref() {
+            Error::Stalled { seconds, .. } => *seconds,
+            _ => 0.0,
+        },
+        _ => 0.0,
+    };
+    let record = FailureRecord {
+        stage,
+        replica,
+        slot,
+        error: failure.error.to_string(),
+        action,
+        old_plan: plan.describe(),
+        new_plan: new_plan.describe(),
+        steps_lost: restored.iter().map(|r| r.lost_at.saturating_sub(r.resumed_at)).sum(),
+        restored,
+        detection_seconds,
+        recovery_seconds: 0.0,
+    };
+    Ok(Recovered { plan: new_plan, record, trainers, detected_at: failure.detected_at, target })
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! activation), and whether a global barrier precedes each optimizer step.
 //! Every named schedule of the paper (`ideal`, `dp`, `ls`, `tr`, `tr-dpu`), a
 //! hand-written hybrid and (later) the planner's output are values of this
-//! one type, interpreted by one runtime ([`crate::runtime`]); nothing else in
+//! one type, interpreted by one runtime (the engine's `runtime`); nothing else in
 //! the code knows the schedule names.
 
 use std::fmt;
@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use crate::block::BlockSpec;
+use crate::BlockSpec;
 
 /// One pipeline stage: a contiguous range of blocks, trained by `slots.len()`
 /// data-parallel replicas.
@@ -80,8 +80,70 @@ fn one() -> usize {
     1
 }
 
-/// Names accepted by [`Plan::named`].
-pub const SCHEDULES: [&str; 7] = ["ideal", "dp", "ls", "tr", "tr-dpu", "hybrid", "auto"];
+/// The schedules a plan can be built by, by name. The one place that knows
+/// schedule names: configs, the CLI and reports parse and print them here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Schedule {
+    /// One device slot trains every block ([`Plan::ideal`]).
+    Ideal,
+    /// Blocks one after another, each data parallel ([`Plan::dp`]).
+    Dp,
+    /// Layer split, every device recomputes its teacher prefix ([`Plan::ls`]).
+    Ls,
+    /// Teacher relaying with a barrier before each step ([`Plan::tr`]).
+    Tr,
+    /// Teacher relaying with decoupled updates ([`Plan::tr`]).
+    TrDpu,
+    /// User stages with replicas ([`Plan::hybrid`]).
+    Hybrid,
+    /// Automatic hybrid distribution: planned from a measured profile by
+    /// the engine's planner.
+    Auto,
+}
+
+impl Schedule {
+    /// Every schedule, in the order the documentation lists them.
+    pub const ALL: [Schedule; 7] = [
+        Schedule::Ideal,
+        Schedule::Dp,
+        Schedule::Ls,
+        Schedule::Tr,
+        Schedule::TrDpu,
+        Schedule::Hybrid,
+        Schedule::Auto,
+    ];
+
+    /// The name as written in configs and reports (`tr-dpu`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Ideal => "ideal",
+            Schedule::Dp => "dp",
+            Schedule::Ls => "ls",
+            Schedule::Tr => "tr",
+            Schedule::TrDpu => "tr-dpu",
+            Schedule::Hybrid => "hybrid",
+            Schedule::Auto => "auto",
+        }
+    }
+
+    /// The schedule called `name`, or an error listing the names.
+    pub fn parse(name: &str) -> Result<Self, PlanError> {
+        Self::ALL.into_iter().find(|s| s.name() == name).ok_or_else(|| {
+            PlanError(format!("unknown schedule `{name}`: expected one of {}", Self::names().join(", ")))
+        })
+    }
+
+    /// Every name, in order.
+    pub fn names() -> Vec<&'static str> {
+        Self::ALL.iter().map(|s| s.name()).collect()
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Why a plan cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,7 +160,7 @@ impl Plan {
     /// trains every block.
     pub fn ideal(blocks: usize) -> Self {
         Self {
-            name: "ideal".into(),
+            name: Schedule::Ideal.name().into(),
             phases: vec![Phase {
                 stages: vec![Stage { blocks: 0..blocks, slots: vec![0], loads_data: true }],
                 barrier: false,
@@ -115,7 +177,7 @@ impl Plan {
                 barrier: false,
             })
             .collect();
-        Self { name: "dp".into(), phases }
+        Self { name: Schedule::Dp.name().into(), phases }
     }
 
     /// Layer split: a fixed block-to-device map (contiguous ranges balanced
@@ -127,7 +189,7 @@ impl Plan {
             .enumerate()
             .map(|(d, blocks)| Stage { blocks, slots: vec![d], loads_data: true })
             .collect();
-        Self { name: "ls".into(), phases: vec![Phase { stages, barrier: false }] }
+        Self { name: Schedule::Ls.name().into(), phases: vec![Phase { stages, barrier: false }] }
     }
 
     /// Teacher relaying: contiguous ranges balanced by `cost`, only the first
@@ -139,7 +201,7 @@ impl Plan {
             .enumerate()
             .map(|(d, blocks)| Stage { blocks, slots: vec![d], loads_data: d == 0 })
             .collect();
-        let name = if decoupled { "tr-dpu" } else { "tr" };
+        let name = if decoupled { Schedule::TrDpu } else { Schedule::Tr }.name();
         Self { name: name.into(), phases: vec![Phase { stages, barrier: !decoupled }] }
     }
 
@@ -188,11 +250,13 @@ impl Plan {
                 "the stages use {next_slot} device slots (sum of replicas), but {devices} devices are given"
             )));
         }
-        Ok(Self { name: "hybrid".into(), phases: vec![Phase { stages, barrier: false }] })
+        Ok(Self { name: Schedule::Hybrid.name().into(), phases: vec![Phase { stages, barrier: false }] })
     }
 
-    /// A plan by name, for `blocks` blocks over `devices` device slots.
-    /// `cost` (one entry per block) balances the stage cuts of `ls` / `tr`.
+    /// A plan by schedule name, for `blocks` blocks over `devices` device
+    /// slots. `cost` (one entry per block) balances the stage cuts of `ls` /
+    /// `tr`; `hybrid` takes its stages from `hybrid`. `auto` is planned from
+    /// a profile by the engine's planner, not here.
     pub fn named(
         name: &str,
         blocks: usize,
@@ -200,32 +264,29 @@ impl Plan {
         cost: &[f64],
         hybrid: &[StageSpec],
     ) -> Result<Self, PlanError> {
+        let schedule = Schedule::parse(name)?;
         if devices == 0 {
             return Err(PlanError("at least one device is needed".into()));
         }
-        let needs_split = matches!(name, "ls" | "tr" | "tr-dpu");
+        let needs_split = matches!(schedule, Schedule::Ls | Schedule::Tr | Schedule::TrDpu);
         if needs_split && devices > blocks {
             return Err(PlanError(format!(
                 "`{name}` gives each device at least one block: {devices} devices but only {blocks} blocks"
             )));
         }
-        match name {
-            "ideal" => Ok(Self::ideal(blocks)),
-            "dp" => Ok(Self::dp(blocks, devices)),
-            "ls" => Ok(Self::ls(cost, devices)),
-            "tr" => Ok(Self::tr(cost, devices, false)),
-            "tr-dpu" => Ok(Self::tr(cost, devices, true)),
-            "hybrid" => {
+        match schedule {
+            Schedule::Ideal => Ok(Self::ideal(blocks)),
+            Schedule::Dp => Ok(Self::dp(blocks, devices)),
+            Schedule::Ls => Ok(Self::ls(cost, devices)),
+            Schedule::Tr => Ok(Self::tr(cost, devices, false)),
+            Schedule::TrDpu => Ok(Self::tr(cost, devices, true)),
+            Schedule::Hybrid => {
                 if hybrid.is_empty() {
                     return Err(PlanError("schedule `hybrid` needs [[stages]] entries in the config".into()));
                 }
                 Self::hybrid(hybrid, blocks, devices)
             }
-            "auto" => Err(PlanError("`auto` is planned from a profile: use `run::auto_plan`".into())),
-            other => Err(PlanError(format!(
-                "unknown schedule `{other}`: expected one of {}",
-                SCHEDULES.join(", ")
-            ))),
+            Schedule::Auto => Err(PlanError("`auto` is planned from a profile, not by name".into())),
         }
     }
 
@@ -359,5 +420,14 @@ mod tests {
         let ls = Plan::ls(&cost, 2);
         assert_eq!(ls.phases[0].stages.iter().map(|s| s.teacher_start()).collect::<Vec<_>>(), vec![0, 0]);
         assert!(Plan::named("tr", 2, 3, &[1.0, 1.0], &[]).is_err());
+    }
+
+    #[test]
+    fn every_schedule_name_parses_back_and_unknown_names_list_them() {
+        for schedule in Schedule::ALL {
+            assert_eq!(Schedule::parse(schedule.name()), Ok(schedule));
+        }
+        let err = Schedule::parse("pipedream").unwrap_err().0;
+        assert!(err.contains("pipedream") && err.contains("tr-dpu") && err.contains("auto"), "{err}");
     }
 }

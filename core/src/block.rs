@@ -1,0 +1,273 @@
+//! The [`Block`] trait, [`BlockSpec`], and the [`Teacher`] and [`Students`]
+//! that hold blocks with their specs.
+
+use burn::module::{AutodiffModule, Module};
+use burn::tensor::Tensor;
+use pipebd_kernels::{DistillBackend, FusedBackend};
+use serde::{Deserialize, Serialize};
+
+use crate::activation::Activation;
+use crate::error::{Error, Result};
+use crate::loss::{Loss, LossKind};
+
+/// A teacher or student block as the engine sees it: a burn [`Module`] that
+/// maps a batch to a batch.
+///
+/// Implement it generically over the backend (`impl<B: FusedBackend>
+/// Block<B> for MyBlock<B>`): the teacher runs on the inner (non-autodiff)
+/// backend, students train on the autodiff backend and are evaluated on its
+/// inner backend, so one implementation serves all three. Errors may name
+/// block 0 ([`Error::block`]); the engine puts the block's number in.
+pub trait Block<B: FusedBackend>: Module<B> {
+    /// Runs the block on one batch.
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>>;
+
+    /// The distillation loss of this (student) block's output against the
+    /// teacher's. The default computes `loss` (the kind in the block's spec,
+    /// at the run's temperature); override it for a custom loss, for example
+    /// a feature-map loss with attention transfer. It must reduce to one
+    /// element and stay differentiable with respect to `student`.
+    fn loss(&self, student: Activation<B>, teacher: Activation<B>, loss: &Loss) -> Result<Tensor<B, 1>> {
+        loss.compute(student, teacher)
+    }
+}
+
+/// A trainable student block: a [`Block`] on the autodiff backend whose
+/// inference copy ([`AutodiffModule::valid`]) is a [`Block`] on the inner
+/// backend. Implemented for every such module.
+pub trait StudentModule<B: DistillBackend>:
+    Block<B> + AutodiffModule<B, InnerModule: Block<B::InnerBackend>>
+{
+}
+
+impl<B, S> StudentModule<B> for S
+where
+    B: DistillBackend,
+    S: Block<B> + AutodiffModule<B>,
+    S::InnerModule: Block<B::InnerBackend>,
+{
+}
+
+/// What the engine knows about a block besides its module.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BlockSpec {
+    /// Human-readable name (`conv1`, `separable`, ...).
+    pub name: String,
+    /// Per-sample input shape (batch dimension excluded).
+    pub input_shape: Vec<usize>,
+    /// Per-sample output shape (batch dimension excluded).
+    pub output_shape: Vec<usize>,
+    /// Forward FLOPs per sample (two per multiply-accumulate); 0 when not
+    /// known (the planner then balances by measured costs only).
+    pub flops: u64,
+    /// Trainable parameters.
+    pub params: usize,
+    /// Loss used to train a student for this block.
+    pub loss: LossKind,
+}
+
+impl BlockSpec {
+    /// The spec of `module` for inputs of per-sample shape `input_shape`:
+    /// the output shape from a forward pass of one zero sample on `device`,
+    /// the parameters counted, the loss MSE and the FLOPs unknown (0; set
+    /// them with [`BlockSpec::with_flops`] where the planner should use them).
+    pub fn infer<B: FusedBackend, M: Block<B>>(
+        name: impl Into<String>,
+        module: &M,
+        input_shape: &[usize],
+        device: &B::Device,
+    ) -> Result<Self> {
+        let output = module.forward(Activation::zeros(1, input_shape, device)?)?;
+        Ok(Self {
+            name: name.into(),
+            input_shape: input_shape.to_vec(),
+            output_shape: output.dims()[1..].to_vec(),
+            flops: 0,
+            params: module.num_params(),
+            loss: LossKind::Mse,
+        })
+    }
+
+    /// The same spec with `flops` forward FLOPs per sample.
+    pub fn with_flops(self, flops: u64) -> Self {
+        Self { flops, ..self }
+    }
+
+    /// The same spec with another loss.
+    pub fn with_loss(self, loss: LossKind) -> Self {
+        Self { loss, ..self }
+    }
+}
+
+/// Fails unless `spec.params` is what `module` has (block `k`, zero-based).
+fn check_params<B: FusedBackend, M: Module<B>>(k: usize, module: &M, spec: &BlockSpec) -> Result<()> {
+    let counted = module.num_params();
+    if counted == spec.params {
+        return Ok(());
+    }
+    Err(Error::Block {
+        block: k + 1,
+        message: format!(
+            "spec `{}` declares {} parameters but the module has {counted}",
+            spec.name, spec.params
+        ),
+    })
+}
+
+/// A frozen teacher cut into blocks, on the inner backend `B`.
+#[derive(Debug, Clone)]
+pub struct Teacher<B: FusedBackend, T: Block<B>> {
+    /// The blocks, in order.
+    pub blocks: Vec<T>,
+    /// One spec per block.
+    pub specs: Vec<BlockSpec>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: FusedBackend, T: Block<B>> Teacher<B, T> {
+    /// A teacher from its blocks and their specs. Consecutive specs must
+    /// chain (output shape of block k is the input shape of block k+1) and
+    /// each spec's parameter count must be its module's.
+    pub fn new(blocks: Vec<T>, specs: Vec<BlockSpec>) -> Result<Self> {
+        if blocks.len() != specs.len() || blocks.is_empty() {
+            return Err(Error::block(format!("teacher has {} blocks but {} specs", blocks.len(), specs.len())));
+        }
+        for (k, pair) in specs.windows(2).enumerate() {
+            if pair[0].output_shape != pair[1].input_shape {
+                return Err(Error::ShapeMismatch {
+                    block: k + 2,
+                    what: "input (teacher chain)",
+                    student: pair[1].input_shape.clone(),
+                    teacher: pair[0].output_shape.clone(),
+                });
+            }
+        }
+        for (k, (block, spec)) in blocks.iter().zip(&specs).enumerate() {
+            check_params(k, block, spec)?;
+        }
+        Ok(Self { blocks, specs, _backend: std::marker::PhantomData })
+    }
+
+    /// A teacher whose specs are inferred from its modules
+    /// ([`BlockSpec::infer`]): one zero sample of `input_shape` runs through
+    /// the chain. Blocks are named `block1`, `block2`, ...; the last block
+    /// is trained with the soft-target cross-entropy when its output is a
+    /// flat vector (logits), every other with the MSE.
+    pub fn from_blocks(blocks: Vec<T>, input_shape: &[usize], device: &B::Device) -> Result<Self> {
+        let mut specs = Vec::with_capacity(blocks.len());
+        let mut input = input_shape.to_vec();
+        for (k, block) in blocks.iter().enumerate() {
+            let spec = BlockSpec::infer(format!("block{}", k + 1), block, &input, device)
+                .map_err(|e| e.at_block(k + 1))?;
+            let last_logits = k + 1 == blocks.len() && spec.output_shape.len() == 1;
+            input = spec.output_shape.clone();
+            specs.push(if last_logits { spec.with_loss(LossKind::SoftTargetCrossEntropy) } else { spec });
+        }
+        Self::new(blocks, specs)
+    }
+
+    /// Runs the whole teacher and returns its final output.
+    pub fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
+        forward_chain(&self.blocks, input)
+    }
+}
+
+/// The student blocks with their specs, on the autodiff backend `B`.
+#[derive(Debug, Clone)]
+pub struct Students<B: DistillBackend, S: StudentModule<B>> {
+    /// The blocks, in order.
+    pub blocks: Vec<S>,
+    /// One spec per block.
+    pub specs: Vec<BlockSpec>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: DistillBackend, S: StudentModule<B>> Students<B, S> {
+    /// Pairs student blocks with their specs and checks them against the
+    /// teacher's: same number of blocks, same input and output shapes, and
+    /// each spec's parameter count is its module's.
+    pub fn new(blocks: Vec<S>, specs: Vec<BlockSpec>, teacher_specs: &[BlockSpec]) -> Result<Self> {
+        check_against_teacher(&specs, teacher_specs)?;
+        if blocks.len() != specs.len() {
+            return Err(Error::block(format!("{} student modules but {} specs", blocks.len(), specs.len())));
+        }
+        for (k, (block, spec)) in blocks.iter().zip(&specs).enumerate() {
+            check_params(k, block, spec)?;
+        }
+        Ok(Self { blocks, specs, _backend: std::marker::PhantomData })
+    }
+
+    /// Students whose specs are inferred from their modules, each on its
+    /// teacher block's input shape ([`BlockSpec::infer`]), named after the
+    /// teacher's blocks and trained with the teacher block's loss; then
+    /// checked as by [`Students::new`].
+    pub fn from_blocks(blocks: Vec<S>, teacher_specs: &[BlockSpec], device: &B::Device) -> Result<Self> {
+        check_block_count(blocks.len(), teacher_specs.len())?;
+        let specs = blocks
+            .iter()
+            .zip(teacher_specs)
+            .enumerate()
+            .map(|(k, (block, t))| {
+                BlockSpec::infer(format!("student-{}", t.name), block, &t.input_shape, device)
+                    .map(|spec| spec.with_loss(t.loss))
+                    .map_err(|e| e.at_block(k + 1))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(blocks, specs, teacher_specs)
+    }
+}
+
+/// Fails unless there are as many student blocks as teacher blocks.
+pub fn check_block_count(students: usize, teacher: usize) -> Result<()> {
+    if students == teacher {
+        return Ok(());
+    }
+    Err(Error::BlockCount { students, teacher })
+}
+
+/// Checks student specs against teacher specs block by block.
+pub fn check_against_teacher(student: &[BlockSpec], teacher: &[BlockSpec]) -> Result<()> {
+    check_block_count(student.len(), teacher.len())?;
+    for (k, (s, t)) in student.iter().zip(teacher).enumerate() {
+        if s.input_shape != t.input_shape {
+            return Err(Error::ShapeMismatch {
+                block: k + 1,
+                what: "input",
+                student: s.input_shape.clone(),
+                teacher: t.input_shape.clone(),
+            });
+        }
+        if s.output_shape != t.output_shape {
+            return Err(Error::ShapeMismatch {
+                block: k + 1,
+                what: "output",
+                student: s.output_shape.clone(),
+                teacher: t.output_shape.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Runs `blocks` one after another (a whole teacher, or stitched students).
+pub fn forward_chain<B: FusedBackend, M: Block<B>>(blocks: &[M], input: Activation<B>) -> Result<Activation<B>> {
+    let mut x = input;
+    for (k, block) in blocks.iter().enumerate() {
+        x = block.forward(x).map_err(|e| e.at_block(k + 1))?;
+    }
+    Ok(x)
+}
+
+/// Every float parameter of a module, flattened in visiting order (for
+/// comparing two trainings of the same architecture).
+pub fn flat_parameters<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            self.0.extend(param.val().into_data().iter::<f32>());
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    module.visit(&mut collect);
+    collect.0
+}

@@ -1,0 +1,80 @@
+//! The distillation loss of one block: [`LossKind`] and its settings.
+
+use burn::tensor::Tensor;
+use pipebd_kernels::FusedBackend;
+use serde::{Deserialize, Serialize};
+
+use crate::activation::Activation;
+use crate::error::{Error, Result};
+
+/// How a block's student output is compared with the teacher's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossKind {
+    /// Mean squared error over all elements (over real tokens only for
+    /// token states: padding is masked out).
+    Mse,
+    /// Soft-target cross-entropy against the teacher's softmax (logits blocks).
+    SoftTargetCrossEntropy,
+}
+
+/// A block's loss: its kind and the settings that go with it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Loss {
+    /// Which loss.
+    pub kind: LossKind,
+    /// Softmax temperature of the soft-target cross-entropy (1 = plain
+    /// softmax). Both logits are divided by it and the loss is multiplied by
+    /// its square, so that gradient scales stay comparable (Hinton et al.).
+    /// Ignored by the MSE.
+    pub temperature: f64,
+}
+
+impl Loss {
+    /// `kind` at temperature 1.
+    pub fn new(kind: LossKind) -> Self {
+        Self { kind, temperature: 1.0 }
+    }
+
+    /// The same loss at `temperature`.
+    pub fn with_temperature(self, temperature: f64) -> Self {
+        Self { temperature, ..self }
+    }
+
+    /// The loss of `student` against `teacher` (same shapes), reduced to one
+    /// element. Errors name block 0; the engine puts the number in.
+    pub fn compute<B: FusedBackend>(&self, student: Activation<B>, teacher: Activation<B>) -> Result<Tensor<B, 1>> {
+        use pipebd_kernels::loss;
+        if student.dims() != teacher.dims() {
+            return Err(Error::block(format!(
+                "student output {:?} and teacher output {:?} differ",
+                student.dims(),
+                teacher.dims()
+            )));
+        }
+        match (self.kind, student, teacher) {
+            (LossKind::Mse, Activation::Flat(s), Activation::Flat(t)) => Ok(loss::mse(s, t)),
+            (LossKind::Mse, Activation::Tokens { hidden: s, mask }, Activation::Tokens { hidden: t, .. }) => {
+                Ok(loss::masked_mse(s, t, mask))
+            }
+            (LossKind::Mse, Activation::Maps(s), Activation::Maps(t)) => Ok(loss::mse(s, t)),
+            (LossKind::SoftTargetCrossEntropy, Activation::Flat(s), Activation::Flat(t)) => {
+                let temperature = self.temperature;
+                if temperature == 1.0 {
+                    return Ok(loss::soft_target_cross_entropy(s, t));
+                }
+                if !(temperature.is_finite() && temperature > 0.0) {
+                    return Err(Error::block(format!("temperature {temperature} must be a positive number")));
+                }
+                let scale = 1.0 / temperature;
+                let ce = loss::soft_target_cross_entropy(s.mul_scalar(scale), t.mul_scalar(scale));
+                Ok(ce.mul_scalar(temperature * temperature))
+            }
+            (kind, s, t) => Err(Error::block(format!(
+                "loss {kind:?} cannot compare {:?} with {:?}",
+                s.dims(),
+                t.dims()
+            ))),
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! One phase of a plan: its worker threads, the watchdog that forwards
+//! progress and declares silent workers lost, and what the phase hands back
+//! (the surviving trainers, metric rows, spans, and the failure that ended
+//! it early, if any).
+
+use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crossbeam_channel::{unbounded, RecvTimeoutError, Sender};
+use pipebd_kernels::DistillBackend;
+
+use super::sync::{Halt, Heartbeat, StepBarrier, Stop, POLL};
+use super::topology::{build_workers, Worker};
+use super::worker::{worker_loop, LoopState, Position};
+use super::{threads_per_worker, RuntimeOptions};
+use crate::train::TrainSettings;
+use pipebd_core::{Block, StudentModule, Teacher};
+use pipebd_core::Dataset;
+use crate::error::{Error, Result};
+use crate::plan::Phase;
+use crate::trace::{summarise, Span, SpanRecorder, WorkerSummary};
+use crate::train::{BlockTrainer, MetricRow, Progress};
+
+/// What every worker of a phase reads: the phase, the run's inputs and
+/// settings, and where the phase stands in the run.
+pub(super) struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>> {
+    pub(super) phase: &'a Phase,
+    pub(super) teacher: &'a Teacher<B::InnerBackend, T>,
+    pub(super) data: &'a dyn Dataset<B::InnerBackend>,
+    pub(super) settings: &'a TrainSettings,
+    pub(super) devices: &'a [B::Device],
+    pub(super) options: &'a RuntimeOptions,
+    pub(super) per_epoch: usize,
+    pub(super) total_steps: usize,
+    pub(super) origin: Instant,
+    pub(super) first_worker: usize,
+    pub(super) phase_index: usize,
+    pub(super) phases: usize,
+    pub(super) plan_description: &'a str,
+    pub(super) identities: &'a [BTreeMap<String, serde_json::Value>],
+    /// Note when every stage has completed this many steps.
+    pub(super) recovery_target: Option<usize>,
+}
+
+/// What a phase produced, and how it ended.
+pub(super) struct PhaseOutcome {
+    pub(super) rows: Vec<MetricRow>,
+    pub(super) spans: Vec<Span>,
+    pub(super) workers: Vec<WorkerSummary>,
+    pub(super) checkpoints_written: usize,
+    /// When every stage had completed `recovery_target` steps.
+    pub(super) target_reached_at: Option<Instant>,
+    /// The worker failure that ended the phase early.
+    pub(super) failure: Option<PhaseFailure>,
+}
+
+/// A phase ended by a failed worker; the surviving trainers are back in place.
+pub(super) struct PhaseFailure {
+    pub(super) error: Error,
+    pub(super) detected_at: Instant,
+    /// Blocks whose state was on the failed worker (zero-based).
+    pub(super) lost_blocks: Vec<usize>,
+    /// Steps completed per block, as last reported (zero-based block -> steps).
+    pub(super) block_steps: BTreeMap<usize, usize>,
+    /// Steps every stage had completed.
+    pub(super) completed: usize,
+}
+
+/// A stage leader's step done, with its blocks' losses, for the watchdog.
+pub(super) struct ProgressMsg {
+    pub(super) stage: usize,
+    pub(super) step: usize,
+    pub(super) losses: Vec<(usize, f32)>,
+}
+
+/// Runs one phase: one thread per worker, and on this thread the watchdog
+/// that forwards progress to `observer` and declares silent workers lost.
+/// The trainers of the surviving stage leaders are put back in `trainers`.
+pub(super) fn run_phase<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    trainers: &mut [Option<BlockTrainer<B, S>>],
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<PhaseOutcome>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend> + Sync,
+    S: StudentModule<B>,
+{
+    // Blocks ahead of the others (resumed from a newer checkpoint, or kept
+    // through a failure) skip their student work until the rest catch up.
+    let phase_blocks_iter = || context.phase.stages.iter().flat_map(|s| s.blocks.clone());
+    let mut block_steps: BTreeMap<usize, usize> = BTreeMap::new();
+    for k in phase_blocks_iter() {
+        if let Some(t) = trainers.get(k).and_then(|t| t.as_ref()) {
+            block_steps.insert(k, t.step);
+        }
+    }
+    let start_step = block_steps.values().copied().min().unwrap_or(0).min(context.total_steps);
+    let workers = build_workers(context, trainers)?;
+    let count = workers.len();
+    let who: Vec<(usize, usize, usize)> = workers.iter().map(|w| (w.stage, w.replica, w.slot)).collect();
+    let heartbeats: Vec<Heartbeat> = (0..count).map(|_| Heartbeat::new(Instant::now())).collect();
+    let stop = Stop::new();
+    let barrier = context.phase.barrier.then(|| StepBarrier::new(count));
+    let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
+    let stages = context.phase.stages.len();
+    let phase_blocks: usize = context.phase.stages.iter().map(|s| s.blocks.len()).sum();
+    let threads = threads_per_worker(context.options.threads_per_worker, count);
+    let stall_limit = context.options.timeout.as_secs_f64();
+    let mut target_reached_at = None;
+    let mut completed = start_step;
+
+    let results: Vec<std::thread::Result<WorkerResult<B, S>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = workers
+            .into_iter()
+            .zip(&heartbeats)
+            .map(|(worker, beat)| {
+                let progress_tx = progress_tx.clone();
+                let stop = &stop;
+                let barrier = barrier.as_ref();
+                let run = move || run_worker(context, worker, stop, barrier, &progress_tx, beat, start_step);
+                scope.spawn(move || {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                    match pool {
+                        Ok(pool) => pool.install(run),
+                        Err(_) => run(),
+                    }
+                })
+            })
+            .collect();
+        drop(progress_tx);
+        // Forward progress to the observer until every worker has hung up,
+        // and watch for workers that stopped moving.
+        let mut stage_step = vec![start_step; stages];
+        let mut losses = vec![f32::NAN; phase_blocks];
+        let first_block = context.phase.stages.first().map_or(0, |s| s.blocks.start);
+        let mut reported = start_step;
+        loop {
+            match progress_rx.recv_timeout(POLL * 5) {
+                Ok(msg) => {
+                    stage_step[msg.stage] = stage_step[msg.stage].max(msg.step + 1);
+                    for (block, loss) in msg.losses {
+                        block_steps.insert(block, msg.step + 1);
+                        if let Some(slot) = losses.get_mut(block.saturating_sub(first_block)) {
+                            *slot = loss;
+                        }
+                    }
+                    let done = stage_step.iter().copied().min().unwrap_or(0);
+                    while reported < done {
+                        observer(&Progress {
+                            phase: context.phase_index,
+                            phases: context.phases,
+                            epoch: reported / context.per_epoch,
+                            epochs: context.settings.epochs,
+                            step_in_epoch: reported % context.per_epoch,
+                            steps_per_epoch: context.per_epoch,
+                            losses: losses.clone(),
+                        });
+                        reported += 1;
+                    }
+                    completed = reported;
+                    if context.recovery_target.is_some_and(|t| reported >= t) {
+                        target_reached_at.get_or_insert_with(Instant::now);
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            if stop.is_raised() {
+                continue;
+            }
+            let stalled = heartbeats
+                .iter()
+                .enumerate()
+                .find_map(|(i, beat)| beat.silent_for().filter(|&s| s > stall_limit).map(|s| (i, s)));
+            if let Some((i, seconds)) = stalled {
+                let (stage, replica, slot) = who[i];
+                let step = heartbeats[i].step.load(Ordering::SeqCst);
+                stop.raise(Error::Worker {
+                    stage: stage + 1,
+                    replica,
+                    slot,
+                    source: Box::new(Error::Stalled { seconds, step }),
+                });
+            }
+        }
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+
+    let mut outcome = PhaseOutcome {
+        rows: Vec::new(),
+        spans: Vec::new(),
+        workers: Vec::new(),
+        checkpoints_written: 0,
+        target_reached_at,
+        failure: None,
+    };
+    // The worker named by the first error is the failed one (its device is
+    // gone with the state on it), whether it reported the error itself or
+    // the watchdog found it silent.
+    let first = stop.take();
+    let failed_worker = match &first {
+        Some((Error::Worker { stage, replica, .. }, _)) => {
+            who.iter().position(|&(s, r, _)| s + 1 == *stage && r == *replica)
+        }
+        _ => None,
+    };
+    let mut lost_blocks = Vec::new();
+    for (i, result) in results.into_iter().enumerate() {
+        let result = result.map_err(|_| Error::Timeout { message: "a worker thread died".into() })?;
+        if failed_worker == Some(i) {
+            lost_blocks.extend(result.trainers.iter().map(|(k, _)| *k));
+        } else {
+            for (k, trainer) in result.trainers {
+                trainers[k] = Some(trainer);
+            }
+        }
+        outcome.rows.extend(result.rows);
+        outcome.checkpoints_written += result.checkpoints_written;
+        outcome.workers.push(summarise(
+            result.id,
+            result.role,
+            result.slot,
+            &result.spans,
+            result.wall_seconds,
+        ));
+        outcome.spans.extend(result.spans);
+    }
+    if let Some((error, detected_at)) = first {
+        outcome.failure = Some(PhaseFailure { error, detected_at, lost_blocks, block_steps, completed });
+    }
+    Ok(outcome)
+}
+
+/// What a worker hands back when it returns.
+struct WorkerResult<B: DistillBackend, S: StudentModule<B>> {
+    id: usize,
+    role: String,
+    slot: usize,
+    /// The leader's trainers (a failed worker's are lost with its device).
+    trainers: Vec<(usize, BlockTrainer<B, S>)>,
+    rows: Vec<MetricRow>,
+    spans: Vec<Span>,
+    wall_seconds: f64,
+    checkpoints_written: usize,
+}
+
+/// Runs one worker to completion; any failure or panic raises the stop
+/// signal with an error naming the stage, slot and block.
+fn run_worker<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    mut worker: Worker<B, S>,
+    stop: &Stop,
+    barrier: Option<&StepBarrier>,
+    progress: &Sender<ProgressMsg>,
+    beat: &Heartbeat,
+    start_step: usize,
+) -> WorkerResult<B, S>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let start = Instant::now();
+    let mut recorder = SpanRecorder::new(worker.id, context.origin);
+    let mut rows = Vec::new();
+    let mut position = Position::default();
+    let mut checkpoints_written = 0;
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let mut state = LoopState {
+            recorder: &mut recorder,
+            rows: &mut rows,
+            position: &mut position,
+            beat,
+            checkpoints_written: &mut checkpoints_written,
+        };
+        worker_loop(context, &mut worker, stop, barrier, progress, &mut state, start_step)
+    }));
+    beat.finished.store(true, Ordering::SeqCst);
+    let failure = match outcome {
+        Ok(Ok(())) => None,
+        Ok(Err(Halt::Stopped)) => None,
+        Ok(Err(Halt::Failed(error))) => Some(error),
+        Err(panic) => {
+            let message = crate::error::panic_message(panic.as_ref());
+            let step = beat.step.load(Ordering::SeqCst);
+            Some(Error::Panic { block: position.block.unwrap_or(0), step, message })
+        }
+    };
+    if let Some(error) = failure {
+        stop.raise(Error::Worker {
+            stage: worker.stage + 1,
+            replica: worker.replica,
+            slot: worker.slot,
+            source: Box::new(error),
+        });
+    }
+    let trainers = if worker.is_leader() {
+        worker.trainers.drain(..).map(|t| (t.index, t)).collect()
+    } else {
+        Vec::new()
+    };
+    WorkerResult {
+        id: worker.id,
+        role: worker.name(),
+        slot: worker.slot,
+        trainers,
+        rows,
+        spans: recorder.spans,
+        wall_seconds: start.elapsed().as_secs_f64(),
+        checkpoints_written,
+    }
+}

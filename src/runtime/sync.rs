@@ -1,0 +1,197 @@
+//! The synchronisation primitives of a phase: the stop signal, the
+//! workers' heartbeats, the step barrier, and channel waits that give way
+//! to the stop signal and time out.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
+
+use crate::error::Error;
+
+/// How often a waiting worker looks at the stop signal.
+pub(super) const POLL: Duration = Duration::from_millis(20);
+
+/// The first error of a phase, and the flag every wait polls.
+pub(super) struct Stop {
+    raised: AtomicBool,
+    first: Mutex<Option<(Error, Instant)>>,
+}
+
+impl Stop {
+    pub(super) fn new() -> Self {
+        Self { raised: AtomicBool::new(false), first: Mutex::new(None) }
+    }
+    pub(super) fn raise(&self, error: Error) {
+        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        if first.is_none() {
+            *first = Some((error, Instant::now()));
+        }
+        self.raised.store(true, Ordering::SeqCst);
+    }
+    pub(super) fn is_raised(&self) -> bool {
+        self.raised.load(Ordering::SeqCst)
+    }
+    pub(super) fn take(&self) -> Option<(Error, Instant)> {
+        self.first.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// A worker's sign of life, read by the phase's watchdog: when it last
+/// moved, and whether it is waiting for a peer (which is not its fault).
+pub(super) struct Heartbeat {
+    origin: Instant,
+    last_ms: AtomicU64,
+    waiting: AtomicUsize,
+    pub(super) finished: AtomicBool,
+    pub(super) step: AtomicUsize,
+}
+
+impl Heartbeat {
+    pub(super) fn new(origin: Instant) -> Self {
+        Self {
+            origin,
+            last_ms: AtomicU64::new(origin.elapsed().as_millis() as u64),
+            waiting: AtomicUsize::new(0),
+            finished: AtomicBool::new(false),
+            step: AtomicUsize::new(0),
+        }
+    }
+    pub(super) fn beat(&self) {
+        self.last_ms.store(self.origin.elapsed().as_millis() as u64, Ordering::SeqCst);
+    }
+    /// Marks a wait for a peer until the guard is dropped.
+    pub(super) fn waiting(&self) -> WaitGuard<'_> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        WaitGuard(self)
+    }
+    /// Seconds since the last beat, if the worker is working (not waiting, not done).
+    pub(super) fn silent_for(&self) -> Option<f64> {
+        if self.finished.load(Ordering::SeqCst) || self.waiting.load(Ordering::SeqCst) > 0 {
+            return None;
+        }
+        let now = self.origin.elapsed().as_millis() as u64;
+        Some(now.saturating_sub(self.last_ms.load(Ordering::SeqCst)) as f64 / 1e3)
+    }
+}
+
+pub(super) struct WaitGuard<'a>(&'a Heartbeat);
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        self.0.beat();
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Why a worker stopped early: its own error, or someone else's.
+pub(super) enum Halt {
+    Stopped,
+    Failed(Error),
+}
+
+impl From<Error> for Halt {
+    fn from(e: Error) -> Self {
+        Halt::Failed(e)
+    }
+}
+
+pub(super) type Flow<T> = std::result::Result<T, Halt>;
+
+/// A global barrier with a timeout that also gives way to the stop signal.
+pub(super) struct StepBarrier {
+    parties: usize,
+    state: Mutex<(u64, usize)>,
+    turned: Condvar,
+}
+
+impl StepBarrier {
+    pub(super) fn new(parties: usize) -> Self {
+        Self { parties, state: Mutex::new((0, 0)), turned: Condvar::new() }
+    }
+
+    pub(super) fn wait(&self, stop: &Stop, timeout: Duration, who: &str) -> Flow<()> {
+        let start = Instant::now();
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let generation = state.0;
+        state.1 += 1;
+        if state.1 == self.parties {
+            state.0 += 1;
+            state.1 = 0;
+            self.turned.notify_all();
+            return Ok(());
+        }
+        loop {
+            let (next, _) = self.turned.wait_timeout(state, POLL).unwrap_or_else(|p| p.into_inner());
+            state = next;
+            if state.0 != generation {
+                return Ok(());
+            }
+            if stop.is_raised() {
+                return Err(Halt::Stopped);
+            }
+            if start.elapsed() > timeout {
+                return Err(Halt::Failed(Error::Timeout {
+                    message: format!("{who} waited {:.0} s at the step barrier", timeout.as_secs_f64()),
+                }));
+            }
+        }
+    }
+}
+
+/// Receives from `rx`, polling the stop signal; gives up after `timeout`
+/// with a timeout naming `what` was awaited.
+pub(super) fn receive<M>(
+    rx: &Receiver<M>,
+    stop: &Stop,
+    timeout: Duration,
+    what: impl Fn() -> String,
+) -> Flow<M> {
+    let start = Instant::now();
+    loop {
+        match rx.recv_timeout(POLL) {
+            Ok(m) => return Ok(m),
+            Err(RecvTimeoutError::Timeout) => {
+                if stop.is_raised() {
+                    return Err(Halt::Stopped);
+                }
+                if start.elapsed() > timeout {
+                    return Err(Halt::Failed(Error::Timeout {
+                        message: format!("{} (waited {:.0} s)", what(), timeout.as_secs_f64()),
+                    }));
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return Err(Halt::Stopped),
+        }
+    }
+}
+
+/// Sends on `tx`, polling the stop signal; gives up after `timeout` with a
+/// timeout naming `what` was blocked.
+pub(super) fn send<M>(
+    tx: &Sender<M>,
+    mut message: M,
+    stop: &Stop,
+    timeout: Duration,
+    what: impl Fn() -> String,
+) -> Flow<()> {
+    let start = Instant::now();
+    loop {
+        match tx.send_timeout(message, POLL) {
+            Ok(()) => return Ok(()),
+            Err(SendTimeoutError::Timeout(m)) => {
+                if stop.is_raised() {
+                    return Err(Halt::Stopped);
+                }
+                if start.elapsed() > timeout {
+                    return Err(Halt::Failed(Error::Timeout {
+                        message: format!("{} (blocked {:.0} s)", what(), timeout.as_secs_f64()),
+                    }));
+                }
+                message = m;
+            }
+            Err(SendTimeoutError::Disconnected(_)) => return Err(Halt::Stopped),
+        }
+    }
+}

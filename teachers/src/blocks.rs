@@ -1,0 +1,110 @@
+//! The built-in teachers behind the block API: [`pipebd_core::Block`] for
+//! their blocks, one enum over them ([`TeacherBlock`]), and their specs.
+
+use burn::module::Module;
+use pipebd_core::{Activation, Block, BlockSpec, FusedBackend, LossKind, Result};
+use pipebd_kernels::encoder::EncoderLayer;
+
+use crate::minilm;
+use crate::mnist_cnn::{self, MnistBlock};
+
+impl<B: FusedBackend> Block<B> for MnistBlock<B> {
+    /// Feature maps in; feature maps out of a conv stage, logits out of the head.
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
+        let x = input.into_maps(0)?;
+        Ok(match self {
+            MnistBlock::Conv(stage) => Activation::Maps(stage.forward(x)),
+            MnistBlock::Head(head) => Activation::Flat(head.forward(x)),
+        })
+    }
+}
+
+/// Consecutive encoder layers run as one block (the mask rides along).
+#[derive(Module, Debug)]
+pub struct EncoderStack<B: FusedBackend> {
+    /// The layers, in order.
+    pub layers: Vec<EncoderLayer<B>>,
+}
+
+impl<B: FusedBackend> Block<B> for EncoderStack<B> {
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
+        let (mut hidden, mask) = input.into_tokens(0)?;
+        for layer in &self.layers {
+            hidden = layer.forward(hidden, mask.clone());
+        }
+        Ok(Activation::Tokens { hidden, mask })
+    }
+}
+
+/// One block of a built-in teacher.
+#[derive(Module, Debug)]
+pub enum TeacherBlock<B: FusedBackend> {
+    /// A block of the MNIST CNN.
+    Mnist(MnistBlock<B>),
+    /// One or more consecutive MiniLM encoder layers.
+    Encoder(EncoderStack<B>),
+}
+
+impl<B: FusedBackend> Block<B> for TeacherBlock<B> {
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
+        match self {
+            TeacherBlock::Mnist(block) => block.forward(input),
+            TeacherBlock::Encoder(stack) => stack.forward(input),
+        }
+    }
+}
+
+/// Block specs of the MNIST CNN teacher (parameters counted on `blocks`).
+pub fn mnist_specs<B: FusedBackend>(blocks: &[MnistBlock<B>]) -> Vec<BlockSpec> {
+    let outputs = mnist_cnn::block_output_shapes();
+    let flops = mnist_cnn::block_flops();
+    let names = ["conv1", "conv2", "conv3", "head"];
+    let mut input = mnist_cnn::INPUT_SHAPE.to_vec();
+    let mut specs = Vec::new();
+    for (k, block) in blocks.iter().enumerate() {
+        let output = outputs[k].clone();
+        let last_logits = k + 1 == blocks.len() && output.len() == 1;
+        specs.push(BlockSpec {
+            name: names[k].to_string(),
+            input_shape: input,
+            loss: if last_logits { LossKind::SoftTargetCrossEntropy } else { LossKind::Mse },
+            output_shape: output.clone(),
+            flops: flops[k],
+            params: block.num_params(),
+        });
+        input = output;
+    }
+    specs
+}
+
+/// Block specs of the MiniLM teacher cut into `groups` of consecutive
+/// layers, for sequences of `tokens` tokens.
+pub fn minilm_specs(groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
+    let layer = minilm::layer_config();
+    let mut first = 1;
+    groups
+        .iter()
+        .map(|&n| {
+            let name =
+                if n == 1 { format!("layer{first}") } else { format!("layers{first}-{}", first + n - 1) };
+            first += n;
+            BlockSpec {
+                name,
+                input_shape: vec![tokens, minilm::HIDDEN],
+                output_shape: vec![tokens, minilm::HIDDEN],
+                flops: n as u64 * layer.flops(tokens),
+                params: n * layer.params(),
+                loss: LossKind::Mse,
+            }
+        })
+        .collect()
+}
+
+/// MiniLM's encoder layers cut into blocks of `groups` consecutive layers.
+pub fn minilm_blocks<B: FusedBackend>(layers: Vec<EncoderLayer<B>>, groups: &[usize]) -> Vec<TeacherBlock<B>> {
+    let mut layers = layers.into_iter();
+    groups
+        .iter()
+        .map(|&n| TeacherBlock::Encoder(EncoderStack { layers: layers.by_ref().take(n).collect() }))
+        .collect()
+}
