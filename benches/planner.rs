@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use pipe_bd::planner::{plan, CostTable};
+use pipe_bd::planning::planner::{plan, CostTable};
 
 fn table(blocks: usize, slots: usize) -> CostTable {
     let cost = |k: usize, g: usize, base: f64| Some(base * (1.0 + (k % 7) as f64) / g as f64);

@@ -4,7 +4,8 @@
 # then runs every test of the workspace in release mode (burn's kernels are
 # far too slow unoptimised; one release build serves both the quickstart and
 # the tests), with the wgpu backend compiled in so that our CubeCL kernels are
-# tested on it.
+# tested on it; before that, a type check of the CUDA build and the two
+# library examples.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup-data.sh
@@ -14,4 +15,10 @@ if [ -z "${XDG_RUNTIME_DIR:-}" ] || [ ! -w "${XDG_RUNTIME_DIR}" ]; then
   XDG_RUNTIME_DIR="$(mktemp -d)"
   export XDG_RUNTIME_DIR
 fi
+# The CUDA build must not rot: type-check it (no GPU or driver needed;
+# cudarc loads the driver at run time).
+CUDARC_CUDA_VERSION=13000 cargo check --release --features cuda 2>&1
+# The library examples, at smoke sizes, run as a user would run them.
+cargo run --release --features wgpu --example custom_student -- --train-limit 1280 2>&1
+cargo run --release --features wgpu --example custom_teacher -- --train-limit 3000 2>&1
 cargo test --release --workspace --features wgpu 2>&1

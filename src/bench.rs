@@ -8,20 +8,22 @@ use std::time::Instant;
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
-use pipebd_core::Students;
 use crate::config::RunConfig;
+use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
-use crate::plan::Plan;
-use crate::planner::CostTable;
-use crate::profile::{reset_peak_resident, resident_bytes};
 use crate::fsio::write_atomic;
+use crate::plan::Plan;
 use crate::plan::Schedule;
-use crate::run::{dispatch, plan_from_candidate, preflight, BackendJob};
+use crate::planning::planner::CostTable;
+use crate::planning::simulate::simulate_shared;
+use crate::preflight::preflight;
+use crate::profile::plan_from_candidate;
+use crate::profile::{reset_peak_resident, resident_bytes};
 use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeOptions};
-use crate::simulate::simulate_shared;
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
 use crate::zoo::{build_students, load_workload, Workload};
+use pipebd_core::Students;
 
 /// One schedule's timing: seconds, spans, per-worker busy fractions, peak memory.
 type Timed = (f64, Vec<Span>, Vec<f64>, Option<u64>);
@@ -223,7 +225,8 @@ impl BackendJob for BenchJob<'_> {
             .iter()
             .map(|name| {
                 if name == Schedule::Auto.name() {
-                    let best = crate::planner::plan(costs, slots, config.runtime.memory_per_device, 1);
+                    let best =
+                        crate::planning::planner::plan(costs, slots, config.runtime.memory_per_device, 1);
                     let best = best.first().ok_or_else(|| Error::Plan {
                         plan: Schedule::Auto.name().into(),
                         message: "no feasible plan for the profiled costs".into(),

@@ -9,9 +9,10 @@ use std::path::{Path, PathBuf};
 use pipebd_students::StudentBlockConfig;
 use serde::{Deserialize, Serialize};
 
+use crate::data::text::ProbeConfig;
 use crate::error::{Error, Result};
-use crate::optim::OptimizerConfig;
-use crate::stitch::StitchedGradients;
+use crate::train::optim::OptimizerConfig;
+use crate::train::stitch::StitchedGradients;
 use pipebd_core::Schedule;
 
 /// A whole run: data, teacher, students, training and where to run it.
@@ -182,31 +183,6 @@ impl DataConfig {
     pub fn is_text(&self) -> bool {
         self.dataset == "brown"
     }
-}
-
-/// The SpamAssassin ham/spam probe: logistic regression on frozen sentence
-/// embeddings of the teacher and of the stitched student, same split.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ProbeConfig {
-    /// Folder with the `<group>/*.json` email files.
-    pub dir: PathBuf,
-    /// Use at most this many emails (a seeded, fixed sample; default all).
-    #[serde(default)]
-    pub limit: Option<usize>,
-    /// Tokens per email body (default 128).
-    #[serde(default = "default_probe_tokens")]
-    pub max_tokens: usize,
-    /// Share of the emails held out to score the probe (default 0.3).
-    #[serde(default = "default_test_fraction")]
-    pub test_fraction: f64,
-}
-
-fn default_probe_tokens() -> usize {
-    128
-}
-fn default_test_fraction() -> f64 {
-    0.3
 }
 
 /// Which teacher, with which weights.
@@ -635,4 +611,66 @@ fn find_key_line(text: &str, table: &str, key: &str) -> Option<usize> {
         }
     }
     None
+}
+
+/// Overrides of a config's fields from the command line (`--device`,
+/// `--devices`, `--schedule`, `--epochs`); errors name the flag.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// One device for every slot (clears `devices`).
+    pub device: Option<String>,
+    /// The device slots.
+    pub devices: Option<Vec<String>>,
+    /// The schedule, by name.
+    pub schedule: Option<String>,
+    /// `train.epochs`.
+    pub epochs: Option<usize>,
+}
+
+impl RunConfig {
+    /// Reads, parses and validates a config file, then applies `overrides`.
+    pub fn load_with(path: &Path, overrides: Overrides) -> Result<Self> {
+        let mut config = Self::load(path)?;
+        config.apply(overrides)?;
+        Ok(config)
+    }
+
+    /// Applies command-line overrides, checking each.
+    pub fn apply(&mut self, overrides: Overrides) -> Result<()> {
+        let config = self;
+        let flag_error = |flag: &str, field: &str, message: String| Error::Config {
+            path: flag.into(),
+            line: None,
+            field: Some(field.into()),
+            message,
+        };
+        if let Some(device) = overrides.device {
+            crate::device::DeviceSpec::parse(&device).map_err(|m| flag_error("--device", "device", m))?;
+            config.devices = None;
+            config.device = device;
+        }
+        if let Some(devices) = overrides.devices {
+            crate::device::parse_slots(&devices).map_err(|m| flag_error("--devices", "devices", m))?;
+            config.devices = Some(devices);
+        }
+        if let Some(schedule) = overrides.schedule {
+            if let Err(e) = crate::plan::Schedule::parse(&schedule) {
+                return Err(flag_error("--schedule", "schedule", e.0));
+            }
+            config.schedule = schedule;
+        }
+        let epochs = overrides.epochs;
+        if let Some(epochs) = epochs {
+            if epochs == 0 {
+                return Err(Error::Config {
+                    path: "--epochs".into(),
+                    line: None,
+                    field: Some("train.epochs".into()),
+                    message: "must be at least 1".into(),
+                });
+            }
+            config.train.epochs = epochs;
+        }
+        Ok(())
+    }
 }

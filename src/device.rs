@@ -3,6 +3,7 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
+use pipebd_kernels::DistillBackend;
 
 /// A device as written in a config or on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,4 +119,56 @@ pub fn parse_slots(slots: &[String]) -> std::result::Result<Vec<DeviceSpec>, Str
         return Err(format!("device slots {slots:?} mix kinds; one run uses one backend"));
     }
     Ok(specs)
+}
+
+/// Work that runs on whichever burn backend the device slots name.
+pub trait BackendJob {
+    /// What the job returns.
+    type Output;
+    /// Runs the job on backend `B` with one device per slot.
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<Self::Output>;
+}
+
+/// Picks the burn backend for `devices` (all of one kind) and runs `job` on it.
+pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Output> {
+    let first = *devices
+        .first()
+        .ok_or_else(|| Error::Device { device: String::new(), message: "no device slots".into() })?;
+    match first {
+        DeviceSpec::Cpu => {
+            job.run::<burn::backend::Autodiff<burn::backend::Flex>>(&vec![Default::default(); devices.len()])
+        }
+        #[cfg(feature = "cuda")]
+        DeviceSpec::Cuda(_) => {
+            let slots: Vec<_> = devices
+                .iter()
+                .map(|d| match d {
+                    DeviceSpec::Cuda(i) => burn::backend::cuda::CudaDevice::new(*i),
+                    _ => Default::default(),
+                })
+                .collect();
+            job.run::<burn::backend::Autodiff<pipebd_kernels::Cuda>>(&slots)
+        }
+        #[cfg(feature = "wgpu")]
+        DeviceSpec::Wgpu(_) => {
+            let slots: Vec<_> = devices
+                .iter()
+                .map(|d| match d {
+                    DeviceSpec::Wgpu(i) => wgpu_device(*i),
+                    _ => Default::default(),
+                })
+                .collect();
+            job.run::<burn::backend::Autodiff<pipebd_kernels::Wgpu>>(&slots)
+        }
+        #[allow(unreachable_patterns)]
+        other => Err(Error::Device { device: other.to_string(), message: "not compiled in".into() }),
+    }
+}
+
+#[cfg(feature = "wgpu")]
+fn wgpu_device(index: Option<usize>) -> burn::backend::wgpu::WgpuDevice {
+    match index {
+        None => burn::backend::wgpu::WgpuDevice::DefaultDevice,
+        Some(i) => burn::backend::wgpu::WgpuDevice::DiscreteGpu(i),
+    }
 }

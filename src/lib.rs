@@ -30,34 +30,29 @@
 #![warn(missing_docs)]
 
 pub mod bench;
-pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
-pub mod fsio;
+pub mod eval;
 pub mod fault;
-pub mod optim;
+pub mod fsio;
+pub mod kernels;
 pub use pipebd_core::plan;
-pub mod planner;
-pub mod plot;
+pub mod planning;
+pub mod preflight;
 pub mod profile;
 pub mod report;
 pub mod run;
 pub mod runtime;
-pub mod simulate;
-pub mod stitch;
 pub mod sweep;
-pub mod text;
 pub mod trace;
 pub mod train;
 pub mod zoo;
 
 pub use error::{Error, Result};
 pub use pipebd_core::{
-    Error as BlockError, Result as BlockResult,
+    flat_parameters, forward_chain, Activation, Block, BlockSpec, Dataset, DistillBackend, FusedBackend,
+    Loss, LossKind, Phase, Plan, Schedule, Stage, StageSpec, StudentModule, Students, Teacher,
 };
-pub use pipebd_core::{
-    flat_parameters, forward_chain, Activation, Block, BlockSpec, Dataset, DistillBackend, FusedBackend, Loss,
-    LossKind, Phase, Plan, Schedule, Stage, StageSpec, StudentModule, Students, Teacher,
-};
+pub use pipebd_core::{Error as BlockError, Result as BlockResult};

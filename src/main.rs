@@ -1,12 +1,12 @@
 //! The `pipebd` command line: a thin layer over the `pipe_bd` library.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use pipe_bd::config::RunConfig;
+use pipe_bd::config::{Overrides, RunConfig};
 use pipe_bd::train::Progress;
 use pipe_bd::Error;
 
@@ -158,53 +158,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Command-line overrides of a config's fields.
-#[derive(Default)]
-struct Overrides {
-    device: Option<String>,
-    devices: Option<Vec<String>>,
-    schedule: Option<String>,
-    epochs: Option<usize>,
-}
-
-fn load_config(path: &Path, overrides: Overrides) -> Result<RunConfig, Error> {
-    let mut config = RunConfig::load(path)?;
-    let flag_error = |flag: &str, field: &str, message: String| Error::Config {
-        path: flag.into(),
-        line: None,
-        field: Some(field.into()),
-        message,
-    };
-    if let Some(device) = overrides.device {
-        pipe_bd::device::DeviceSpec::parse(&device).map_err(|m| flag_error("--device", "device", m))?;
-        config.devices = None;
-        config.device = device;
-    }
-    if let Some(devices) = overrides.devices {
-        pipe_bd::device::parse_slots(&devices).map_err(|m| flag_error("--devices", "devices", m))?;
-        config.devices = Some(devices);
-    }
-    if let Some(schedule) = overrides.schedule {
-        if let Err(e) = pipe_bd::plan::Schedule::parse(&schedule) {
-            return Err(flag_error("--schedule", "schedule", e.0));
-        }
-        config.schedule = schedule;
-    }
-    let epochs = overrides.epochs;
-    if let Some(epochs) = epochs {
-        if epochs == 0 {
-            return Err(Error::Config {
-                path: "--epochs".into(),
-                line: None,
-                field: Some("train.epochs".into()),
-                message: "must be at least 1".into(),
-            });
-        }
-        config.train.epochs = epochs;
-    }
-    Ok(config)
-}
-
 /// Resume and failure lines after a run.
 fn print_resilience(log: &pipe_bd::runtime::recovery::ResilienceLog) {
     for r in &log.resumed {
@@ -249,7 +202,7 @@ fn execute(command: Command) -> Result<(), Error> {
             quiet,
         } => {
             let out = out.or_else(|| resume.clone()).unwrap_or_else(|| PathBuf::from("runs/latest"));
-            let config = load_config(&config, Overrides { device, devices, schedule, epochs })?;
+            let config = RunConfig::load_with(&config, Overrides { device, devices, schedule, epochs })?;
             let bar = progress_bar(quiet);
             let mut observer = |p: &Progress| {
                 if let Some(bar) = &bar {
@@ -343,7 +296,7 @@ fn execute(command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::Bench { config, schedules, devices, out } => {
-            let config = load_config(&config, Overrides { devices, ..Default::default() })?;
+            let config = RunConfig::load_with(&config, Overrides { devices, ..Default::default() })?;
             let mut say = |line: &str| eprintln!("bench: {line}");
             let report = pipe_bd::bench::bench(&config, &schedules, &out, &mut say)?;
             print_bench(&report);
@@ -351,7 +304,7 @@ fn execute(command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::Profile { config, devices, out } => {
-            let config = load_config(&config, Overrides { devices, ..Default::default() })?;
+            let config = RunConfig::load_with(&config, Overrides { devices, ..Default::default() })?;
             let slots = config.device_slots().len();
             let mut say = |line: &str| eprintln!("profile: {line}");
             let profile = pipe_bd::profile::profile(&config, slots, &out, &mut say)?;
@@ -385,11 +338,11 @@ fn execute(command: Command) -> Result<(), Error> {
             let profile = pipe_bd::profile::Profile::read(&profile)?;
             let table = profile.cost_table(devices);
             let start = std::time::Instant::now();
-            let plans = pipe_bd::planner::plan(&table, devices, memory_per_device, top.max(1));
+            let plans = pipe_bd::planning::planner::plan(&table, devices, memory_per_device, top.max(1));
             let seconds = start.elapsed().as_secs_f64();
             let Some(best) = plans.first() else {
                 return Err(Error::Plan {
-                    plan: "auto".into(),
+                    plan: pipe_bd::Schedule::Auto.name().into(),
                     message: format!("no plan of the {} blocks on {devices} slots fits (memory limit {memory_per_device:?})", table.blocks()),
                 });
             };
@@ -398,26 +351,7 @@ fn execute(command: Command) -> Result<(), Error> {
                 let mark = if i == 0 { "chosen" } else { "      " };
                 println!("{mark} {:<40} predicted {:.2} ms per step", c.describe(), 1e3 * c.step_seconds);
             }
-            let mut text = format!(
-                "# Written by `pipebd plan`: {} blocks on {devices} device slots, predicted {:.2} ms per step.\n# Use it in a run config with {devices} entries in `devices`.\nschedule = \"hybrid\"\n",
-                table.blocks(),
-                1e3 * best.step_seconds
-            );
-            for stage in &best.stages {
-                let blocks: Vec<String> = stage.blocks.clone().map(|k| (k + 1).to_string()).collect();
-                text.push_str(&format!(
-                    "\n[[stages]]\nblocks = [{}]\nreplicas = {}\n",
-                    blocks.join(", "),
-                    stage.replicas
-                ));
-            }
-            if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|e| Error::Io {
-                    action: "creating directory",
-                    path: dir.to_path_buf(),
-                    source: e,
-                })?;
-            }
+            let text = best.to_toml(table.blocks(), devices);
             pipe_bd::fsio::write_atomic(&out, text.as_bytes())?;
             println!("wrote {}", out.display());
             Ok(())
@@ -439,7 +373,7 @@ fn execute(command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::Eval { run_dir } => {
-            let result = pipe_bd::run::eval_run(&run_dir)?;
+            let result = pipe_bd::eval::eval_run(&run_dir)?;
             if let Some(text) = &result.text {
                 print_text_report(text);
                 return Ok(());
@@ -453,8 +387,8 @@ fn execute(command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::EvalTeacher { config } => {
-            let config = load_config(&config, Overrides::default())?;
-            let (acc, n) = pipe_bd::run::eval_teacher(&config)?;
+            let config = RunConfig::load(&config)?;
+            let (acc, n) = pipe_bd::eval::eval_teacher(&config)?;
             println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
             Ok(())
         }
@@ -465,7 +399,7 @@ fn execute(command: Command) -> Result<(), Error> {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_nanos() as u64)
             });
-            let report = pipe_bd::run::kernels(&device, check.then_some(seed), bench.then_some(repeats))?;
+            let report = pipe_bd::kernels::kernels(&device, check.then_some(seed), bench.then_some(repeats))?;
             if check {
                 println!("fused ops against burn's ops on {} (seed {seed}):", report.device);
                 if verbose {
@@ -488,8 +422,8 @@ fn execute(command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::Check { config } => {
-            let config = load_config(&config, Overrides::default())?;
-            pipe_bd::run::preflight(&config)?;
+            let config = RunConfig::load(&config)?;
+            pipe_bd::preflight::preflight(&config)?;
             println!("{}: ok", config.name);
             Ok(())
         }
@@ -497,7 +431,7 @@ fn execute(command: Command) -> Result<(), Error> {
 }
 
 /// The text part of a run report, as printed after `run` and `eval`.
-fn print_text_report(text: &pipe_bd::text::TextReport) {
+fn print_text_report(text: &pipe_bd::data::text::TextReport) {
     println!(
         "embedding cosine student/teacher {:.4} (lowest {:.4}) on {} held-out sentences",
         text.embedding_cosine, text.min_embedding_cosine, text.heldout_sentences

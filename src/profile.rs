@@ -17,16 +17,18 @@ use std::time::Instant;
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
-use pipebd_core::{Activation, Block};
 use crate::config::RunConfig;
 use crate::data::epoch_order;
+use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
-use crate::planner::CostTable;
 use crate::fsio::write_atomic;
-use crate::run::{dispatch, preflight, BackendJob};
+use crate::plan::{Plan, Schedule, StageSpec};
+use crate::planning::planner::{Candidate, CostTable};
+use crate::preflight::preflight;
 use crate::runtime::{concurrent_workers, threads_per_worker};
 use crate::train::{detached_copy, BlockTrainer};
 use crate::zoo::{build_students, load_workload, Workload};
+use pipebd_core::{Activation, Block};
 
 /// Median and spread of repeated timings, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -443,4 +445,80 @@ fn handoff_time<B: burn::tensor::backend::Backend>(
         drop(to_peer);
         timing
     })
+}
+
+/// Where `schedule = "auto"` keeps profiles, keyed by what they depend on.
+pub const PROFILE_CACHE: &str = "runs/.profile-cache";
+
+/// A stable key for the profile of a config: teacher, students, batch size,
+/// device slots, optimizer and threads (FNV-1a over their JSON).
+pub fn profile_key(config: &RunConfig) -> String {
+    let parts = serde_json::json!({
+        "teacher": config.teacher,
+        "students": config.students,
+        "batch": config.train.batch_size,
+        "tokens": config.data.is_text().then(|| config.data.max_tokens()),
+        "devices": config.device_slots(),
+        "optimizer": config.optimizer,
+        "threads": config.runtime.threads_per_worker,
+    });
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in parts.to_string().bytes() {
+        hash ^= byte as u64;
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{}-{hash:016x}", config.name)
+}
+
+/// The profile for `config`: read from [`PROFILE_CACHE`] if one with the
+/// same key exists, else measured and cached.
+pub fn cached_profile(config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<crate::profile::Profile> {
+    let path = Path::new(PROFILE_CACHE).join(format!("{}.json", profile_key(config)));
+    if path.is_file() {
+        if let Ok(profile) = crate::profile::Profile::read(&path) {
+            say(&format!("using the cached profile {}", path.display()));
+            return Ok(profile);
+        }
+    }
+    say(&format!("profiling the blocks (cached in {})", path.display()));
+    crate::profile::profile(config, config.device_slots().len(), &path, say)
+}
+
+/// Plans `schedule = "auto"`: the best hybrid plan for the config's device
+/// slots from its (cached) profile, within `runtime.memory_per_device`.
+pub fn auto_plan(config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<(Plan, CostTable)> {
+    let slots = config.device_slots().len();
+    let profile = cached_profile(config, say)?;
+    let costs = profile.cost_table(slots);
+    let blocks = costs.blocks();
+    let candidates = crate::planning::planner::plan(&costs, slots, config.runtime.memory_per_device, 3);
+    let best = candidates.first().ok_or_else(|| Error::Plan {
+        plan: Schedule::Auto.name().into(),
+        message: format!(
+            "no way to place the {blocks} blocks on {slots} slots fits (memory per device {:?})",
+            config.runtime.memory_per_device
+        ),
+    })?;
+    for (i, c) in candidates.iter().enumerate() {
+        say(&format!(
+            "{} {} (planner bottleneck {:.1} ms)",
+            if i == 0 { "chosen" } else { "runner-up" },
+            c.describe(),
+            1e3 * c.step_seconds
+        ));
+    }
+    Ok((plan_from_candidate(best, blocks, slots)?, costs))
+}
+
+/// The runtime's plan for a planner candidate (named `auto`).
+pub fn plan_from_candidate(candidate: &Candidate, blocks: usize, slots: usize) -> Result<Plan> {
+    let specs: Vec<StageSpec> = candidate
+        .stages
+        .iter()
+        .map(|s| StageSpec { blocks: (s.blocks.start + 1..=s.blocks.end).collect(), replicas: s.replicas })
+        .collect();
+    let mut plan = Plan::hybrid(&specs, blocks, slots)
+        .map_err(|e| Error::Plan { plan: Schedule::Auto.name().into(), message: e.0 })?;
+    plan.name = Schedule::Auto.name().into();
+    Ok(plan)
 }

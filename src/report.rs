@@ -42,7 +42,7 @@ pub struct StitchedReport {
     /// Passes over the data.
     pub epochs: usize,
     /// Through the stitched chain or stopped at each block.
-    pub gradients: crate::stitch::StitchedGradients,
+    pub gradients: crate::train::stitch::StitchedGradients,
     /// Optimizer steps per block.
     pub steps: usize,
     /// Peak learning rate.
@@ -79,7 +79,7 @@ pub struct RunReport {
     pub test_samples: usize,
     /// Text teachers: embedding cosine to the teacher, probe, size ratios.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text: Option<crate::text::TextReport>,
+    pub text: Option<crate::data::text::TextReport>,
     /// Training samples available.
     pub train_samples: usize,
     /// Optimizer steps per block.

@@ -3,6 +3,12 @@
 //! `pipebd-core` themselves) built into a [`Teacher`] and [`Students`], with
 //! their data.
 
+use std::path::Path;
+
+use crate::config::RunConfig;
+use crate::data::text::{brown_splits, tokenize, ProbeData, TextDataset};
+use crate::data::{ImageDataset, Split};
+use crate::error::{Error, Result};
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Dataset, Students, Teacher};
@@ -13,10 +19,6 @@ use pipebd_teachers::blocks::{minilm_blocks, minilm_specs, mnist_specs};
 use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
 use pipebd_teachers::TeacherBlock;
-use crate::config::RunConfig;
-use crate::data::{ImageDataset, Split};
-use crate::error::{Error, Result};
-use crate::text::{brown_splits, tokenize, ProbeData, TextDataset};
 
 /// MiniLM layers per block: `teacher.layers_per_block`, or one each.
 pub fn layers_per_block(config: &RunConfig) -> Vec<usize> {
@@ -44,7 +46,16 @@ pub fn build_teacher<B: FusedBackend>(
     if config.data.is_text() {
         return Ok(build_minilm(config, device)?.1);
     }
-    let blocks = MnistCnn::<B>::load_pytorch(&config.teacher.weights, device)?.into_blocks();
+    mnist_teacher(&config.teacher.weights, device)
+}
+
+/// The pretrained MNIST CNN teacher (`scripts/setup-data.sh` installs its
+/// weights as `data/teachers/mnist-cnn.pth`), cut into its 4 blocks.
+pub fn mnist_teacher<B: FusedBackend>(
+    weights: &Path,
+    device: &B::Device,
+) -> Result<Teacher<B, TeacherBlock<B>>> {
+    let blocks = MnistCnn::<B>::load_pytorch(weights, device)?.into_blocks();
     let specs = mnist_specs(&blocks);
     Ok(Teacher::new(blocks.into_iter().map(TeacherBlock::Mnist).collect(), specs)?)
 }
@@ -205,7 +216,8 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
     let ids = tokenize(&tokenizer, &sentences, config.data.max_tokens())?;
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
     let (mut hidden, mask) =
-        crate::text::embed_batch(&embeddings, &refs, config.data.max_tokens(), &device).into_tokens(0)?;
+        crate::data::text::embed_batch(&embeddings, &refs, config.data.max_tokens(), &device)
+            .into_tokens(0)?;
     let mut layer_inputs = Vec::with_capacity(layers.len());
     for layer in &layers {
         layer_inputs.push(hidden.clone());

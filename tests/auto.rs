@@ -6,8 +6,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use pipe_bd::config::RunConfig;
+use pipe_bd::profile::{profile_key, PROFILE_CACHE};
 use pipe_bd::report::RunReport;
-use pipe_bd::run::{profile_key, run, RunOptions, PROFILE_CACHE};
+use pipe_bd::run::{run, RunOptions};
 
 mod common;
 

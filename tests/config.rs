@@ -132,7 +132,7 @@ fn not_toml_at_all_is_refused() {
 #[test]
 fn student_with_wrong_output_shape_is_rejected_before_training() {
     let config = parse(&GOOD.replace("out_channels = 128", "out_channels = 96")).unwrap();
-    let err = pipe_bd::run::preflight(&config).unwrap_err();
+    let err = pipe_bd::preflight::preflight(&config).unwrap_err();
     match &err {
         Error::ShapeMismatch { block, student, teacher, .. } => {
             assert_eq!(*block, 3);
@@ -163,7 +163,7 @@ fn head_on_a_too_small_input_is_rejected() {
         "[[students]]\nkind = \"head\"\nhidden = 32\nclasses = 7",
     );
     let config = parse(&text).unwrap();
-    let err = pipe_bd::run::preflight(&config).unwrap_err();
+    let err = pipe_bd::preflight::preflight(&config).unwrap_err();
     assert!(matches!(err, Error::ShapeMismatch { block: 4, .. }), "{err}");
 }
 
@@ -172,7 +172,7 @@ fn head_on_a_too_small_input_is_rejected() {
 #[test]
 fn cuda_is_refused_with_the_reason_unless_built_in_and_present() {
     let config = parse(&GOOD.replace("device = \"cpu\"", "device = \"cuda:0\"")).unwrap();
-    match pipe_bd::run::preflight(&config) {
+    match pipe_bd::preflight::preflight(&config) {
         // Built without CUDA: always refused, saying how to build it in.
         Err(Error::Device { device, message }) if !cfg!(feature = "cuda") => {
             assert_eq!(device, "cuda:0");

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use pipe_bd::config::RunConfig;
-use pipe_bd::run::preflight;
+use pipe_bd::preflight::preflight;
 use pipe_bd::sweep::{apply, expand, SweepConfig};
 
 fn experiments() -> Vec<PathBuf> {

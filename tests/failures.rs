@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
-use pipe_bd::{Activation, Block, Students};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::{Distillation, RuntimeOptions};
 use pipe_bd::zoo::{build_students, build_teacher};
 use pipe_bd::Error;
+use pipe_bd::{Activation, Block, Students};
 use pipebd_kernels::FusedBackend;
 use pipebd_students::StudentBlock;
 

@@ -4,10 +4,10 @@
 //! and copied to `tests/data/minilm-l6-reference.json`.
 
 use burn::backend::Flex;
-use pipe_bd::{forward_chain, Activation};
 use pipe_bd::config::RunConfig;
-use pipe_bd::text::{cosine, sentence_embeddings};
+use pipe_bd::data::text::{cosine, sentence_embeddings};
 use pipe_bd::zoo::build_minilm;
+use pipe_bd::{forward_chain, Activation};
 use pipebd_teachers::minilm::MiniLmTokenizer;
 use serde::Deserialize;
 
@@ -75,7 +75,7 @@ fn grouping_layers_into_blocks_does_not_change_the_teacher() {
     let flops = |t: &pipe_bd::Teacher<Flex, _>| t.specs.iter().map(|s| s.flops).sum::<u64>();
     assert_eq!(flops(&six), flops(&three));
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-    let input = pipe_bd::text::embed_batch(&embeddings, &refs, 32, &device);
+    let input = pipe_bd::data::text::embed_batch(&embeddings, &refs, 32, &device);
     let (Activation::Tokens { hidden: a, .. }, Activation::Tokens { hidden: b, .. }) =
         (forward_chain(&six.blocks, input.clone()).unwrap(), forward_chain(&three.blocks, input).unwrap())
     else {
@@ -104,7 +104,7 @@ fn a_student_pruned_to_the_teachers_full_size_is_the_teacher() {
     let stitched = pipe_bd::train::inference_blocks(&students);
     let ids: Vec<Vec<u32>> = vec![vec![101, 1996, 4248, 2829, 102], vec![101, 7592, 102]];
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-    let input = pipe_bd::text::embed_batch(&embeddings, &refs, 16, &device);
+    let input = pipe_bd::data::text::embed_batch(&embeddings, &refs, 16, &device);
     let ours = forward_chain(&stitched, input.clone()).unwrap().into_tokens(0).unwrap().0;
     let theirs = forward_chain(&teacher.blocks, input).unwrap().into_tokens(0).unwrap().0;
     let diff = (ours - theirs).abs().max().into_scalar();
@@ -131,7 +131,7 @@ fn teacher_initialisation_refuses_a_student_wider_than_the_teacher() {
 /// near-zero gradients into full-size steps).
 fn sgd_config() -> RunConfig {
     let mut config = config(None, 16);
-    config.optimizer.kind = pipe_bd::optim::OptimizerKind::Sgd;
+    config.optimizer.kind = pipe_bd::train::optim::OptimizerKind::Sgd;
     config.optimizer.lr = 0.5;
     config
 }
@@ -208,7 +208,7 @@ fn untrained_cosine(config: &RunConfig) -> f64 {
     let blocks = pipe_bd::train::inference_blocks(&students);
     let (evaluation, specs) = (&workload.evaluation, &teacher.specs);
     let score =
-        pipe_bd::run::score(evaluation, &teacher.blocks, &blocks, &device, specs, &students.specs).unwrap();
+        pipe_bd::eval::score(evaluation, &teacher.blocks, &blocks, &device, specs, &students.specs).unwrap();
     score.text.expect("a text workload scores sentence embeddings").embedding_cosine
 }
 
@@ -220,7 +220,7 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     // (README), and the students must move measurably from their start.
     config.train.epochs = 3;
     config.optimizer.epsilon = 1e-8;
-    config.data.probe = Some(pipe_bd::config::ProbeConfig {
+    config.data.probe = Some(pipe_bd::data::text::ProbeConfig {
         dir: common::repo().join("data/spam-assassin"),
         limit: Some(80),
         max_tokens: 24,
@@ -265,7 +265,7 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     assert_eq!((probe.train_emails, probe.test_emails), (60, 20));
     assert_eq!(report.student_accuracy, probe.student_accuracy);
     // The saved student, reloaded, scores exactly what the run reported.
-    let eval = pipe_bd::run::eval_run(out.path()).unwrap();
+    let eval = pipe_bd::eval::eval_run(out.path()).unwrap();
     let again = eval.text.expect("text section");
     assert!((again.embedding_cosine - text.embedding_cosine).abs() < 1e-6);
     assert_eq!(eval.student_accuracy, report.student_accuracy);

@@ -16,8 +16,9 @@ use burn::backend::Flex;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{backend::Backend, Tensor};
 use pipe_bd::config::RunConfig;
+use pipe_bd::eval::load_students;
 use pipe_bd::report::RunReport;
-use pipe_bd::run::{load_students, run, RunOptions};
+use pipe_bd::run::{run, RunOptions};
 use pipe_bd::zoo::teacher_specs;
 
 mod common;
@@ -97,7 +98,7 @@ fn assert_same_weights(a: &Path, b: &Path) {
 }
 
 fn newest_step(checkpoints: &Path, block: usize) -> Option<usize> {
-    pipe_bd::checkpoint::list(checkpoints, block).first().map(|(s, _)| *s)
+    pipe_bd::train::checkpoint::list(checkpoints, block).first().map(|(s, _)| *s)
 }
 
 #[test]

@@ -5,9 +5,9 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use pipe_bd::flat_parameters;
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
+use pipe_bd::flat_parameters;
 use pipe_bd::plan::{flops_cost, Plan, StageSpec};
 use pipe_bd::runtime::{Distillation, RuntimeOptions};
 use pipe_bd::zoo::{build_students, build_teacher};

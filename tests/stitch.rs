@@ -7,14 +7,14 @@ use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use pipe_bd::{forward_chain, Activation};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
-use pipe_bd::stitch::{stitched_pass, StitchedGradients, StitchedPass};
+use pipe_bd::train::stitch::{stitched_pass, StitchedGradients, StitchedPass};
 use pipe_bd::train::TrainSettings;
 use pipe_bd::zoo::{build_students, build_teacher};
+use pipe_bd::{forward_chain, Activation};
 
 mod common;
 
@@ -29,7 +29,11 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
     let settings = config.train_settings();
     let blockwise = |settings: &TrainSettings, students| {
-        Distillation::new(&teacher, students, &data).settings(settings.clone()).run(&Plan::ideal(4)).unwrap().students
+        Distillation::new(&teacher, students, &data)
+            .settings(settings.clone())
+            .run(&Plan::ideal(4))
+            .unwrap()
+            .students
     };
     let trained = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
 
@@ -66,7 +70,8 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     // End to end (gradients through the stitched chain), from the same start.
     let again = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
     let end_to_end = StitchedPass { gradients: StitchedGradients::EndToEnd, ..local };
-    let (chained, _) = stitched_pass(&teacher, again, &data, &settings, &end_to_end, &device, &mut |_| {}).unwrap();
+    let (chained, _) =
+        stitched_pass(&teacher, again, &data, &settings, &end_to_end, &device, &mut |_| {}).unwrap();
     let end_to_end = gap(&chained);
     eprintln!(
         "stitched gap: blockwise {before}, +local {after}, +end-to-end {end_to_end}, +blockwise {control}"

@@ -77,7 +77,7 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     assert!(after >= before + 0.3, "100 steps took the stitched student only from {before} to {after}");
 
     // Reload from disk and re-score.
-    let eval = pipe_bd::run::eval_run(out.path()).unwrap();
+    let eval = pipe_bd::eval::eval_run(out.path()).unwrap();
     assert_eq!(eval.test_samples, 1000);
     assert_eq!(eval.student_accuracy, report.student_accuracy);
 

@@ -143,7 +143,6 @@ impl<B: DistillBackend> Activation<B> {
     }
 }
 
-
 impl<B: Backend> Activation<B> {
     /// A batch of `batch` zero samples of per-sample shape `shape`: feature
     /// maps for `[c, h, w]`, token states (every token real) for

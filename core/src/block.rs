@@ -130,7 +130,11 @@ impl<B: FusedBackend, T: Block<B>> Teacher<B, T> {
     /// each spec's parameter count must be its module's.
     pub fn new(blocks: Vec<T>, specs: Vec<BlockSpec>) -> Result<Self> {
         if blocks.len() != specs.len() || blocks.is_empty() {
-            return Err(Error::block(format!("teacher has {} blocks but {} specs", blocks.len(), specs.len())));
+            return Err(Error::block(format!(
+                "teacher has {} blocks but {} specs",
+                blocks.len(),
+                specs.len()
+            )));
         }
         for (k, pair) in specs.windows(2).enumerate() {
             if pair[0].output_shape != pair[1].input_shape {
@@ -250,7 +254,10 @@ pub fn check_against_teacher(student: &[BlockSpec], teacher: &[BlockSpec]) -> Re
 }
 
 /// Runs `blocks` one after another (a whole teacher, or stitched students).
-pub fn forward_chain<B: FusedBackend, M: Block<B>>(blocks: &[M], input: Activation<B>) -> Result<Activation<B>> {
+pub fn forward_chain<B: FusedBackend, M: Block<B>>(
+    blocks: &[M],
+    input: Activation<B>,
+) -> Result<Activation<B>> {
     let mut x = input;
     for (k, block) in blocks.iter().enumerate() {
         x = block.forward(x).map_err(|e| e.at_block(k + 1))?;

@@ -43,7 +43,11 @@ impl Loss {
 
     /// The loss of `student` against `teacher` (same shapes), reduced to one
     /// element. Errors name block 0; the engine puts the number in.
-    pub fn compute<B: FusedBackend>(&self, student: Activation<B>, teacher: Activation<B>) -> Result<Tensor<B, 1>> {
+    pub fn compute<B: FusedBackend>(
+        &self,
+        student: Activation<B>,
+        teacher: Activation<B>,
+    ) -> Result<Tensor<B, 1>> {
         use pipebd_kernels::loss;
         if student.dims() != teacher.dims() {
             return Err(Error::block(format!(
@@ -70,11 +74,9 @@ impl Loss {
                 let ce = loss::soft_target_cross_entropy(s.mul_scalar(scale), t.mul_scalar(scale));
                 Ok(ce.mul_scalar(temperature * temperature))
             }
-            (kind, s, t) => Err(Error::block(format!(
-                "loss {kind:?} cannot compare {:?} with {:?}",
-                s.dims(),
-                t.dims()
-            ))),
+            (kind, s, t) => {
+                Err(Error::block(format!("loss {kind:?} cannot compare {:?} with {:?}", s.dims(), t.dims())))
+            }
         }
     }
 }

@@ -47,16 +47,16 @@ use std::time::{Duration, Instant};
 
 use pipebd_kernels::DistillBackend;
 
-use pipebd_core::{Block, StudentModule, Students, Teacher};
-use crate::checkpoint::{self, CheckpointPolicy};
-use pipebd_core::Dataset;
 use crate::error::{Error, Result};
 use crate::fault::Fault;
 use crate::plan::Plan;
-use crate::planner::CostTable;
+use crate::planning::planner::CostTable;
 use crate::trace::{Span, WorkerSummary};
-use crate::train::{TrainSettings, detached_copy, steps_per_epoch, BlockTrainer, Progress, TrainLog};
+use crate::train::checkpoint::{self, CheckpointPolicy};
+use crate::train::{detached_copy, steps_per_epoch, BlockTrainer, Progress, TrainLog, TrainSettings};
 use phase::{run_phase, PhaseContext};
+use pipebd_core::Dataset;
+use pipebd_core::{Block, StudentModule, Students, Teacher};
 use recovery::{recover, RecoveryContext, ResilienceLog};
 use resume::{block_identity, restore_newest};
 
@@ -166,7 +166,11 @@ where
     /// Trains `students` against `teacher` on `data`, with
     /// [`TrainSettings::default`], [`RuntimeOptions::default`] and every
     /// device slot of the plan on `B`'s default device.
-    pub fn new(teacher: &'a Teacher<B::InnerBackend, T>, students: Students<B, S>, data: &'a dyn Dataset<B::InnerBackend>) -> Self {
+    pub fn new(
+        teacher: &'a Teacher<B::InnerBackend, T>,
+        students: Students<B, S>,
+        data: &'a dyn Dataset<B::InnerBackend>,
+    ) -> Self {
         Self {
             teacher,
             students,
@@ -205,14 +209,26 @@ where
     /// Trains under `plan` and returns the trained students with what was
     /// measured.
     pub fn run(self, plan: &Plan) -> Result<PlanOutput<B, S>> {
-        let devices =
-            if self.devices.is_empty() { vec![Default::default(); plan.slots().max(1)] } else { self.devices };
+        let devices = if self.devices.is_empty() {
+            vec![Default::default(); plan.slots().max(1)]
+        } else {
+            self.devices
+        };
         let mut ignore = |_: &Progress| {};
         let observer = match self.observer {
             Some(observer) => observer,
             None => &mut ignore,
         };
-        train_plan(plan, self.teacher, self.students, self.data, &self.settings, &devices, &self.options, observer)
+        train_plan(
+            plan,
+            self.teacher,
+            self.students,
+            self.data,
+            &self.settings,
+            &devices,
+            &self.options,
+            observer,
+        )
     }
 }
 
@@ -279,7 +295,10 @@ where
         .zip(specs.iter().cloned())
         .enumerate()
         .map(|(k, (m, spec))| {
-            Some(BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps).with_temperature(settings.temperature))
+            Some(
+                BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps)
+                    .with_temperature(settings.temperature),
+            )
         })
         .collect();
 

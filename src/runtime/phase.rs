@@ -15,13 +15,13 @@ use super::sync::{Halt, Heartbeat, StepBarrier, Stop, POLL};
 use super::topology::{build_workers, Worker};
 use super::worker::{worker_loop, LoopState, Position};
 use super::{threads_per_worker, RuntimeOptions};
-use crate::train::TrainSettings;
-use pipebd_core::{Block, StudentModule, Teacher};
-use pipebd_core::Dataset;
 use crate::error::{Error, Result};
 use crate::plan::Phase;
 use crate::trace::{summarise, Span, SpanRecorder, WorkerSummary};
+use crate::train::TrainSettings;
 use crate::train::{BlockTrainer, MetricRow, Progress};
+use pipebd_core::Dataset;
+use pipebd_core::{Block, StudentModule, Teacher};
 
 /// What every worker of a phase reads: the phase, the run's inputs and
 /// settings, and where the phase stands in the run.

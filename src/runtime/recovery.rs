@@ -22,11 +22,11 @@ use serde::{Deserialize, Serialize};
 use super::phase::PhaseFailure;
 use super::resume::restore_newest;
 use super::RuntimeOptions;
-use pipebd_core::{BlockSpec, StudentModule};
 use crate::error::{Error, Result};
 use crate::plan::{Plan, StageSpec};
-use crate::planner::{plan as best_plans, CostTable};
+use crate::planning::planner::{plan as best_plans, CostTable};
 use crate::train::BlockTrainer;
+use pipebd_core::{BlockSpec, StudentModule};
 
 /// One block that restarted from a checkpoint after a failure.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -72,7 +72,7 @@ pub struct FailureRecord {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ResilienceLog {
     /// Per block, where a `--resume` took it from (empty without a resume).
-    pub resumed: Vec<crate::checkpoint::ResumedBlock>,
+    pub resumed: Vec<crate::train::checkpoint::ResumedBlock>,
     /// Every failure survived, in order.
     pub failures: Vec<FailureRecord>,
     /// Block checkpoints written.

@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 use pipebd_kernels::DistillBackend;
 
 use super::RuntimeOptions;
+use crate::error::{Error, Result};
+use crate::train::checkpoint::{self, Refusal, ResumedBlock};
+use crate::train::BlockTrainer;
 use crate::train::TrainSettings;
 use pipebd_core::{BlockSpec, StudentModule};
-use crate::checkpoint::{self, Refusal, ResumedBlock};
-use crate::error::{Error, Result};
-use crate::train::BlockTrainer;
 
 /// What a block checkpoint must match besides the run's own fields.
 pub(super) fn block_identity(

@@ -14,14 +14,14 @@ use pipebd_kernels::DistillBackend;
 use super::phase::{PhaseContext, ProgressMsg};
 use super::sync::{receive, send, Flow, Halt, Heartbeat, StepBarrier, Stop, POLL};
 use super::topology::{ActivationMsg, GradientMsg, ModuleMsg, Role, Worker};
-use pipebd_core::{Activation, Block, StudentModule};
-use crate::error::relabel;
-use crate::checkpoint;
 use crate::data::epoch_order;
+use crate::error::relabel;
 use crate::error::Error;
 use crate::fault::FaultKind;
 use crate::trace::{SpanKind, SpanRecorder};
+use crate::train::checkpoint;
 use crate::train::{detached_copy, MetricRow};
+use pipebd_core::{Activation, Block, StudentModule};
 
 /// The block a worker is in, for error messages after a panic (its step is
 /// on its heartbeat).

@@ -402,8 +402,10 @@ mod tests {
             StudentBlockConfig::Encoder { heads: 2, head_dim: 4, ffn: 16, init: EncoderInit::Random };
         let built = config.init::<Flex>(1, &[5, 12], &device).unwrap();
         assert_eq!(built.output_shape, vec![5, 12]);
-        let input =
-            Activation::Tokens { hidden: Tensor::zeros([3, 5, 12], &device), mask: Tensor::ones([3, 5], &device) };
+        let input = Activation::Tokens {
+            hidden: Tensor::zeros([3, 5, 12], &device),
+            mask: Tensor::ones([3, 5], &device),
+        };
         match Block::forward(&built.module, input) {
             Ok(Activation::Tokens { hidden, .. }) => assert_eq!(hidden.dims(), [3, 5, 12]),
             other => panic!("unexpected output {other:?}"),

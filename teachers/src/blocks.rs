@@ -101,7 +101,10 @@ pub fn minilm_specs(groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
 }
 
 /// MiniLM's encoder layers cut into blocks of `groups` consecutive layers.
-pub fn minilm_blocks<B: FusedBackend>(layers: Vec<EncoderLayer<B>>, groups: &[usize]) -> Vec<TeacherBlock<B>> {
+pub fn minilm_blocks<B: FusedBackend>(
+    layers: Vec<EncoderLayer<B>>,
+    groups: &[usize],
+) -> Vec<TeacherBlock<B>> {
     let mut layers = layers.into_iter();
     groups
         .iter()

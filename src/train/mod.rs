@@ -6,6 +6,10 @@
 //! ([`Activation::from_inner`]), so the backward pass of block k reaches only
 //! block k's parameters.
 
+pub mod checkpoint;
+pub mod optim;
+pub mod stitch;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use burn::optim::{GradientsParams, MultiGradientsParams};
@@ -15,11 +19,11 @@ use burn::tensor::ElementConversion;
 use pipebd_kernels::DistillBackend;
 use serde::Serialize;
 
-use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
-use crate::error::relabel;
 use crate::data::ImageDataset;
+use crate::error::relabel;
 use crate::error::{Error, Result};
-use crate::optim::{BlockOptimizer, LrPlan, OptimizerConfig};
+use crate::train::optim::{BlockOptimizer, LrPlan, OptimizerConfig};
+use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
 
 /// The training hyper-parameters of a distillation: what the runtime, the
 /// stitched pass and a checkpoint's identity need to know.
@@ -156,7 +160,8 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         let block = self.index + 1;
         let module = self.module.as_ref().ok_or_else(|| self.lost())?;
         let output = module.forward(Activation::from_inner(input)).map_err(|e| relabel(e, block))?;
-        let loss = module.loss(output, Activation::from_inner(target), &self.loss).map_err(|e| relabel(e, block))?;
+        let loss =
+            module.loss(output, Activation::from_inner(target), &self.loss).map_err(|e| relabel(e, block))?;
         let value: f32 = loss.clone().into_scalar().elem();
         if !value.is_finite() {
             return Err(Error::Training { block, step: self.step, message: format!("loss is {value}") });

@@ -23,13 +23,13 @@ use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor};
 use serde::{Deserialize, Serialize};
 
-use pipebd_core::{Activation, Block, StudentModule, Students, Teacher};
-use crate::error::relabel;
-use crate::optim::OptimizerConfig;
 use crate::data::epoch_order;
-use pipebd_core::Dataset;
+use crate::error::relabel;
 use crate::error::{Error, Result};
-use crate::train::{TrainSettings, steps_per_epoch, BlockTrainer, MetricRow, Progress};
+use crate::train::optim::OptimizerConfig;
+use crate::train::{steps_per_epoch, BlockTrainer, MetricRow, Progress, TrainSettings};
+use pipebd_core::Dataset;
+use pipebd_core::{Activation, Block, StudentModule, Students, Teacher};
 
 /// What the stitched pass did.
 #[derive(Debug, Clone, Default)]
@@ -118,7 +118,8 @@ where
         .zip(specs.iter().cloned())
         .enumerate()
         .map(|(k, (m, spec))| {
-            BlockTrainer::new(k, spec, m.fork(device), &pass.optimizer, total).with_temperature(settings.temperature)
+            BlockTrainer::new(k, spec, m.fork(device), &pass.optimizer, total)
+                .with_temperature(settings.temperature)
         })
         .collect();
     let mut log = StitchedLog { steps: total, ..Default::default() };
@@ -215,8 +216,9 @@ where
             message: "the block was lost by an earlier failed step".into(),
         })?;
         let output = module.forward(student_x).map_err(|e| relabel(e, block))?;
-        let loss =
-            module.loss(output.clone(), Activation::from_inner(target.clone()), &trainer.loss).map_err(|e| relabel(e, block))?;
+        let loss = module
+            .loss(output.clone(), Activation::from_inner(target.clone()), &trainer.loss)
+            .map_err(|e| relabel(e, block))?;
         let value: f32 = loss.clone().into_scalar().elem();
         if !value.is_finite() {
             return Err(Error::Training { block, step: trainer.step, message: format!("loss is {value}") });

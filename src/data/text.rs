@@ -14,10 +14,10 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-use pipebd_core::{forward_chain, Activation, Block};
 use crate::data::data_error;
-use pipebd_core::Dataset;
 use crate::error::{Error, Result};
+use pipebd_core::Dataset;
+use pipebd_core::{forward_chain, Activation, Block};
 
 /// Seed of the fixed shuffles that split the corpora (independent of a run's
 /// seed, so every run of a config sees the same held-out sentences).
@@ -363,6 +363,31 @@ pub struct ProbeReport {
     pub student_accuracy: f64,
 }
 
+/// The SpamAssassin ham/spam probe: logistic regression on frozen sentence
+/// embeddings of the teacher and of the stitched student, same split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeConfig {
+    /// Folder with the `<group>/*.json` email files.
+    pub dir: PathBuf,
+    /// Use at most this many emails (a seeded, fixed sample; default all).
+    #[serde(default)]
+    pub limit: Option<usize>,
+    /// Tokens per email body (default 128).
+    #[serde(default = "default_probe_tokens")]
+    pub max_tokens: usize,
+    /// Share of the emails held out to score the probe (default 0.3).
+    #[serde(default = "default_test_fraction")]
+    pub test_fraction: f64,
+}
+
+fn default_probe_tokens() -> usize {
+    128
+}
+fn default_test_fraction() -> f64 {
+    0.3
+}
+
 /// The probe's emails, tokenised and split (a fixed shuffle, then the last
 /// `test_fraction` held out).
 pub struct ProbeData {
@@ -376,7 +401,7 @@ pub struct ProbeData {
 
 impl ProbeData {
     /// Reads, samples, tokenises and splits the configured emails.
-    pub fn load(config: &crate::config::ProbeConfig, tokenizer: &MiniLmTokenizer) -> Result<Self> {
+    pub fn load(config: &ProbeConfig, tokenizer: &MiniLmTokenizer) -> Result<Self> {
         let mut emails = read_spam_assassin(&config.dir)?;
         emails.shuffle(&mut StdRng::seed_from_u64(SPLIT_SEED));
         emails.truncate(config.limit.unwrap_or(usize::MAX));

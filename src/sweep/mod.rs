@@ -16,6 +16,8 @@
 //! Each finished point is appended to `sweep.csv` at once; a rerun skips
 //! the points already there, so an interrupted sweep resumes where it stopped.
 
+pub mod plot;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -277,7 +279,7 @@ pub fn sweep(path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
         .or_else(|| keys.iter().find(|k| *k != "schedule").cloned())
         .unwrap_or_else(|| keys[0].clone());
     let png = sweep.out.join("sweep.png");
-    crate::plot::draw_sweep(&png, &rows, &keys, &x)?;
+    crate::sweep::plot::draw_sweep(&png, &rows, &keys, &x)?;
     say(&format!("wrote {} and {}", csv_path.display(), png.display()));
     Ok(rows)
 }

@@ -18,7 +18,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::plan::{Phase, Plan};
-use crate::planner::CostTable;
+use crate::planning::planner::CostTable;
 
 /// What the simulator predicts for a plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -5,6 +5,8 @@
 //! Only the workers of a pipeline's first stage touch a dataset: they turn
 //! sample indices into the first block's input on their device.
 
+pub mod text;
+
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;

@@ -1,0 +1,200 @@
+//! Scoring a trained student next to its teacher, saving and reloading
+//! students, and re-scoring a saved run (`pipebd eval`, `eval-teacher`).
+
+use std::path::{Path, PathBuf};
+
+use burn::module::{AutodiffModule, Module};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use pipebd_core::{Block, BlockSpec, Students};
+use pipebd_kernels::DistillBackend;
+use pipebd_students::StudentBlock;
+
+use crate::config::RunConfig;
+use crate::data::text::{mean_and_min_cosine, sentence_embeddings, ProbeReport, TextReport};
+use crate::error::{Error, Result};
+use crate::report::RunReport;
+use crate::train::accuracy;
+use crate::zoo::{init_student_blocks, load_workload, Evaluation};
+
+/// Test images per evaluation chunk.
+const EVAL_CHUNK: usize = 1000;
+
+/// How good a stitched student is, next to its teacher.
+#[derive(Debug, Clone)]
+pub struct Score {
+    /// Teacher accuracy: top-1 on the test images, or the spam probe's.
+    pub teacher_accuracy: f64,
+    /// Stitched student accuracy, scored like the teacher's.
+    pub student_accuracy: f64,
+    /// Test images, or test emails of the probe.
+    pub test_samples: usize,
+    /// Text teachers: embedding cosine, probe, size ratios.
+    pub text: Option<TextReport>,
+}
+
+/// Scores the teacher and the stitched student on the evaluation data. For
+/// text without a probe the two accuracies are 0 (see `text`).
+pub fn score<B, T, S>(
+    evaluation: &Evaluation<B>,
+    teacher: &[T],
+    student: &[S],
+    device: &B::Device,
+    teacher_specs: &[BlockSpec],
+    student_specs: &[BlockSpec],
+) -> Result<Score>
+where
+    B: pipebd_kernels::FusedBackend,
+    T: Block<B>,
+    S: Block<B>,
+{
+    match evaluation {
+        Evaluation::Images(test) => Ok(Score {
+            teacher_accuracy: accuracy(teacher, test, device, EVAL_CHUNK)?,
+            student_accuracy: accuracy(student, test, device, EVAL_CHUNK)?,
+            test_samples: test.len(),
+            text: None,
+        }),
+        Evaluation::Text { embeddings, heldout, max_tokens, probe, mean_tokens } => {
+            let chunk = 64;
+            let ours = sentence_embeddings(embeddings, student, heldout, *max_tokens, device, chunk)?;
+            let theirs = sentence_embeddings(embeddings, teacher, heldout, *max_tokens, device, chunk)?;
+            let (embedding_cosine, min_embedding_cosine) = mean_and_min_cosine(&ours, &theirs);
+            let probe = match probe {
+                None => None,
+                Some(data) => {
+                    let spam = data.test.1.iter().filter(|&&s| s).count();
+                    Some(ProbeReport {
+                        train_emails: data.train.0.len(),
+                        test_emails: data.test.0.len(),
+                        test_spam_fraction: spam as f64 / data.test.0.len().max(1) as f64,
+                        teacher_accuracy: data.score(embeddings, teacher, device)?,
+                        student_accuracy: data.score(embeddings, student, device)?,
+                    })
+                }
+            };
+            let sum = |specs: &[BlockSpec], f: fn(&BlockSpec) -> f64| specs.iter().map(f).sum::<f64>();
+            let params_ratio =
+                sum(student_specs, |s| s.params as f64) / sum(teacher_specs, |s| s.params as f64);
+            let flops_ratio = sum(student_specs, |s| s.flops as f64) / sum(teacher_specs, |s| s.flops as f64);
+            Ok(Score {
+                teacher_accuracy: probe.as_ref().map_or(0.0, |p| p.teacher_accuracy),
+                student_accuracy: probe.as_ref().map_or(0.0, |p| p.student_accuracy),
+                test_samples: probe.as_ref().map_or(0, |p| p.test_emails),
+                text: Some(TextReport {
+                    embedding_cosine,
+                    min_embedding_cosine,
+                    heldout_sentences: heldout.len(),
+                    max_tokens: *max_tokens,
+                    mean_tokens: *mean_tokens,
+                    params_ratio,
+                    flops_ratio,
+                    probe,
+                }),
+            })
+        }
+    }
+}
+
+/// Path of block `k`'s (zero-based) saved weights inside a run folder.
+pub fn student_record_path(run_dir: &Path, k: usize) -> PathBuf {
+    run_dir.join("student").join(format!("block-{}.mpk", k + 1))
+}
+
+fn recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
+    NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+}
+
+/// Saves every trained student block (inference copy) as a burn record.
+pub fn save_students<B: DistillBackend>(
+    run_dir: &Path,
+    students: &Students<B, StudentBlock<B>>,
+) -> Result<()> {
+    let dir = run_dir.join("student");
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io("creating directory", &dir, e))?;
+    for (k, block) in students.blocks.iter().enumerate() {
+        let path = student_record_path(run_dir, k);
+        // The recorder appends the extension itself.
+        block
+            .valid()
+            .save_file(path.with_extension(""), &recorder())
+            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+    }
+    Ok(())
+}
+
+/// The student blocks saved in `run_dir` by `pipebd run` with `config`,
+/// and their specs.
+pub fn load_students<B: pipebd_kernels::FusedBackend>(
+    run_dir: &Path,
+    config: &RunConfig,
+    teacher: &[BlockSpec],
+    device: &B::Device,
+) -> Result<(Vec<StudentBlock<B>>, Vec<BlockSpec>)> {
+    let (blocks, specs) = init_student_blocks::<B>(&config.students, teacher, device)?;
+    let mut loaded = Vec::with_capacity(blocks.len());
+    for (k, block) in blocks.into_iter().enumerate() {
+        let path = student_record_path(run_dir, k);
+        if !path.is_file() {
+            return Err(Error::Record {
+                path,
+                message: "missing: was this run folder written by `pipebd run`?".into(),
+            });
+        }
+        let block = block
+            .load_file(path.with_extension(""), &recorder(), device)
+            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+        loaded.push(block);
+    }
+    Ok((loaded, specs))
+}
+
+/// Figures from re-scoring a saved run.
+#[derive(Debug, Clone)]
+pub struct EvalResult {
+    /// Accuracy of the reloaded stitched student on the test split (text:
+    /// the probe's accuracy).
+    pub student_accuracy: f64,
+    /// The accuracy `report.json` recorded at the end of training.
+    pub recorded_accuracy: f64,
+    /// Test samples scored.
+    pub test_samples: usize,
+    /// Text teachers: the embedding cosine and probe, re-measured.
+    pub text: Option<TextReport>,
+}
+
+/// Reloads the student saved in `run_dir` (by `pipebd run`) and scores it
+/// on the evaluation data named in the run's config (on the CPU).
+pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
+    type B = burn::backend::Flex;
+    let report = RunReport::read(run_dir)?;
+    let config = &report.config;
+    let device = Default::default();
+    let workload = load_workload::<B>(config, &device, true)?;
+    let teacher = &workload.teacher.specs;
+    let (loaded, student_specs) = load_students::<B>(run_dir, config, teacher, &device)?;
+    let scored =
+        score(&workload.evaluation, &workload.teacher.blocks, &loaded, &device, teacher, &student_specs)?;
+    Ok(EvalResult {
+        student_accuracy: scored.student_accuracy,
+        recorded_accuracy: report.student_accuracy,
+        test_samples: scored.test_samples,
+        text: scored.text,
+    })
+}
+
+/// Scores the configured teacher on the test split (on the CPU): top-1
+/// accuracy, or for text the probe's accuracy with the teacher's embeddings.
+pub fn eval_teacher(config: &RunConfig) -> Result<(f64, usize)> {
+    type B = burn::backend::Flex;
+    let device = Default::default();
+    let workload = load_workload::<B>(config, &device, true)?;
+    let blocks = &workload.teacher.blocks;
+    // The teacher alone: no student to compare, so no embedding cosine.
+    match &workload.evaluation {
+        Evaluation::Images(test) => Ok((accuracy(blocks, test, &device, EVAL_CHUNK)?, test.len())),
+        Evaluation::Text { probe: None, .. } => Ok((0.0, 0)),
+        Evaluation::Text { embeddings, probe: Some(data), .. } => {
+            Ok((data.score(embeddings, blocks, &device)?, data.test.0.len()))
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! `pipebd kernels`: the fused ops checked against burn's ops, and timed.
+
+use crate::device::{dispatch, BackendJob, DeviceSpec};
+use crate::error::{Error, Result};
+use pipebd_kernels::DistillBackend;
+
+/// What `pipebd kernels` measured: the fused ops against burn's ops.
+#[derive(Debug, Default)]
+pub struct KernelsReport {
+    /// The device the ops ran on.
+    pub device: String,
+    /// Correctness rows (when checked).
+    pub checks: Vec<pipebd_kernels::check::CheckRow>,
+    /// Timing rows (when benchmarked).
+    pub timings: Vec<pipebd_kernels::bench::BenchRow>,
+}
+
+struct KernelsJob {
+    check_seed: Option<u64>,
+    bench_repeats: Option<usize>,
+}
+
+impl BackendJob for KernelsJob {
+    type Output = KernelsReport;
+
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<KernelsReport> {
+        let device = &devices[0];
+        let mut report = KernelsReport::default();
+        if let Some(seed) = self.check_seed {
+            pipebd_kernels::set_poison_outputs(true);
+            report.checks = pipebd_kernels::check::run::<B>(device, seed);
+            pipebd_kernels::set_poison_outputs(false);
+        }
+        if let Some(repeats) = self.bench_repeats {
+            report.timings = pipebd_kernels::bench::run::<B>(device, repeats);
+        }
+        Ok(report)
+    }
+}
+
+/// Checks the fused ops against burn's unfused ops on `device` (random inputs
+/// from `check_seed`, outputs NaN-poisoned) and/or times both sides with
+/// `bench_repeats` calls each. On `cpu` the fused ops are their burn-op
+/// fallback, so this checks the custom backward passes.
+pub fn kernels(device: &str, check_seed: Option<u64>, bench_repeats: Option<usize>) -> Result<KernelsReport> {
+    let spec =
+        DeviceSpec::parse(device).map_err(|message| Error::Device { device: device.into(), message })?;
+    spec.check_available()?;
+    let mut report = dispatch(&[spec], KernelsJob { check_seed, bench_repeats })?;
+    report.device = device.to_string();
+    Ok(report)
+}
