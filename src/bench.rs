@@ -19,7 +19,7 @@ use crate::planning::simulate::simulate_shared;
 use crate::preflight::preflight;
 use crate::profile::plan_from_candidate;
 use crate::profile::{reset_peak_resident, resident_bytes};
-use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeOptions};
+use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeSettings};
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
 use crate::zoo::{build_students, load_workload, Workload};
@@ -187,7 +187,7 @@ impl BackendJob for BenchJob<'_> {
         let students = build_students::<B>(config, &teacher.specs, device)?;
         let slots = devices.len();
         let threads = threads_per_worker(config.runtime.threads_per_worker, slots);
-        let options = RuntimeOptions { threads_per_worker: threads, ..config.runtime_options() };
+        let options = RuntimeSettings { threads_per_worker: threads, ..config.runtime_settings() };
         let settings = config.train_settings();
         let steps = steps_per_epoch(data.len(), settings.batch_size) * settings.epochs;
         let blocks = teacher.blocks.len();

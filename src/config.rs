@@ -444,8 +444,8 @@ impl RunConfig {
     }
 
     /// The runtime settings as the runtime takes them.
-    pub fn runtime_options(&self) -> crate::runtime::RuntimeOptions {
-        crate::runtime::RuntimeOptions {
+    pub fn runtime_settings(&self) -> crate::runtime::RuntimeSettings {
+        crate::runtime::RuntimeSettings {
             channel_capacity: self.runtime.channel_capacity,
             timeout: std::time::Duration::from_secs_f64(self.runtime.timeout_seconds),
             threads_per_worker: self.runtime.threads_per_worker,

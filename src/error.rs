@@ -36,40 +36,11 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// A student block's shapes do not match its teacher block's.
-    #[error("block {block}: student {what} shape {student:?} does not match the teacher's {teacher:?}")]
-    ShapeMismatch {
-        /// One-based block number.
-        block: usize,
-        /// "input" or "output".
-        what: &'static str,
-        /// The student's per-sample shape.
-        student: Vec<usize>,
-        /// The teacher's per-sample shape.
-        teacher: Vec<usize>,
-    },
-    /// The teacher and the students have different numbers of blocks.
-    #[error("the teacher has {teacher} blocks but {students} student blocks are configured")]
-    BlockCount {
-        /// Student blocks.
-        students: usize,
-        /// Teacher blocks.
-        teacher: usize,
-    },
-    /// A data set could not produce a batch.
-    #[error("data set: {message}")]
-    Dataset {
-        /// What went wrong.
-        message: String,
-    },
-    /// A block received an activation it cannot process.
-    #[error("block {block}: {message}")]
-    Block {
-        /// One-based block number.
-        block: usize,
-        /// What went wrong.
-        message: String,
-    },
+    /// The block API's errors (`pipebd-core`): a block given input it
+    /// cannot process, student shapes or block counts that do not match the
+    /// teacher's, a data set that cannot produce a batch.
+    #[error(transparent)]
+    Core(#[from] pipebd_core::Error),
     /// Training a block diverged or failed.
     #[error("block {block}, step {step}: {message}")]
     Training {
@@ -173,8 +144,7 @@ impl Error {
             self,
             Error::Config { .. }
                 | Error::Plan { .. }
-                | Error::ShapeMismatch { .. }
-                | Error::BlockCount { .. }
+                | Error::Core(pipebd_core::Error::ShapeMismatch { .. } | pipebd_core::Error::BlockCount { .. })
                 | Error::Device { .. }
                 | Error::Student(_)
                 | Error::Data { .. }
@@ -205,26 +175,16 @@ impl Error {
     }
 }
 
-impl From<pipebd_core::Error> for Error {
-    /// The block API's errors, as the engine's own variants.
-    fn from(error: pipebd_core::Error) -> Self {
-        use pipebd_core::Error as Core;
-        match error {
-            Core::Block { block, message } => Error::Block { block, message },
-            Core::ShapeMismatch { block, what, student, teacher } => {
-                Error::ShapeMismatch { block, what, student, teacher }
-            }
-            Core::BlockCount { students, teacher } => Error::BlockCount { students, teacher },
-            Core::Data { message } => Error::Dataset { message },
-        }
-    }
-}
-
 impl Error {
+    /// A block error of block `block` (one-based).
+    pub fn block(block: usize, message: impl Into<String>) -> Self {
+        Error::Core(pipebd_core::Error::Block { block, message: message.into() })
+    }
+
     /// Puts `block` (one-based) on a block error raised without a number.
     pub fn at_block(self, block: usize) -> Self {
         match self {
-            Error::Block { block: 0, message } => Error::Block { block, message },
+            Error::Core(e) => Error::Core(e.at_block(block)),
             other => other,
         }
     }

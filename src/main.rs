@@ -225,7 +225,7 @@ fn execute(command: Command) -> Result<(), Error> {
                     ));
                 }
             };
-            let options = pipe_bd::run::RunOptions { trace, resume, max_failures };
+            let options = pipe_bd::run::RunFlags { trace, resume, max_failures };
             let report = pipe_bd::run::run(&config, &out, &options, &mut observer)?;
             if let Some(bar) = bar {
                 bar.finish_and_clear();

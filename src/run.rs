@@ -26,9 +26,10 @@ use crate::train::stitch::StitchedPass;
 use crate::train::{inference_blocks, Progress};
 use crate::zoo::{build_students, load_workload, Workload};
 
-/// Options of a run that are not part of its config.
+/// Command-line flags of a run that are not part of its config (`--trace`,
+/// `--resume`, `--max-failures`).
 #[derive(Debug, Clone, Default)]
-pub struct RunOptions {
+pub struct RunFlags {
     /// Write `trace.json` (Chrome trace events of every worker).
     pub trace: bool,
     /// Continue from the newest complete checkpoint of each block in this
@@ -55,13 +56,13 @@ pub fn checkpoint_identity(config: &RunConfig) -> std::collections::BTreeMap<Str
 /// The runtime options of a run: the config's, with checkpoints in
 /// `out_dir/checkpoints`, the resume folder, faults from [`crate::fault::ENV`]
 /// and the cost table for re-planning.
-pub fn runtime_options_for(
+pub fn runtime_settings_for(
     config: &RunConfig,
     out_dir: &Path,
-    options: &RunOptions,
+    options: &RunFlags,
     costs: Option<&CostTable>,
-) -> Result<crate::runtime::RuntimeOptions> {
-    let mut runtime = config.runtime_options();
+) -> Result<crate::runtime::RuntimeSettings> {
+    let mut runtime = config.runtime_settings();
     runtime.checkpoints = Some(crate::train::checkpoint::CheckpointPolicy {
         dir: out_dir.join("checkpoints"),
         every_steps: config.checkpoint.every_steps,
@@ -85,7 +86,7 @@ pub fn runtime_options_for(
 pub fn run(
     config: &RunConfig,
     out_dir: &Path,
-    options: &RunOptions,
+    options: &RunFlags,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<RunReport> {
     check_out_dir(out_dir)?;
@@ -107,7 +108,7 @@ struct Job<'a> {
     plan: &'a Plan,
     costs: Option<&'a CostTable>,
     out_dir: &'a Path,
-    options: &'a RunOptions,
+    options: &'a RunFlags,
     observer: &'a mut dyn FnMut(&Progress),
 }
 
@@ -121,7 +122,7 @@ impl BackendJob for Job<'_> {
         let Workload { teacher, train, evaluation } = load_workload::<B::InnerBackend>(config, device, true)?;
         let students = build_students::<B>(config, &teacher.specs, device)?;
 
-        let runtime = runtime_options_for(config, self.out_dir, self.options, self.costs)?;
+        let runtime = runtime_settings_for(config, self.out_dir, self.options, self.costs)?;
         let settings = config.train_settings();
         let output = Distillation::new(&teacher, students, train.as_ref())
             .settings(settings.clone())

@@ -177,14 +177,14 @@ pub fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> 
     };
     let size = minilm::layer_config();
     if heads > size.heads || head_dim != size.head_dim || ffn > size.ffn {
-        return Err(Error::Block {
-            block: k + 1,
-            message: format!(
+        return Err(Error::block(
+            k + 1,
+            format!(
                 "init = \"teacher\" needs heads <= {}, head_dim = {} and ffn <= {} (the teacher layer's), \
                  got heads {heads}, head_dim {head_dim}, ffn {ffn}; use init = \"random\" otherwise",
                 size.heads, size.head_dim, size.ffn
             ),
-        });
+        ));
     }
     Ok(())
 }
@@ -228,10 +228,9 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
             continue;
         };
         let first = groups[..k.min(groups.len())].iter().sum::<usize>();
-        let teacher = layers.get(first).ok_or_else(|| Error::Block {
-            block: k + 1,
-            message: "no teacher layer to initialise this student from".into(),
-        })?;
+        let teacher = layers
+            .get(first)
+            .ok_or_else(|| Error::block(k + 1, "no teacher layer to initialise this student from"))?;
         check_teacher_init(k, student)?;
         let size = teacher.config();
         let kept_heads = top_indices(&teacher.head_importance(), heads);
@@ -285,9 +284,8 @@ pub fn build_students<B: DistillBackend>(
         .zip(targets)
         .enumerate()
         .map(|(k, (record, target))| {
-            let failed = |e: burn::record::RecorderError| Error::Block {
-                block: k + 1,
-                message: format!("copying the initial student weights to the device failed: {e}"),
+            let failed = |e: burn::record::RecorderError| {
+                Error::block(k + 1, format!("copying the initial student weights to the device failed: {e}"))
             };
             let bytes = recorder.record(record, ()).map_err(failed)?;
             let record = recorder.load(bytes, device).map_err(failed)?;

@@ -134,7 +134,7 @@ fn student_with_wrong_output_shape_is_rejected_before_training() {
     let config = parse(&GOOD.replace("out_channels = 128", "out_channels = 96")).unwrap();
     let err = pipe_bd::preflight::preflight(&config).unwrap_err();
     match &err {
-        Error::ShapeMismatch { block, student, teacher, .. } => {
+        Error::Core(pipe_bd::BlockError::ShapeMismatch { block, student, teacher, .. }) => {
             assert_eq!(*block, 3);
             assert_eq!(student, &vec![96, 3, 3]);
             assert_eq!(teacher, &vec![128, 3, 3]);
@@ -164,7 +164,7 @@ fn head_on_a_too_small_input_is_rejected() {
     );
     let config = parse(&text).unwrap();
     let err = pipe_bd::preflight::preflight(&config).unwrap_err();
-    assert!(matches!(err, Error::ShapeMismatch { block: 4, .. }), "{err}");
+    assert!(matches!(err, Error::Core(pipe_bd::BlockError::ShapeMismatch { block: 4, .. })), "{err}");
 }
 
 /// Cargo passes the package's features to its integration tests, so

@@ -11,7 +11,7 @@ use burn::module::Module;
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
-use pipe_bd::runtime::{Distillation, RuntimeOptions};
+use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::zoo::{build_students, build_teacher};
 use pipe_bd::Error;
 use pipe_bd::{Activation, Block, Students};
@@ -71,7 +71,7 @@ fn run_with_fault(mode: usize) -> (Error, Duration) {
         .collect();
     let students = Students::new(blocks, students.specs, &teacher.specs).unwrap();
     let plan = Plan::tr(&[1.0, 1.0, 1.0, 1.0], 2, true);
-    let options = RuntimeOptions { threads_per_worker: 1, ..Default::default() };
+    let options = RuntimeSettings { threads_per_worker: 1, ..Default::default() };
     let start = Instant::now();
     let result = Distillation::new(&teacher, students, &data)
         .settings(config.train_settings())

@@ -143,7 +143,7 @@ fn train_text(plan: &pipe_bd::plan::Plan, slots: usize) -> Vec<Vec<f32>> {
     let device = Default::default();
     let workload = pipe_bd::zoo::load_workload::<Flex>(&config, &device, false).unwrap();
     let students = pipe_bd::zoo::build_students::<Train>(&config, &workload.teacher.specs, &device).unwrap();
-    let options = pipe_bd::runtime::RuntimeOptions { threads_per_worker: 1, ..Default::default() };
+    let options = pipe_bd::runtime::RuntimeSettings { threads_per_worker: 1, ..Default::default() };
     let output = pipe_bd::runtime::Distillation::new(&workload.teacher, students, workload.train.as_ref())
         .settings(config.train_settings())
         .devices(vec![device; slots])

@@ -9,7 +9,7 @@ use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::flat_parameters;
 use pipe_bd::plan::{flops_cost, Plan, StageSpec};
-use pipe_bd::runtime::{Distillation, RuntimeOptions};
+use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::zoo::{build_students, build_teacher};
 
 mod common;
@@ -31,7 +31,7 @@ fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
     let students = build_students::<B>(&config, &teacher.specs, &device).unwrap();
-    let options = RuntimeOptions { threads_per_worker: 1, ..Default::default() };
+    let options = RuntimeSettings { threads_per_worker: 1, ..Default::default() };
     let devices = vec![device; slots];
     let output = Distillation::new(&teacher, students, &data)
         .settings(config.train_settings())

@@ -219,10 +219,10 @@ pub fn sentence_embeddings<B: FusedBackend, M: Block<B>>(
         let refs: Vec<&[u32]> = part.iter().map(Vec::as_slice).collect();
         let x = forward_chain(blocks, embed_batch(embeddings, &refs, max_tokens, device))?;
         let Activation::Tokens { hidden, mask } = x else {
-            return Err(Error::Block {
-                block: blocks.len(),
-                message: format!("the last block must produce token states, got {:?}", x.dims()),
-            });
+            return Err(Error::block(
+                blocks.len(),
+                format!("the last block must produce token states, got {:?}", x.dims()),
+            ));
         };
         let [rows, width] = [part.len(), hidden.dims()[2]];
         let pooled: Vec<f32> = mean_pool_normalized(hidden, mask).into_data().iter::<f32>().collect();

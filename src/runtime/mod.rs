@@ -62,7 +62,7 @@ use resume::{block_identity, restore_newest};
 
 /// Knobs of the runtime itself (not of the mathematics).
 #[derive(Debug, Clone)]
-pub struct RuntimeOptions {
+pub struct RuntimeSettings {
     /// Capacity of each activation channel between stages (batches in flight).
     pub channel_capacity: usize,
     /// A worker that makes no progress for this long (not counting waits
@@ -86,7 +86,7 @@ pub struct RuntimeOptions {
     pub memory_per_device: Option<u64>,
 }
 
-impl Default for RuntimeOptions {
+impl Default for RuntimeSettings {
     fn default() -> Self {
         Self {
             channel_capacity: 2,
@@ -139,9 +139,10 @@ pub struct PlanOutput<B: DistillBackend, S: StudentModule<B>> {
 
 /// One distillation to run under a [`Plan`]: the frozen teacher, the
 /// students, the data, and (each with a default) the training settings, the
-/// devices, the runtime options and a progress observer.
+/// devices, the runtime settings and a progress observer. For example
+/// (`examples/custom_student.rs` runs it whole):
 ///
-/// ```ignore
+/// ```text
 /// let output = Distillation::new(&teacher, students, &data)
 ///     .settings(TrainSettings { epochs: 2, batch_size: 64, ..Default::default() })
 ///     .devices(vec![device.clone(), device])
@@ -153,7 +154,7 @@ pub struct Distillation<'a, B: DistillBackend, T: Block<B::InnerBackend>, S: Stu
     data: &'a dyn Dataset<B::InnerBackend>,
     settings: TrainSettings,
     devices: Vec<B::Device>,
-    options: RuntimeOptions,
+    options: RuntimeSettings,
     observer: Option<&'a mut dyn FnMut(&Progress)>,
 }
 
@@ -164,7 +165,7 @@ where
     S: StudentModule<B>,
 {
     /// Trains `students` against `teacher` on `data`, with
-    /// [`TrainSettings::default`], [`RuntimeOptions::default`] and every
+    /// [`TrainSettings::default`], [`RuntimeSettings::default`] and every
     /// device slot of the plan on `B`'s default device.
     pub fn new(
         teacher: &'a Teacher<B::InnerBackend, T>,
@@ -177,7 +178,7 @@ where
             data,
             settings: TrainSettings::default(),
             devices: Vec::new(),
-            options: RuntimeOptions::default(),
+            options: RuntimeSettings::default(),
             observer: None,
         }
     }
@@ -195,7 +196,7 @@ where
     }
 
     /// Channel capacity, timeouts, threads, checkpoints, resume, faults.
-    pub fn options(mut self, options: RuntimeOptions) -> Self {
+    pub fn options(mut self, options: RuntimeSettings) -> Self {
         self.options = options;
         self
     }
@@ -243,7 +244,7 @@ fn train_plan<B, T, S>(
     data: &dyn Dataset<B::InnerBackend>,
     settings: &TrainSettings,
     devices: &[B::Device],
-    options: &RuntimeOptions,
+    options: &RuntimeSettings,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<PlanOutput<B, S>>
 where

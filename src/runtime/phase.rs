@@ -14,7 +14,7 @@ use pipebd_kernels::DistillBackend;
 use super::sync::{Halt, Heartbeat, StepBarrier, Stop, POLL};
 use super::topology::{build_workers, Worker};
 use super::worker::{worker_loop, LoopState, Position};
-use super::{threads_per_worker, RuntimeOptions};
+use super::{threads_per_worker, RuntimeSettings};
 use crate::error::{Error, Result};
 use crate::plan::Phase;
 use crate::trace::{summarise, Span, SpanRecorder, WorkerSummary};
@@ -31,7 +31,7 @@ pub(super) struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>>
     pub(super) data: &'a dyn Dataset<B::InnerBackend>,
     pub(super) settings: &'a TrainSettings,
     pub(super) devices: &'a [B::Device],
-    pub(super) options: &'a RuntimeOptions,
+    pub(super) options: &'a RuntimeSettings,
     pub(super) per_epoch: usize,
     pub(super) total_steps: usize,
     pub(super) origin: Instant,

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use super::phase::PhaseFailure;
 use super::resume::restore_newest;
-use super::RuntimeOptions;
+use super::RuntimeSettings;
 use crate::error::{Error, Result};
 use crate::plan::{Plan, StageSpec};
 use crate::planning::planner::{plan as best_plans, CostTable};
@@ -155,7 +155,7 @@ pub fn replan(
 /// What the failure policy needs from the run besides the failure itself.
 pub(super) struct RecoveryContext<'a, B: DistillBackend, S: StudentModule<B>> {
     /// The failure budget, the re-planning costs and memory, the checkpoints.
-    pub(super) options: &'a RuntimeOptions,
+    pub(super) options: &'a RuntimeSettings,
     /// The teacher's block specs, for re-planning from FLOPs.
     pub(super) teacher_specs: &'a [BlockSpec],
     /// The students' block specs, for re-planning from FLOPs.

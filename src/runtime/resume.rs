@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use pipebd_kernels::DistillBackend;
 
-use super::RuntimeOptions;
+use super::RuntimeSettings;
 use crate::error::{Error, Result};
 use crate::train::checkpoint::{self, Refusal, ResumedBlock};
 use crate::train::BlockTrainer;
@@ -15,7 +15,7 @@ use pipebd_core::{BlockSpec, StudentModule};
 
 /// What a block checkpoint must match besides the run's own fields.
 pub(super) fn block_identity(
-    options: &RuntimeOptions,
+    options: &RuntimeSettings,
     settings: &TrainSettings,
     spec: &BlockSpec,
     total_steps: usize,

@@ -133,9 +133,8 @@ where
                 parts.push(msg.activation.to_device(device));
             }
             state.recorder.record(SpanKind::RecvWait, None, started);
-            Activation::cat_batch(parts).ok_or_else(|| Error::Block {
-                block: stage.blocks.start + 1,
-                message: "received activations of different kinds".into(),
+            Activation::cat_batch(parts).ok_or_else(|| {
+                Error::block(stage.blocks.start + 1, "received activations of different kinds")
             })?
         };
         beat.beat();

@@ -26,7 +26,7 @@ use serde::Deserialize;
 
 use crate::config::RunConfig;
 use crate::error::{Error, Result};
-use crate::run::{run, RunOptions};
+use crate::run::{run, RunFlags};
 
 /// A sweep file.
 #[derive(Debug, Clone, Deserialize)]
@@ -255,7 +255,7 @@ pub fn sweep(path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
         }
         say(&format!("[{}/{}] {id}", i + 1, points.len()));
         let dir = sweep.out.join("points").join(format!("{i:03}"));
-        let report = run(config, &dir, &RunOptions::default(), &mut |_| {})?;
+        let report = run(config, &dir, &RunFlags::default(), &mut |_| {})?;
         let row = Row {
             id: id.clone(),
             values: point.values.iter().map(|(_, v)| plain(v)).collect(),

@@ -349,10 +349,10 @@ where
     for part in indices.chunks(chunk.max(1)) {
         let x = forward_chain(blocks, Activation::Maps(data.images::<B>(part, device)))?;
         let Activation::Flat(logits) = x else {
-            return Err(Error::Block {
-                block: blocks.len(),
-                message: format!("the last block must produce logits [batch, classes], got {:?}", x.dims()),
-            });
+            return Err(Error::block(
+                blocks.len(),
+                format!("the last block must produce logits [batch, classes], got {:?}", x.dims()),
+            ));
         };
         let predicted = logits.argmax(1).into_data();
         let predicted: Vec<i64> = predicted.iter::<i64>().collect();
