@@ -68,7 +68,9 @@ pub struct BlockSpec {
 
 impl BlockSpec {
     /// The spec of `module` for inputs of per-sample shape `input_shape`:
-    /// the output shape from a forward pass of one zero sample on `device`,
+    /// the output shape from a forward pass of one zero sample on `device`
+    /// (a module that cannot take that input, even one that panics, is an
+    /// error),
     /// the parameters counted, the loss MSE and the FLOPs unknown (0; set
     /// them with [`BlockSpec::with_flops`] where the planner should use them).
     pub fn infer<B: FusedBackend, M: Block<B>>(
@@ -77,7 +79,18 @@ impl BlockSpec {
         input_shape: &[usize],
         device: &B::Device,
     ) -> Result<Self> {
-        let output = module.forward(Activation::zeros(1, input_shape, device)?)?;
+        let input = Activation::zeros(1, input_shape, device)?;
+        // A module given input it cannot take may panic inside burn (a
+        // matmul of the wrong width): that is the caller's shape error.
+        let output = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| module.forward(input)))
+            .map_err(|payload| {
+                let why = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "it panicked".into());
+                Error::block(format!("cannot take per-sample input of shape {input_shape:?}: {why}"))
+            })??;
         Ok(Self {
             name: name.into(),
             input_shape: input_shape.to_vec(),
@@ -207,16 +220,22 @@ impl<B: DistillBackend, S: StudentModule<B>> Students<B, S> {
     /// checked as by [`Students::new`].
     pub fn from_blocks(blocks: Vec<S>, teacher_specs: &[BlockSpec], device: &B::Device) -> Result<Self> {
         check_block_count(blocks.len(), teacher_specs.len())?;
-        let specs = blocks
-            .iter()
-            .zip(teacher_specs)
-            .enumerate()
-            .map(|(k, (block, t))| {
-                BlockSpec::infer(format!("student-{}", t.name), block, &t.input_shape, device)
-                    .map(|spec| spec.with_loss(t.loss))
-                    .map_err(|e| e.at_block(k + 1))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut specs = Vec::with_capacity(blocks.len());
+        for (k, (block, t)) in blocks.iter().zip(teacher_specs).enumerate() {
+            let spec = BlockSpec::infer(format!("student-{}", t.name), block, &t.input_shape, device)
+                .map_err(|e| e.at_block(k + 1))?
+                .with_loss(t.loss);
+            // In block order: the first block that does not fit is the one named.
+            check_against_teacher(std::slice::from_ref(&spec), std::slice::from_ref(t)).map_err(
+                |e| match e {
+                    Error::ShapeMismatch { what, student, teacher, .. } => {
+                        Error::ShapeMismatch { block: k + 1, what, student, teacher }
+                    }
+                    other => other,
+                },
+            )?;
+            specs.push(spec);
+        }
         Self::new(blocks, specs, teacher_specs)
     }
 }
