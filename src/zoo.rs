@@ -20,6 +20,9 @@ use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
 use pipebd_teachers::TeacherBlock;
 
+/// A built-in teacher, cut into blocks.
+pub type BuiltinTeacher<B> = Teacher<B, TeacherBlock<B>>;
+
 /// MiniLM layers per block: `teacher.layers_per_block`, or one each.
 pub fn layers_per_block(config: &RunConfig) -> Vec<usize> {
     config.teacher.layers_per_block.clone().unwrap_or_else(|| vec![1; minilm::LAYERS])
@@ -30,7 +33,7 @@ pub fn layers_per_block(config: &RunConfig) -> Vec<usize> {
 pub fn build_minilm<B: FusedBackend>(
     config: &RunConfig,
     device: &B::Device,
-) -> Result<(Embeddings<B>, Teacher<B, TeacherBlock<B>>)> {
+) -> Result<(Embeddings<B>, BuiltinTeacher<B>)> {
     let (embeddings, layers) = MiniLm::<B>::load(&config.teacher.weights, device)?.into_parts();
     let groups = layers_per_block(config);
     let blocks = minilm_blocks(layers, &groups);
@@ -71,6 +74,7 @@ pub fn teacher_specs(config: &RunConfig) -> Vec<BlockSpec> {
 }
 
 /// What evaluating a trained student needs besides the blocks.
+#[allow(clippy::large_enum_variant)] // one per run
 pub enum Evaluation<B: FusedBackend> {
     /// Image classification: top-1 accuracy on the test split.
     Images(ImageDataset),

@@ -182,6 +182,9 @@ pub struct BuiltStudent<B: FusedBackend> {
 }
 
 /// One student block of any zoo kind.
+// Built once per run and moved rarely: boxing a variant would buy nothing
+// and burn's `Module` derive wants the variants by value.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum StudentBlock<B: FusedBackend> {
     /// See [`StudentBlockConfig::Conv`].

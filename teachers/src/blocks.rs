@@ -37,6 +37,9 @@ impl<B: FusedBackend> Block<B> for EncoderStack<B> {
 }
 
 /// One block of a built-in teacher.
+// Built once per run and moved rarely: boxing a variant would buy nothing
+// and burn's `Module` derive wants the variants by value.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum TeacherBlock<B: FusedBackend> {
     /// A block of the MNIST CNN.
