@@ -6,8 +6,9 @@
 //! 2. A data set of our own: MNIST images as flat vectors (`Dataset`).
 //! 3. Students of our own: each layer factorised through a rank-32 bottleneck.
 //! 4. Blockwise distillation under teacher relaying with decoupled updates
-//!    on three CPU slots, then one stitched pass, then the accuracy of the
-//!    stitched student next to the teacher's.
+//!    on three CPU slots with per-block checkpoints, then one stitched pass;
+//!    the students saved, reloaded into fresh modules and scored next to the
+//!    teacher.
 //!
 //! ```sh
 //! bash scripts/setup-data.sh     # once: MNIST into data/
@@ -25,7 +26,9 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use pipe_bd::data::{epoch_order, ImageDataset, Split};
-use pipe_bd::runtime::Distillation;
+use pipe_bd::eval::{load_student_records, save_students};
+use pipe_bd::runtime::{Distillation, RuntimeSettings};
+use pipe_bd::train::checkpoint::CheckpointPolicy;
 use pipe_bd::train::stitch::{stitched_pass, StitchedGradients, StitchedPass};
 use pipe_bd::train::{inference_blocks, TrainSettings};
 use pipe_bd::{
@@ -103,6 +106,14 @@ impl<B: FusedBackend> Block<B> for LowRank<B> {
 
 const WIDTHS: [usize; 4] = [784, 256, 128, 10];
 
+/// The student for teacher layer `k`: `WIDTHS[k] -> 32 -> WIDTHS[k + 1]`.
+fn low_rank<B: Backend>(k: usize, device: &B::Device) -> LowRank<B> {
+    LowRank {
+        down: LinearConfig::new(WIDTHS[k], 32).init(device),
+        up: Dense::new(32, WIDTHS[k + 1], k < 2, device),
+    }
+}
+
 /// The teacher while it is being trained: its layers in one module.
 #[derive(Module, Debug)]
 struct Mlp<B: Backend> {
@@ -163,19 +174,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("teacher blocks: {:?}", teacher.specs.iter().map(|s| (&s.name, s.params)).collect::<Vec<_>>());
 
     // 3. The students: rank-32 factorisations of each layer.
-    let blocks: Vec<LowRank<Train>> = (0..3)
-        .map(|k| LowRank {
-            down: LinearConfig::new(WIDTHS[k], 32).init(&device),
-            up: Dense::new(32, WIDTHS[k + 1], k < 2, &device),
-        })
-        .collect();
+    let blocks: Vec<LowRank<Train>> = (0..3).map(|k| low_rank(k, &device)).collect();
     let students = Students::from_blocks(blocks, &teacher.specs, &device)?;
 
     // 4. Blockwise distillation on three slots (one block each), then a stitched pass.
     let settings = TrainSettings { epochs: 2, batch_size: 64, ..Default::default() };
+    // Per-block checkpoints as for the built-in zoo (`RuntimeSettings::resume_from` resumes).
+    let out = Path::new("runs/custom-teacher");
+    let runtime = RuntimeSettings {
+        checkpoints: Some(CheckpointPolicy::in_dir(out.join("checkpoints"))),
+        ..Default::default()
+    };
     let output = Distillation::new(&teacher, students, &train)
         .settings(settings.clone())
         .devices(vec![device; 3])
+        .options(runtime)
         .run(&Plan::tr(&[1.0; 3], 3, true))?;
     println!("blockwise: {} steps, final losses {:?}", output.log.steps, output.log.final_losses);
     let blockwise_accuracy = accuracy(&inference_blocks(&output.students), &test)?;
@@ -188,12 +201,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         stitched_pass(&teacher, output.students, &train, &settings, &pass, &device, &mut |_| {})?;
     println!("stitched pass: {} steps, final losses {:?}", log.steps, log.final_losses);
 
+    // Save the students, reload them into fresh modules, score the reloaded ones.
+    save_students(out, &students)?;
+    let fresh: Vec<LowRank<Flex>> = (0..3).map(|k| low_rank(k, &device)).collect();
+    let reloaded = load_student_records(out, fresh, &device)?;
     println!(
-        "test accuracy on {} images: teacher {:.2}%, student {:.2}% after blockwise training, {:.2}% after the stitched pass",
+        "test accuracy on {} images: teacher {:.2}%, student {:.2}% after blockwise training, {:.2}% after the stitched pass (saved to and reloaded from {})",
         test.0.len(),
         100.0 * accuracy(&teacher.blocks, &test)?,
         100.0 * blockwise_accuracy,
-        100.0 * accuracy(&inference_blocks(&students), &test)?
+        100.0 * accuracy(&reloaded, &test)?,
+        out.display()
     );
     Ok(())
 }

@@ -3,9 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use pipebd_core::{Block, BlockSpec, Students};
+use pipebd_core::{Block, BlockSpec, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 use pipebd_students::StudentBlock;
 
@@ -105,9 +105,9 @@ fn recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
 }
 
 /// Saves every trained student block (inference copy) as a burn record.
-pub fn save_students<B: DistillBackend>(
+pub fn save_students<B: DistillBackend, S: StudentModule<B>>(
     run_dir: &Path,
-    students: &Students<B, StudentBlock<B>>,
+    students: &Students<B, S>,
 ) -> Result<()> {
     let dir = run_dir.join("student");
     std::fs::create_dir_all(&dir).map_err(|e| Error::io("creating directory", &dir, e))?;
@@ -131,13 +131,25 @@ pub fn load_students<B: pipebd_kernels::FusedBackend>(
     device: &B::Device,
 ) -> Result<(Vec<StudentBlock<B>>, Vec<BlockSpec>)> {
     let (blocks, specs) = init_student_blocks::<B>(&config.students, teacher, device)?;
+    Ok((load_student_records(run_dir, blocks, device)?, specs))
+}
+
+/// Loads the weights [`save_students`] wrote into `run_dir` into `blocks`
+/// (modules of the same architecture, e.g. freshly built ones): any block
+/// type, the built-in zoo's or your own.
+pub fn load_student_records<B: burn::tensor::backend::Backend, M: Module<B>>(
+    run_dir: &Path,
+    blocks: Vec<M>,
+    device: &B::Device,
+) -> Result<Vec<M>> {
     let mut loaded = Vec::with_capacity(blocks.len());
     for (k, block) in blocks.into_iter().enumerate() {
         let path = student_record_path(run_dir, k);
         if !path.is_file() {
             return Err(Error::Record {
                 path,
-                message: "missing: was this run folder written by `pipebd run`?".into(),
+                message: "missing: was this run folder written by `pipebd run` or `eval::save_students`?"
+                    .into(),
             });
         }
         let block = block
@@ -145,7 +157,7 @@ pub fn load_students<B: pipebd_kernels::FusedBackend>(
             .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
         loaded.push(block);
     }
-    Ok((loaded, specs))
+    Ok(loaded)
 }
 
 /// Figures from re-scoring a saved run.

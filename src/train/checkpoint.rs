@@ -58,6 +58,14 @@ pub struct CheckpointPolicy {
     pub identity: BTreeMap<String, Value>,
 }
 
+impl CheckpointPolicy {
+    /// Checkpoints in `dir`, every 10 minutes and at each block's last
+    /// step, the newest 2 kept, no run-level identity fields.
+    pub fn in_dir(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into(), every_steps: 0, every_seconds: 600.0, keep: 2, identity: BTreeMap::new() }
+    }
+}
+
 /// One file of a checkpoint with its checksum.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileEntry {
