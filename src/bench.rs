@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use pipebd_core::Students;
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
@@ -12,8 +13,7 @@ use crate::config::RunConfig;
 use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
 use crate::fsio::write_atomic;
-use crate::plan::Plan;
-use crate::plan::Schedule;
+use crate::plan::{Plan, Schedule};
 use crate::planning::planner::CostTable;
 use crate::planning::simulate::simulate_shared;
 use crate::preflight::preflight;
@@ -23,7 +23,6 @@ use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, Runti
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
 use crate::zoo::{build_students, load_workload, Workload};
-use pipebd_core::Students;
 
 /// One schedule's timing: seconds, spans, per-worker busy fractions, peak memory.
 type Timed = (f64, Vec<Span>, Vec<f64>, Option<u64>);

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use pipebd_core::Schedule;
 use pipebd_students::StudentBlockConfig;
 use serde::{Deserialize, Serialize};
 
@@ -13,7 +14,6 @@ use crate::data::text::ProbeConfig;
 use crate::error::{Error, Result};
 use crate::train::optim::OptimizerConfig;
 use crate::train::stitch::StitchedGradients;
-use pipebd_core::Schedule;
 
 /// A whole run: data, teacher, students, training and where to run it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

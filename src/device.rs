@@ -2,8 +2,9 @@
 
 use std::fmt;
 
-use crate::error::{Error, Result};
 use pipebd_kernels::DistillBackend;
+
+use crate::error::{Error, Result};
 
 /// A device as written in a config or on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,8 +1,9 @@
 //! `pipebd kernels`: the fused ops checked against burn's ops, and timed.
 
+use pipebd_kernels::DistillBackend;
+
 use crate::device::{dispatch, BackendJob, DeviceSpec};
 use crate::error::{Error, Result};
-use pipebd_kernels::DistillBackend;
 
 /// What `pipebd kernels` measured: the fused ops against burn's ops.
 #[derive(Debug, Default)]

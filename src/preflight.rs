@@ -3,12 +3,13 @@
 
 use std::path::Path;
 
+use pipebd_core::BlockSpec;
+
 use crate::config::RunConfig;
 use crate::device::{parse_slots, DeviceSpec};
 use crate::error::{Error, Result};
 use crate::plan::{flops_cost, Plan, Schedule};
 use crate::zoo::{student_specs, teacher_specs};
-use pipebd_core::BlockSpec;
 
 /// Checks a config before any heavy work: devices usable, student shapes
 /// matching the teacher's, schedule buildable, and the files it names there

@@ -14,6 +14,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use pipebd_core::{Activation, Block};
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
@@ -28,7 +29,6 @@ use crate::preflight::preflight;
 use crate::runtime::{concurrent_workers, threads_per_worker};
 use crate::train::{detached_copy, BlockTrainer};
 use crate::zoo::{build_students, load_workload, Workload};
-use pipebd_core::{Activation, Block};
 
 /// Median and spread of repeated timings, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

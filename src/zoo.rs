@@ -5,10 +5,6 @@
 
 use std::path::Path;
 
-use crate::config::RunConfig;
-use crate::data::text::{brown_splits, tokenize, ProbeData, TextDataset};
-use crate::data::{ImageDataset, Split};
-use crate::error::{Error, Result};
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Dataset, Students, Teacher};
@@ -19,6 +15,11 @@ use pipebd_teachers::blocks::{minilm_blocks, minilm_specs, mnist_specs};
 use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
 use pipebd_teachers::TeacherBlock;
+
+use crate::config::RunConfig;
+use crate::data::text::{brown_splits, tokenize, ProbeData, TextDataset};
+use crate::data::{ImageDataset, Split};
+use crate::error::{Error, Result};
 
 /// A built-in teacher, cut into blocks.
 pub type BuiltinTeacher<B> = Teacher<B, TeacherBlock<B>>;

@@ -11,11 +11,10 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use pipebd_core::{Activation, Dataset};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-
-use pipebd_core::{Activation, Dataset};
 
 use crate::error::{Error, Result};
 

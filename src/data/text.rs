@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use pipebd_core::{forward_chain, Activation, Block, Dataset};
 use pipebd_kernels::encoder::mean_pool_normalized;
 use pipebd_kernels::FusedBackend;
 use pipebd_teachers::minilm::{Embeddings, MiniLmTokenizer, PaddedIds};
@@ -16,8 +17,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::data_error;
 use crate::error::{Error, Result};
-use pipebd_core::Dataset;
-use pipebd_core::{forward_chain, Activation, Block};
 
 /// Seed of the fixed shuffles that split the corpora (independent of a run's
 /// seed, so every run of a config sees the same held-out sentences).

@@ -45,7 +45,11 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use phase::{run_phase, PhaseContext};
+use pipebd_core::{Block, Dataset, StudentModule, Students, Teacher};
 use pipebd_kernels::DistillBackend;
+use recovery::{recover, RecoveryContext, ResilienceLog};
+use resume::{block_identity, restore_newest};
 
 use crate::error::{Error, Result};
 use crate::fault::Fault;
@@ -54,11 +58,6 @@ use crate::planning::planner::CostTable;
 use crate::trace::{Span, WorkerSummary};
 use crate::train::checkpoint::{self, CheckpointPolicy};
 use crate::train::{detached_copy, steps_per_epoch, BlockTrainer, Progress, TrainLog, TrainSettings};
-use phase::{run_phase, PhaseContext};
-use pipebd_core::Dataset;
-use pipebd_core::{Block, StudentModule, Students, Teacher};
-use recovery::{recover, RecoveryContext, ResilienceLog};
-use resume::{block_identity, restore_newest};
 
 /// Knobs of the runtime itself (not of the mathematics).
 #[derive(Debug, Clone)]

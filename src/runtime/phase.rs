@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, RecvTimeoutError, Sender};
+use pipebd_core::{Block, Dataset, StudentModule, Teacher};
 use pipebd_kernels::DistillBackend;
 
 use super::sync::{Halt, Heartbeat, StepBarrier, Stop, POLL};
@@ -18,10 +19,7 @@ use super::{threads_per_worker, RuntimeSettings};
 use crate::error::{Error, Result};
 use crate::plan::Phase;
 use crate::trace::{summarise, Span, SpanRecorder, WorkerSummary};
-use crate::train::TrainSettings;
-use crate::train::{BlockTrainer, MetricRow, Progress};
-use pipebd_core::Dataset;
-use pipebd_core::{Block, StudentModule, Teacher};
+use crate::train::{BlockTrainer, MetricRow, Progress, TrainSettings};
 
 /// What every worker of a phase reads: the phase, the run's inputs and
 /// settings, and where the phase stands in the run.

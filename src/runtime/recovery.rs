@@ -16,6 +16,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use pipebd_core::{BlockSpec, StudentModule};
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
@@ -26,7 +27,6 @@ use crate::error::{Error, Result};
 use crate::plan::{Plan, StageSpec};
 use crate::planning::planner::{plan as best_plans, CostTable};
 use crate::train::BlockTrainer;
-use pipebd_core::{BlockSpec, StudentModule};
 
 /// One block that restarted from a checkpoint after a failure.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -4,14 +4,13 @@
 
 use std::collections::BTreeMap;
 
+use pipebd_core::{BlockSpec, StudentModule};
 use pipebd_kernels::DistillBackend;
 
 use super::RuntimeSettings;
 use crate::error::{Error, Result};
 use crate::train::checkpoint::{self, Refusal, ResumedBlock};
-use crate::train::BlockTrainer;
-use crate::train::TrainSettings;
-use pipebd_core::{BlockSpec, StudentModule};
+use crate::train::{BlockTrainer, TrainSettings};
 
 /// What a block checkpoint must match besides the run's own fields.
 pub(super) fn block_identity(

@@ -8,13 +8,13 @@ use std::ops::Range;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use crossbeam_channel::{bounded, Receiver, Sender};
+use pipebd_core::{Activation, Block, StudentModule};
 use pipebd_kernels::DistillBackend;
 
 use super::phase::PhaseContext;
 use crate::error::{Error, Result};
 use crate::plan::Stage;
 use crate::train::BlockTrainer;
-use pipebd_core::{Activation, Block, StudentModule};
 
 /// A boundary activation of one step, on its way to the next stage.
 pub(super) struct ActivationMsg<IB: Backend> {

@@ -9,19 +9,17 @@ use std::time::{Duration, Instant};
 
 use burn::optim::GradientsParams;
 use crossbeam_channel::Sender;
+use pipebd_core::{Activation, Block, StudentModule};
 use pipebd_kernels::DistillBackend;
 
 use super::phase::{PhaseContext, ProgressMsg};
 use super::sync::{receive, send, Flow, Halt, Heartbeat, StepBarrier, Stop, POLL};
 use super::topology::{ActivationMsg, GradientMsg, ModuleMsg, Role, Worker};
 use crate::data::epoch_order;
-use crate::error::relabel;
-use crate::error::Error;
+use crate::error::{relabel, Error};
 use crate::fault::FaultKind;
 use crate::trace::{SpanKind, SpanRecorder};
-use crate::train::checkpoint;
-use crate::train::{detached_copy, MetricRow};
-use pipebd_core::{Activation, Block, StudentModule};
+use crate::train::{checkpoint, detached_copy, MetricRow};
 
 /// The block a worker is in, for error messages after a panic (its step is
 /// on its heartbeat).

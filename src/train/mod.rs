@@ -16,14 +16,13 @@ use burn::optim::{GradientsParams, MultiGradientsParams};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder, RecorderError};
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ElementConversion;
+use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 use serde::Serialize;
 
 use crate::data::ImageDataset;
-use crate::error::relabel;
-use crate::error::{Error, Result};
+use crate::error::{relabel, Error, Result};
 use crate::train::optim::{BlockOptimizer, LrPlan, OptimizerConfig};
-use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
 
 /// The training hyper-parameters of a distillation: what the runtime, the
 /// stitched pass and a checkpoint's identity need to know.

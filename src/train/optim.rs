@@ -7,7 +7,6 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{Adam, AdamConfig, GradientsParams, MultiGradientsParams, Optimizer, Sgd, SgdConfig};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder, RecorderError};
 use pipebd_kernels::DistillBackend;
-
 use serde::{Deserialize, Serialize};
 
 /// Optimizer family.

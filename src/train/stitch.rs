@@ -17,19 +17,16 @@
 //! Every block's loss is still against the teacher's output of that block.
 //! It is not part of Pipe-BD proper and runs on one device.
 
-use pipebd_kernels::DistillBackend;
-
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor};
+use pipebd_core::{Activation, Block, Dataset, StudentModule, Students, Teacher};
+use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::data::epoch_order;
-use crate::error::relabel;
-use crate::error::{Error, Result};
+use crate::error::{relabel, Error, Result};
 use crate::train::optim::OptimizerConfig;
 use crate::train::{steps_per_epoch, BlockTrainer, MetricRow, Progress, TrainSettings};
-use pipebd_core::Dataset;
-use pipebd_core::{Activation, Block, StudentModule, Students, Teacher};
 
 /// What the stitched pass did.
 #[derive(Debug, Clone, Default)]
