@@ -127,6 +127,28 @@ fn check_params<B: FusedBackend, M: Module<B>>(k: usize, module: &M, spec: &Bloc
     })
 }
 
+/// Fails unless `module` (block `k`, zero-based) produces the output shape
+/// its spec declares, for one zero sample of the declared input shape on the
+/// module's own device. Modules without parameters are taken at their word.
+fn check_output_shape<B: FusedBackend, M: Block<B>>(k: usize, module: &M, spec: &BlockSpec) -> Result<()> {
+    let Some(device) = module.devices().into_iter().next() else {
+        return Ok(());
+    };
+    let produced = BlockSpec::infer(spec.name.clone(), module, &spec.input_shape, &device)
+        .map_err(|e| e.at_block(k + 1))?
+        .output_shape;
+    if produced == spec.output_shape {
+        return Ok(());
+    }
+    Err(Error::Block {
+        block: k + 1,
+        message: format!(
+            "spec `{}` declares output shape {:?} but the module produces {produced:?}",
+            spec.name, spec.output_shape
+        ),
+    })
+}
+
 /// A frozen teacher cut into blocks, on the inner backend `B`.
 #[derive(Debug, Clone)]
 pub struct Teacher<B: FusedBackend, T: Block<B>> {
@@ -139,8 +161,9 @@ pub struct Teacher<B: FusedBackend, T: Block<B>> {
 
 impl<B: FusedBackend, T: Block<B>> Teacher<B, T> {
     /// A teacher from its blocks and their specs. Consecutive specs must
-    /// chain (output shape of block k is the input shape of block k+1) and
-    /// each spec's parameter count must be its module's.
+    /// chain (output shape of block k is the input shape of block k+1), and
+    /// each spec's parameter count and output shape must be its module's
+    /// (one zero sample runs through each block to check).
     pub fn new(blocks: Vec<T>, specs: Vec<BlockSpec>) -> Result<Self> {
         if blocks.len() != specs.len() || blocks.is_empty() {
             return Err(Error::block(format!(
@@ -161,6 +184,7 @@ impl<B: FusedBackend, T: Block<B>> Teacher<B, T> {
         }
         for (k, (block, spec)) in blocks.iter().zip(&specs).enumerate() {
             check_params(k, block, spec)?;
+            check_output_shape(k, block, spec)?;
         }
         Ok(Self { blocks, specs, _backend: std::marker::PhantomData })
     }

@@ -60,14 +60,17 @@ fn students_of_the_wrong_shape_or_count_are_refused() {
 }
 
 #[test]
-fn a_declared_parameter_count_must_be_the_modules() {
+fn a_declared_parameter_count_and_output_shape_must_be_the_modules() {
     let device = Default::default();
     let block: Dense<Flex> = dense(6, 5);
     let spec = BlockSpec::infer("dense", &block, &[6], &device).unwrap();
     assert!(Teacher::<Flex, _>::new(vec![block.clone()], vec![spec.clone()]).is_ok());
-    let wrong = BlockSpec { params: spec.params + 1, ..spec };
-    let err = Teacher::<Flex, _>::new(vec![block], vec![wrong]).unwrap_err();
+    let wrong = BlockSpec { params: spec.params + 1, ..spec.clone() };
+    let err = Teacher::<Flex, _>::new(vec![block.clone()], vec![wrong]).unwrap_err();
     assert!(err.to_string().contains("declares 36 parameters but the module has 35"), "{err}");
+    let wrong = BlockSpec { output_shape: vec![4], ..spec };
+    let err = Teacher::<Flex, _>::new(vec![block], vec![wrong]).unwrap_err();
+    assert!(err.to_string().contains("declares output shape [4] but the module produces [5]"), "{err}");
 }
 
 fn logits(values: &[f32]) -> Tensor<Flex, 2> {
