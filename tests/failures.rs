@@ -57,7 +57,10 @@ fn threads() -> usize {
 }
 
 /// Trains on 2 slots with `tr-dpu`, block 2 faulty; returns the error and how long the run took.
-fn run_with_fault(mode: usize) -> (Error, Duration) {
+/// Runs with a faulty block 2; returns the error, how long the run took,
+/// and the threads alive just before it started (building the teacher may
+/// start burn's global thread pool, which is not the run's).
+fn run_with_fault(mode: usize) -> (Error, Duration, usize) {
     let config = RunConfig::parse(&common::small_config(640, 100, 1), Path::new("fault.toml")).unwrap();
     let device = Default::default();
     let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
@@ -72,6 +75,7 @@ fn run_with_fault(mode: usize) -> (Error, Duration) {
     let students = Students::new(blocks, students.specs, &teacher.specs).unwrap();
     let plan = Plan::tr(&[1.0, 1.0, 1.0, 1.0], 2, true);
     let options = RuntimeSettings { threads_per_worker: 1, ..Default::default() };
+    let baseline = threads();
     let start = Instant::now();
     let result = Distillation::new(&teacher, students, &data)
         .settings(config.train_settings())
@@ -81,7 +85,7 @@ fn run_with_fault(mode: usize) -> (Error, Duration) {
     let elapsed = start.elapsed();
     match result {
         Ok(_) => panic!("the faulty run finished without an error"),
-        Err(e) => (e, elapsed),
+        Err(e) => (e, elapsed, baseline),
     }
 }
 
@@ -95,9 +99,7 @@ fn wait_for_threads(baseline: usize) -> usize {
 
 #[test]
 fn a_panicking_or_diverging_block_stops_every_worker_with_a_clear_error() {
-    let baseline = threads();
-
-    let (error, elapsed) = run_with_fault(PANICS_ON_THIRD_STEP);
+    let (error, elapsed, baseline) = run_with_fault(PANICS_ON_THIRD_STEP);
     let text = error.to_string();
     assert!(elapsed < Duration::from_secs(5), "took {elapsed:?}: {text}");
     assert!(matches!(error, Error::Worker { stage: 1, .. }), "{text}");
@@ -105,7 +107,7 @@ fn a_panicking_or_diverging_block_stops_every_worker_with_a_clear_error() {
     assert!(text.contains("panicked: injected fault"), "{text}");
     assert_eq!(wait_for_threads(baseline), baseline, "threads left running after the panic");
 
-    let (error, elapsed) = run_with_fault(NAN_FROM_THIRD_STEP);
+    let (error, elapsed, baseline) = run_with_fault(NAN_FROM_THIRD_STEP);
     let text = error.to_string();
     assert!(elapsed < Duration::from_secs(5), "took {elapsed:?}: {text}");
     assert!(text.contains("block 2") && text.contains("step 2") && text.contains("NaN"), "{text}");
