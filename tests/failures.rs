@@ -56,9 +56,8 @@ fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
 }
 
-/// Trains on 2 slots with `tr-dpu`, block 2 faulty; returns the error and how long the run took.
-/// Runs with a faulty block 2; returns the error, how long the run took,
-/// and the threads alive just before it started (building the teacher may
+/// Trains on 2 slots with `tr-dpu`, block 2 faulty; returns the error, how
+/// long the run took, and the threads alive just before it started (building the teacher may
 /// start burn's global thread pool, which is not the run's).
 fn run_with_fault(mode: usize) -> (Error, Duration, usize) {
     let config = RunConfig::parse(&common::small_config(640, 100, 1), Path::new("fault.toml")).unwrap();
