@@ -188,7 +188,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let output = Distillation::new(&teacher, students, &train)
         .settings(settings.clone())
         .devices(vec![device; 3])
-        .options(runtime)
+        .runtime(runtime)
         .run(&Plan::tr(&[1.0; 3], 3, true))?;
     println!("blockwise: {} steps, final losses {:?}", output.log.steps, output.log.final_losses);
     let blockwise_accuracy = accuracy(&inference_blocks(&output.students), &test)?;

@@ -16,13 +16,13 @@ use crate::fsio::write_atomic;
 use crate::plan::{Plan, Schedule};
 use crate::planning::planner::CostTable;
 use crate::planning::simulate::simulate_shared;
-use crate::preflight::preflight;
+use crate::preflight::{plan_for, preflight};
 use crate::profile::plan_from_candidate;
 use crate::profile::{reset_peak_resident, resident_bytes};
 use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeSettings};
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
-use crate::zoo::{build_students, load_workload, Workload};
+use crate::zoo::{build_students, load_workload, student_specs, teacher_specs, Workload};
 
 /// One schedule's timing: seconds, spans, per-worker busy fractions, peak memory.
 type Timed = (f64, Vec<Span>, Vec<f64>, Option<u64>);
@@ -104,11 +104,16 @@ pub fn bench(
     say: &mut dyn FnMut(&str),
 ) -> Result<BenchReport> {
     let (devices, _) = preflight(config)?;
+    // Fail early, before any timing, on a schedule that cannot be built (the
+    // rest of the config passed the preflight once).
+    let teacher = teacher_specs(config);
+    let students = student_specs(&config.students, &teacher)?;
     for name in schedules {
-        // Fail early, before any timing, on a schedule that cannot be built.
         let mut c = config.clone();
         c.schedule = name.clone();
-        preflight(&c)?;
+        if c.schedule()? != Schedule::Auto {
+            plan_for(&c, &teacher, &students, devices.len())?;
+        }
     }
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
     say("profiling every block at the batch share of 1..W replicas");
@@ -199,7 +204,7 @@ impl BackendJob for BenchJob<'_> {
             let out = Distillation::new(&teacher, fresh, data.as_ref())
                 .settings(settings.clone())
                 .devices(devices.to_vec())
-                .options(options.clone())
+                .runtime(options.clone())
                 .run(plan)?;
             let seconds = start.elapsed().as_secs_f64();
             let idle = out.workers.iter().map(|w| w.idle_fraction).collect();

@@ -196,14 +196,7 @@ pub(crate) fn relabel(error: impl Into<Error>, block: usize) -> Error {
     error.into().at_block(block)
 }
 
-/// The message of a caught panic (`&str` or `String` payloads).
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
-}
+pub(crate) use pipebd_core::panic_message;
 
 fn at_block(block: usize, step: usize) -> String {
     match block {

@@ -38,7 +38,7 @@ pub fn preflight(config: &RunConfig) -> Result<(Vec<DeviceSpec>, Option<Plan>)> 
 /// Checks that the files a config names are there and what they should be,
 /// without reading what training reads: the MNIST files' headers and sizes
 /// and the MNIST teacher's weights (loaded on the CPU: 1.5 MB), or the
-/// Brown corpus, the probe's folder, MiniLM's safetensors header and its
+/// Brown corpus' file list, the probe's folder, MiniLM's safetensors header and its
 /// tokenizer. Every error names the file.
 pub fn check_inputs(config: &RunConfig) -> Result<()> {
     let data = &config.data;
@@ -50,7 +50,7 @@ pub fn check_inputs(config: &RunConfig) -> Result<()> {
         )?;
         return Ok(());
     }
-    crate::data::text::read_brown(&data.dir)?;
+    crate::data::text::brown_files(&data.dir)?;
     if let Some(probe) = &data.probe {
         if !probe.dir.is_dir() {
             return Err(crate::data::data_error(

@@ -127,7 +127,7 @@ impl BackendJob for Job<'_> {
         let output = Distillation::new(&teacher, students, train.as_ref())
             .settings(settings.clone())
             .devices(devices.to_vec())
-            .options(runtime)
+            .runtime(runtime)
             .observer(&mut *self.observer)
             .run(self.plan)?;
         let mut log = output.log;

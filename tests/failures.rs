@@ -79,7 +79,7 @@ fn run_with_fault(mode: usize) -> (Error, Duration, usize) {
     let result = Distillation::new(&teacher, students, &data)
         .settings(config.train_settings())
         .devices(vec![device; 2])
-        .options(options)
+        .runtime(options)
         .run(&plan);
     let elapsed = start.elapsed();
     match result {

@@ -147,7 +147,7 @@ fn train_text(plan: &pipe_bd::plan::Plan, slots: usize) -> Vec<Vec<f32>> {
     let output = pipe_bd::runtime::Distillation::new(&workload.teacher, students, workload.train.as_ref())
         .settings(config.train_settings())
         .devices(vec![device; slots])
-        .options(options)
+        .runtime(options)
         .run(plan)
         .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
     assert_eq!(output.log.steps, 4);

@@ -36,7 +36,7 @@ fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     let output = Distillation::new(&teacher, students, &data)
         .settings(config.train_settings())
         .devices(devices)
-        .options(options)
+        .runtime(options)
         .run(plan)
         .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
     assert_eq!(output.log.steps, 8);

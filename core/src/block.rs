@@ -7,7 +7,7 @@ use pipebd_kernels::{DistillBackend, FusedBackend};
 use serde::{Deserialize, Serialize};
 
 use crate::activation::Activation;
-use crate::error::{Error, Result};
+use crate::error::{panic_message, Error, Result};
 use crate::loss::{Loss, LossKind};
 
 /// A teacher or student block as the engine sees it: a burn [`Module`] that
@@ -84,11 +84,7 @@ impl BlockSpec {
         // matmul of the wrong width): that is the caller's shape error.
         let output = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| module.forward(input)))
             .map_err(|payload| {
-                let why = payload
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "it panicked".into());
+                let why = panic_message(payload.as_ref());
                 Error::block(format!("cannot take per-sample input of shape {input_shape:?}: {why}"))
             })??;
         Ok(Self {
@@ -165,6 +161,16 @@ impl<B: FusedBackend, T: Block<B>> Teacher<B, T> {
     /// each spec's parameter count and output shape must be its module's
     /// (one zero sample runs through each block to check).
     pub fn new(blocks: Vec<T>, specs: Vec<BlockSpec>) -> Result<Self> {
+        for (k, (block, spec)) in blocks.iter().zip(&specs).enumerate() {
+            check_params(k, block, spec)?;
+            check_output_shape(k, block, spec)?;
+        }
+        Self::chained(blocks, specs)
+    }
+
+    /// A teacher from blocks and specs known to describe them: checks only
+    /// that there is one spec per block and that the specs chain.
+    fn chained(blocks: Vec<T>, specs: Vec<BlockSpec>) -> Result<Self> {
         if blocks.len() != specs.len() || blocks.is_empty() {
             return Err(Error::block(format!(
                 "teacher has {} blocks but {} specs",
@@ -182,10 +188,6 @@ impl<B: FusedBackend, T: Block<B>> Teacher<B, T> {
                 });
             }
         }
-        for (k, (block, spec)) in blocks.iter().zip(&specs).enumerate() {
-            check_params(k, block, spec)?;
-            check_output_shape(k, block, spec)?;
-        }
         Ok(Self { blocks, specs, _backend: std::marker::PhantomData })
     }
 
@@ -200,11 +202,12 @@ impl<B: FusedBackend, T: Block<B>> Teacher<B, T> {
         for (k, block) in blocks.iter().enumerate() {
             let spec = BlockSpec::infer(format!("block{}", k + 1), block, &input, device)
                 .map_err(|e| e.at_block(k + 1))?;
-            let last_logits = k + 1 == blocks.len() && spec.output_shape.len() == 1;
+            let loss = LossKind::for_block(&spec.output_shape, k + 1 == blocks.len());
             input = spec.output_shape.clone();
-            specs.push(if last_logits { spec.with_loss(LossKind::SoftTargetCrossEntropy) } else { spec });
+            specs.push(spec.with_loss(loss));
         }
-        Self::new(blocks, specs)
+        // The specs were just measured on these modules.
+        Self::chained(blocks, specs)
     }
 
     /// Runs the whole teacher and returns its final output.

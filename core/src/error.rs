@@ -57,5 +57,14 @@ impl Error {
     }
 }
 
+/// The message of a caught panic (`&str` or `String` payloads).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
 /// The core crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

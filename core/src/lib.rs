@@ -37,7 +37,7 @@ pub use block::{
     StudentModule, Students, Teacher,
 };
 pub use dataset::Dataset;
-pub use error::{Error, Result};
+pub use error::{panic_message, Error, Result};
 pub use loss::{Loss, LossKind};
 pub use pipebd_kernels::{DistillBackend, FusedBackend};
 pub use plan::{Phase, Plan, PlanError, Schedule, Stage, StageSpec};

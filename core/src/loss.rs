@@ -18,6 +18,19 @@ pub enum LossKind {
     SoftTargetCrossEntropy,
 }
 
+impl LossKind {
+    /// The usual loss of a teacher block with per-sample output `output`:
+    /// the soft-target cross-entropy for the last block when it produces a
+    /// flat vector (logits), the MSE for every other.
+    pub fn for_block(output: &[usize], last: bool) -> Self {
+        if last && output.len() == 1 {
+            LossKind::SoftTargetCrossEntropy
+        } else {
+            LossKind::Mse
+        }
+    }
+}
+
 /// A block's loss: its kind and the settings that go with it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Loss {

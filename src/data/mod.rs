@@ -1,6 +1,6 @@
 //! Datasets: MNIST as a [`Dataset`] (the trait is `pipebd-core`'s), the IDX
 //! reader and MNIST splits, and seeded batch order. Text corpora are in
-//! [`crate::text`].
+//! [`text`].
 //!
 //! Only the workers of a pipeline's first stage touch a dataset: they turn
 //! sample indices into the first block's input on their device.
@@ -35,6 +35,8 @@ impl<B: Backend> Dataset<B> for ImageDataset {
 
 const IMAGES_MAGIC: u32 = 0x0000_0803;
 const LABELS_MAGIC: u32 = 0x0000_0801;
+const IMAGES_WHAT: &str = "image (idx3, u8)";
+const LABELS_WHAT: &str = "label (idx1, u8)";
 
 /// Images read from an IDX file (`u8` pixels, row-major).
 #[derive(Debug, Clone)]
@@ -108,13 +110,21 @@ fn idx_length(path: &Path, dims: &[u32]) -> Result<usize> {
         })
 }
 
+/// Checks an IDX file's header against `magic` and the file's `size` in
+/// bytes: `head` holds at least its first `4 * (1 + dims)` bytes. Returns
+/// the `dims` dimensions.
+fn idx_dims(path: &Path, head: &[u8], size: usize, magic: u32, dims: usize, what: &str) -> Result<Vec<u32>> {
+    check_magic(path, header(path, head, 1)?[0], magic, what)?;
+    let h = header(path, head, 1 + dims)?;
+    check_length(path, size, idx_length(path, &h[1..])?)?;
+    Ok(h[1..].to_vec())
+}
+
 /// Reads an uncompressed IDX3 image file (`*-images-idx3-ubyte`).
 pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
     let bytes = read_file(path)?;
-    check_magic(path, header(path, &bytes, 1)?[0], IMAGES_MAGIC, "image (idx3, u8)")?;
-    let h = header(path, &bytes, 4)?;
-    check_length(path, bytes.len(), idx_length(path, &h[1..])?)?;
-    let (count, rows, cols) = (h[1] as usize, h[2] as usize, h[3] as usize);
+    let d = idx_dims(path, &bytes, bytes.len(), IMAGES_MAGIC, 3, IMAGES_WHAT)?;
+    let (count, rows, cols) = (d[0] as usize, d[1] as usize, d[2] as usize);
     Ok(IdxImages { count, rows, cols, pixels: bytes[16..].to_vec() })
 }
 
@@ -123,9 +133,7 @@ pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
 /// Labels must be below `classes`.
 pub fn read_idx_labels(path: &Path, classes: u8) -> Result<Vec<u8>> {
     let bytes = read_file(path)?;
-    check_magic(path, header(path, &bytes, 1)?[0], LABELS_MAGIC, "label (idx1, u8)")?;
-    let h = header(path, &bytes, 2)?;
-    check_length(path, bytes.len(), idx_length(path, &h[1..])?)?;
+    idx_dims(path, &bytes, bytes.len(), LABELS_MAGIC, 1, LABELS_WHAT)?;
     let labels = bytes[8..].to_vec();
     if let Some((i, bad)) = labels.iter().enumerate().find(|(_, &l)| l >= classes) {
         return Err(data_error(path, format!("label {bad} at index {i} is not below {classes}")));
@@ -139,14 +147,10 @@ fn check_idx_file(path: &Path, magic: u32, dims: usize, what: &str) -> Result<us
     use std::io::Read;
     let file = std::fs::File::open(path).map_err(|e| open_error(path, e))?;
     let size = file.metadata().map_err(|e| open_error(path, e))?.len();
-    let words = 1 + dims;
-    let mut bytes = Vec::with_capacity(4 * words);
-    file.take(4 * words as u64).read_to_end(&mut bytes).map_err(|e| open_error(path, e))?;
-    check_magic(path, header(path, &bytes, 1)?[0], magic, what)?;
-    let h = header(path, &bytes, words)?;
+    let mut head = Vec::with_capacity(4 * (1 + dims));
+    file.take(4 * (1 + dims) as u64).read_to_end(&mut head).map_err(|e| open_error(path, e))?;
     let size = usize::try_from(size).unwrap_or(usize::MAX);
-    check_length(path, size, idx_length(path, &h[1..])?)?;
-    Ok(h[1] as usize)
+    Ok(idx_dims(path, &head, size, magic, dims, what)?[0] as usize)
 }
 
 /// Checks the four MNIST files in `dir` without reading their pixels: each
@@ -159,11 +163,10 @@ pub fn check_mnist_files(dir: &Path) -> Result<()> {
             "folder not found (run scripts/setup-data.sh, or fix `data.dir` in the config)",
         ));
     }
-    for prefix in ["train", "t10k"] {
-        let images = dir.join(format!("{prefix}-images-idx3-ubyte"));
-        let labels = dir.join(format!("{prefix}-labels-idx1-ubyte"));
-        let image_count = check_idx_file(&images, IMAGES_MAGIC, 3, "image (idx3, u8)")?;
-        let label_count = check_idx_file(&labels, LABELS_MAGIC, 1, "label (idx1, u8)")?;
+    for split in [Split::Train, Split::Test] {
+        let (images, labels) = split.files(dir);
+        let image_count = check_idx_file(&images, IMAGES_MAGIC, 3, IMAGES_WHAT)?;
+        let label_count = check_idx_file(&labels, LABELS_MAGIC, 1, LABELS_WHAT)?;
         if image_count != label_count {
             return Err(data_error(
                 &labels,
@@ -183,6 +186,18 @@ pub enum Split {
     Test,
 }
 
+impl Split {
+    /// The split's MNIST-format image and label files in `dir`
+    /// (`train-*-ubyte` or `t10k-*-ubyte`).
+    pub fn files(self, dir: &Path) -> (PathBuf, PathBuf) {
+        let prefix = match self {
+            Split::Train => "train",
+            Split::Test => "t10k",
+        };
+        (dir.join(format!("{prefix}-images-idx3-ubyte")), dir.join(format!("{prefix}-labels-idx1-ubyte")))
+    }
+}
+
 /// An image-classification split held in memory.
 #[derive(Debug, Clone)]
 pub struct ImageDataset {
@@ -200,12 +215,7 @@ impl ImageDataset {
     /// Loads an MNIST-format split from `dir` (files `train-*-ubyte` or
     /// `t10k-*-ubyte`), keeping at most `limit` samples.
     pub fn load_mnist(dir: &Path, split: Split, limit: Option<usize>) -> Result<Self> {
-        let prefix = match split {
-            Split::Train => "train",
-            Split::Test => "t10k",
-        };
-        let images_path: PathBuf = dir.join(format!("{prefix}-images-idx3-ubyte"));
-        let labels_path: PathBuf = dir.join(format!("{prefix}-labels-idx1-ubyte"));
+        let (images_path, labels_path) = split.files(dir);
         let mut images = read_idx_images(&images_path)?;
         let mut labels = read_idx_labels(&labels_path, 10)?;
         if images.count != labels.len() {

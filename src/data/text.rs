@@ -50,6 +50,17 @@ pub fn strip_tags(line: &str) -> String {
 /// Every sentence of the Brown corpus in `dir` (files `c[a-r]NN`, one
 /// sentence per non-empty line), in file order.
 pub fn read_brown(dir: &Path) -> Result<Vec<String>> {
+    let mut sentences = Vec::new();
+    for file in &brown_files(dir)? {
+        let text = std::fs::read_to_string(file).map_err(|e| Error::io("reading", file, e))?;
+        sentences.extend(text.lines().map(strip_tags).filter(|s| !s.is_empty()));
+    }
+    Ok(sentences)
+}
+
+/// The Brown corpus files (`ca01` ... `cr09`) in `dir`, sorted; an error
+/// naming the folder when it is missing or holds none.
+pub fn brown_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let entries = std::fs::read_dir(dir).map_err(|_| missing_hint(dir))?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -65,12 +76,7 @@ pub fn read_brown(dir: &Path) -> Result<Vec<String>> {
     if files.is_empty() {
         return Err(data_error(dir, "no Brown corpus files (ca01 ... cr09) in this folder"));
     }
-    let mut sentences = Vec::new();
-    for file in &files {
-        let text = std::fs::read_to_string(file).map_err(|e| Error::io("reading", file, e))?;
-        sentences.extend(text.lines().map(strip_tags).filter(|s| !s.is_empty()));
-    }
-    Ok(sentences)
+    Ok(files)
 }
 
 /// The Brown corpus split into training and held-out sentences: a fixed

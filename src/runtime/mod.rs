@@ -153,7 +153,7 @@ pub struct Distillation<'a, B: DistillBackend, T: Block<B::InnerBackend>, S: Stu
     data: &'a dyn Dataset<B::InnerBackend>,
     settings: TrainSettings,
     devices: Vec<B::Device>,
-    options: RuntimeSettings,
+    runtime: RuntimeSettings,
     observer: Option<&'a mut dyn FnMut(&Progress)>,
 }
 
@@ -177,7 +177,7 @@ where
             data,
             settings: TrainSettings::default(),
             devices: Vec::new(),
-            options: RuntimeSettings::default(),
+            runtime: RuntimeSettings::default(),
             observer: None,
         }
     }
@@ -195,8 +195,8 @@ where
     }
 
     /// Channel capacity, timeouts, threads, checkpoints, resume, faults.
-    pub fn options(mut self, options: RuntimeSettings) -> Self {
-        self.options = options;
+    pub fn runtime(mut self, runtime: RuntimeSettings) -> Self {
+        self.runtime = runtime;
         self
     }
 
@@ -226,7 +226,7 @@ where
             self.data,
             &self.settings,
             &devices,
-            &self.options,
+            &self.runtime,
             observer,
         )
     }

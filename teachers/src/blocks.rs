@@ -66,11 +66,10 @@ pub fn mnist_specs<B: FusedBackend>(blocks: &[MnistBlock<B>]) -> Vec<BlockSpec> 
     let mut specs = Vec::new();
     for (k, block) in blocks.iter().enumerate() {
         let output = outputs[k].clone();
-        let last_logits = k + 1 == blocks.len() && output.len() == 1;
         specs.push(BlockSpec {
             name: names[k].to_string(),
             input_shape: input,
-            loss: if last_logits { LossKind::SoftTargetCrossEntropy } else { LossKind::Mse },
+            loss: LossKind::for_block(&output, k + 1 == blocks.len()),
             output_shape: output.clone(),
             flops: flops[k],
             params: block.num_params(),
