@@ -4,7 +4,7 @@
 # then runs every test of the workspace in release mode (burn's kernels are
 # far too slow unoptimised; one release build serves both the quickstart and
 # the tests), with the wgpu backend compiled in so that our CubeCL kernels are
-# tested on it; before that, a type check of the CUDA build and the two
+# tested on it; before that, a type check of the CUDA build and the three
 # library examples.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,4 +21,10 @@ CUDARC_CUDA_VERSION=13000 cargo check --release --features cuda 2>&1
 # The library examples, at smoke sizes, run as a user would run them.
 cargo run --release --features wgpu --example custom_student -- --train-limit 1280 2>&1
 cargo run --release --features wgpu --example custom_teacher -- --train-limit 3000 2>&1
+# A user's own zoo behind the whole command line: check, run (with
+# checkpoints), resume and eval, as a user would call them.
+zoo_out="$(mktemp -d)/custom-zoo"
+cargo run --release --features wgpu --example custom_zoo -- check examples/custom-zoo.toml 2>&1
+cargo run --release --features wgpu --example custom_zoo -- run examples/custom-zoo.toml --out "$zoo_out" 2>&1
+cargo run --release --features wgpu --example custom_zoo -- eval "$zoo_out" 2>&1
 cargo test --release --workspace --features wgpu 2>&1

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use pipebd_core::Students;
+use pipebd_core::{StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
@@ -22,7 +22,7 @@ use crate::profile::{reset_peak_resident, resident_bytes};
 use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeSettings};
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
-use crate::zoo::{build_students, load_workload, student_specs, teacher_specs, Workload};
+use crate::zoo::{Workload, Zoo};
 
 /// One schedule's timing: seconds, spans, per-worker busy fractions, peak memory.
 type Timed = (f64, Vec<Span>, Vec<f64>, Option<u64>);
@@ -97,17 +97,18 @@ pub struct BenchReport {
 
 /// Runs `schedules` on the config's workload and device slots; writes
 /// `bench.json` and `bench.csv` into `out_dir`. `say` receives progress lines.
-pub fn bench(
+pub fn bench<Z: Zoo>(
+    zoo: &Z,
     config: &RunConfig,
     schedules: &[String],
     out_dir: &Path,
     say: &mut dyn FnMut(&str),
 ) -> Result<BenchReport> {
-    let (devices, _) = preflight(config)?;
+    let (devices, _) = preflight(zoo, config)?;
     // Fail early, before any timing, on a schedule that cannot be built (the
     // rest of the config passed the preflight once).
-    let teacher = teacher_specs(config);
-    let students = student_specs(&config.students, &teacher)?;
+    let teacher = zoo.teacher_specs(config)?;
+    let students = zoo.student_specs(config, &teacher)?;
     for name in schedules {
         let mut c = config.clone();
         c.schedule = name.clone();
@@ -117,9 +118,9 @@ pub fn bench(
     }
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
     say("profiling every block at the batch share of 1..W replicas");
-    let profile = crate::profile::measure(config, devices.len(), say)?;
+    let profile = crate::profile::measure(zoo, config, devices.len(), say)?;
     let costs = profile.cost_table(devices.len());
-    let report = dispatch(&devices, BenchJob { config, schedules, say, costs })?;
+    let report = dispatch(&devices, BenchJob { zoo, config, schedules, say, costs })?;
     let json = serde_json::to_string_pretty(&report)
         .map_err(|e| Error::Data { path: out_dir.join("bench.json"), message: e.to_string() })?;
     write_atomic(&out_dir.join("bench.json"), json.as_bytes())?;
@@ -173,22 +174,24 @@ pub fn cost_model_step_seconds(plan: &Plan, costs: &[BlockCost]) -> f64 {
         .sum()
 }
 
-struct BenchJob<'a> {
+struct BenchJob<'a, Z> {
+    zoo: &'a Z,
     config: &'a RunConfig,
     schedules: &'a [String],
     say: &'a mut dyn FnMut(&str),
     costs: CostTable,
 }
 
-impl BackendJob for BenchJob<'_> {
+impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
     type Output = BenchReport;
 
     fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<BenchReport> {
         let config = self.config;
         let say = self.say;
         let device = &devices[0];
-        let Workload { teacher, train: data, .. } = load_workload::<B::InnerBackend>(config, device, false)?;
-        let students = build_students::<B>(config, &teacher.specs, device)?;
+        let Workload { teacher, train: data, .. } =
+            self.zoo.workload::<B::InnerBackend>(config, device, false)?;
+        let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
         let slots = devices.len();
         let threads = threads_per_worker(config.runtime.threads_per_worker, slots);
         let options = RuntimeSettings { threads_per_worker: threads, ..config.runtime_settings() };
@@ -299,9 +302,9 @@ impl BackendJob for BenchJob<'_> {
 
 /// Independent copies of the initial students, so every schedule starts
 /// from the same weights.
-fn copy_students<B: DistillBackend>(
-    students: &Students<B, pipebd_students::StudentBlock<B>>,
-) -> Result<Students<B, pipebd_students::StudentBlock<B>>> {
+fn copy_students<B: DistillBackend, S: StudentModule<B>>(
+    students: &Students<B, S>,
+) -> Result<Students<B, S>> {
     let blocks = students.blocks.iter().map(detached_copy).collect();
     Ok(Students::new(blocks, students.specs.clone(), &students.specs)?)
 }

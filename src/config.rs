@@ -3,11 +3,15 @@
 //! Parsing is strict (unknown fields are errors) and every error names the
 //! file, the line and the dotted field it is about. Relative paths in a
 //! config are resolved against the current working directory.
+//!
+//! The engine checks the parts it reads (schedule, devices, training,
+//! optimizer, runtime, checkpoints); the parts a [`crate::zoo::Zoo`] reads
+//! (dataset, teacher, the `[[students]]` tables, `[custom]`) are checked by
+//! that zoo: load configs with [`crate::zoo::Zoo::load_config`] to get both.
 
 use std::path::{Path, PathBuf};
 
 use pipebd_core::Schedule;
-use pipebd_students::StudentBlockConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::data::text::ProbeConfig;
@@ -46,8 +50,9 @@ pub struct RunConfig {
     pub data: DataConfig,
     /// The teacher.
     pub teacher: TeacherConfig,
-    /// One entry per teacher block, in order.
-    pub students: Vec<StudentBlockConfig>,
+    /// One `[[students]]` table per teacher block, in order, as written:
+    /// the zoo parses them (e.g. `kind = "conv"` for the built-in zoo).
+    pub students: Vec<toml::Table>,
     /// Epochs, batch size and logging.
     pub train: TrainConfig,
     /// The per-block optimizer (every block gets its own instance).
@@ -58,6 +63,75 @@ pub struct RunConfig {
     /// Injected faults, for testing recovery (`[[faults]]`; see also `PIPEBD_FAULTS`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub faults: Vec<crate::fault::Fault>,
+    /// Settings of a user's zoo (`[custom]`, free-form; the built-in zoo
+    /// takes none).
+    #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
+    pub custom: toml::Table,
+}
+
+/// What is wrong with one field of a config, as a zoo reports it
+/// ([`crate::zoo::Zoo::check_config`]); the config loader adds the file
+/// and line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigIssue {
+    /// The table (`"data"`, `"teacher"`, `"students"`, `"custom"`; `""` for
+    /// the top level).
+    pub table: String,
+    /// The key within it (`""` for the whole table).
+    pub key: String,
+    /// For `students`: which entry (zero-based).
+    pub entry: Option<usize>,
+    /// What is wrong, and what was expected.
+    pub message: String,
+}
+
+impl ConfigIssue {
+    /// An issue with `table.key`.
+    pub fn new(table: &str, key: &str, message: String) -> Self {
+        Self { table: table.into(), key: key.into(), entry: None, message }
+    }
+
+    /// An issue with entry `entry` (zero-based) of the array of tables `table`.
+    pub fn in_entry(table: &str, entry: usize, message: String) -> Self {
+        Self { table: table.into(), key: String::new(), entry: Some(entry), message }
+    }
+
+    /// The dotted field name (`data.dataset`, `students[2]`).
+    pub fn field(&self) -> String {
+        let table = match self.entry {
+            Some(k) => format!("{}[{k}]", self.table),
+            None => self.table.clone(),
+        };
+        match (table.is_empty(), self.key.is_empty()) {
+            (true, _) => self.key.clone(),
+            (false, true) => table,
+            (false, false) => format!("{table}.{}", self.key),
+        }
+    }
+
+    /// The issue as an error about the config at `path` (`line` where known).
+    pub fn into_error(self, path: &Path, line: Option<usize>) -> Error {
+        Error::Config { path: path.to_path_buf(), line, field: Some(self.field()), message: self.message }
+    }
+
+    /// The line of `text` the issue is about, where it can be found.
+    fn line_in(&self, text: &str) -> Option<usize> {
+        match self.entry {
+            Some(k) => {
+                let header = text
+                    .lines()
+                    .enumerate()
+                    .filter(|(_, l)| {
+                        l.trim().starts_with("[[") && header_name(l.trim()).as_deref() == Some(&self.table)
+                    })
+                    .nth(k)?
+                    .0
+                    + 1;
+                Some(refine_line(text, header, &self.message))
+            }
+            None => find_key_line(text, &self.table, &self.key),
+        }
+    }
 }
 
 /// When each stage writes its blocks' checkpoints (always also at a block's
@@ -260,21 +334,41 @@ fn default_log_every() -> usize {
 }
 
 impl RunConfig {
-    /// Reads, parses and validates a config file.
+    /// Reads, parses and validates a config file: the engine's checks only
+    /// (see [`crate::zoo::Zoo::load_config`] for the zoo's too).
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
+        Self::parse(&Self::read_text(path)?, path)
+    }
+
+    /// The text of the config file at `path`.
+    pub fn read_text(path: &Path) -> Result<String> {
+        std::fs::read_to_string(path).map_err(|e| Error::Config {
             path: path.to_path_buf(),
             line: None,
             field: None,
             message: format!("cannot read the config file: {e}"),
-        })?;
-        Self::parse(&text, path)
+        })
     }
 
-    /// Parses and validates config text; `path` is only used in errors.
+    /// Parses and validates config text, the engine's checks only; `path` is
+    /// only used in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        Self::parse_checked(text, path, &|_| Ok(()))
+    }
+
+    /// Parses and validates config text: the engine's checks, then `check`
+    /// (a zoo's), whose issue becomes an error with the file's line.
+    pub fn parse_checked(
+        text: &str,
+        path: &Path,
+        check: &dyn Fn(&RunConfig) -> std::result::Result<(), ConfigIssue>,
+    ) -> Result<Self> {
         let config: RunConfig = toml::from_str(text).map_err(|e| parse_error(text, path, &e))?;
         config.validate(text, path)?;
+        if let Err(issue) = check(&config) {
+            let line = issue.line_in(text);
+            return Err(issue.into_error(path, line));
+        }
         Ok(config)
     }
 
@@ -309,62 +403,6 @@ impl RunConfig {
                 return fail("data", key, "must be at least 1 (leave it out to use every sample)".into());
             }
         }
-        if !["mnist", "brown"].contains(&self.data.dataset.as_str()) {
-            return fail(
-                "data",
-                "dataset",
-                format!("unknown dataset `{}`: expected `mnist` or `brown`", self.data.dataset),
-            );
-        }
-        let expected_teacher = if self.data.is_text() { "minilm-l6" } else { "mnist-cnn" };
-        if self.teacher.kind != expected_teacher {
-            return fail(
-                "teacher",
-                "kind",
-                format!(
-                    "teacher `{}` does not fit dataset `{}`: expected `{expected_teacher}`",
-                    self.teacher.kind, self.data.dataset
-                ),
-            );
-        }
-        if let Some(tokens) = self.data.max_tokens {
-            if !(2..=pipebd_teachers::minilm::MAX_POSITIONS).contains(&tokens) {
-                return fail("data", "max_tokens", format!("must be in 2..=512, got {tokens}"));
-            }
-        }
-        if let Some(probe) = &self.data.probe {
-            if !(2..=pipebd_teachers::minilm::MAX_POSITIONS).contains(&probe.max_tokens) {
-                return fail(
-                    "data.probe",
-                    "max_tokens",
-                    format!("must be in 2..=512, got {}", probe.max_tokens),
-                );
-            }
-            if !(probe.test_fraction > 0.0 && probe.test_fraction < 1.0) {
-                return fail(
-                    "data.probe",
-                    "test_fraction",
-                    format!("must be in (0, 1), got {}", probe.test_fraction),
-                );
-            }
-            if probe.limit == Some(0) {
-                return fail(
-                    "data.probe",
-                    "limit",
-                    "must be at least 1 (leave it out to use every email)".into(),
-                );
-            }
-        }
-        if let Some(groups) = &self.teacher.layers_per_block {
-            let layers = pipebd_teachers::minilm::LAYERS;
-            if groups.contains(&0) || groups.iter().sum::<usize>() != layers {
-                return fail(
-                    "teacher",
-                    "layers_per_block",
-                    format!("must be positive and add up to the teacher's {layers} layers, got {groups:?}"),
-                );
-            }
-        }
         let schedule = match Schedule::parse(&self.schedule) {
             Ok(schedule) => schedule,
             Err(e) => return fail("", "schedule", e.0),
@@ -396,24 +434,6 @@ impl RunConfig {
         }
         if self.students.is_empty() {
             return fail("", "students", "at least one [[students]] block is required".into());
-        }
-        let teacher_blocks = if self.data.is_text() {
-            self.teacher.layers_per_block.as_ref().map_or(pipebd_teachers::minilm::LAYERS, Vec::len)
-        } else {
-            pipebd_teachers::mnist_cnn::block_output_shapes().len()
-        };
-        if self.students.len() != teacher_blocks {
-            return Err(Error::Config {
-                path: path.to_path_buf(),
-                line: find_key_line(text, "students", ""),
-                field: Some("students".into()),
-                message: format!(
-                    "the teacher `{}` has {teacher_blocks} blocks but {} student blocks are configured: \
-                     give one [[students]] entry per teacher block",
-                    self.teacher.kind,
-                    self.students.len()
-                ),
-            });
         }
         if let Some(lr) = self.train.stitched_lr {
             if !(lr > 0.0 && lr.is_finite()) {
@@ -529,8 +549,8 @@ fn refine_line(text: &str, line: usize, message: &str) -> usize {
     let Some(token) = message.split('`').nth(1) else {
         return line;
     };
-    let is_key = message.starts_with("unknown field");
-    let is_value = message.starts_with("unknown variant");
+    let is_key = message.contains("unknown field");
+    let is_value = message.contains("unknown variant");
     if !is_key && !is_value {
         return line;
     }
@@ -628,7 +648,8 @@ pub struct Overrides {
 }
 
 impl RunConfig {
-    /// Reads, parses and validates a config file, then applies `overrides`.
+    /// Reads, parses and validates a config file (the engine's checks only:
+    /// see [`crate::zoo::Zoo::load_config`]), then applies `overrides`.
     pub fn load_with(path: &Path, overrides: Overrides) -> Result<Self> {
         let mut config = Self::load(path)?;
         config.apply(overrides)?;

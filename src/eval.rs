@@ -3,18 +3,17 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::module::Module;
+use burn::module::{AutodiffModule, Module};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use pipebd_core::{Block, BlockSpec, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
-use pipebd_students::StudentBlock;
 
 use crate::config::RunConfig;
 use crate::data::text::{mean_and_min_cosine, sentence_embeddings, ProbeReport, TextReport};
 use crate::error::{Error, Result};
 use crate::report::RunReport;
 use crate::train::accuracy;
-use crate::zoo::{init_student_blocks, load_workload, Evaluation};
+use crate::zoo::{Evaluation, Zoo};
 
 /// Test images per evaluation chunk.
 const EVAL_CHUNK: usize = 1000;
@@ -48,6 +47,9 @@ where
     S: Block<B>,
 {
     match evaluation {
+        Evaluation::None => {
+            Ok(Score { teacher_accuracy: 0.0, student_accuracy: 0.0, test_samples: 0, text: None })
+        }
         Evaluation::Images(test) => Ok(Score {
             teacher_accuracy: accuracy(teacher, test, device, EVAL_CHUNK)?,
             student_accuracy: accuracy(student, test, device, EVAL_CHUNK)?,
@@ -122,16 +124,22 @@ pub fn save_students<B: DistillBackend, S: StudentModule<B>>(
     Ok(())
 }
 
-/// The student blocks saved in `run_dir` by `pipebd run` with `config`,
-/// and their specs.
-pub fn load_students<B: pipebd_kernels::FusedBackend>(
+/// The CPU training backend the saved students are rebuilt on.
+type CpuTrain = burn::backend::Autodiff<burn::backend::Flex>;
+
+/// The student blocks saved in `run_dir` by `pipebd run` with `config`
+/// (built by `zoo`, then loaded), as inference modules on the CPU, with
+/// their specs.
+pub fn load_students<Z: Zoo>(
+    zoo: &Z,
     run_dir: &Path,
     config: &RunConfig,
     teacher: &[BlockSpec],
-    device: &B::Device,
-) -> Result<(Vec<StudentBlock<B>>, Vec<BlockSpec>)> {
-    let (blocks, specs) = init_student_blocks::<B>(&config.students, teacher, device)?;
-    Ok((load_student_records(run_dir, blocks, device)?, specs))
+) -> Result<(Vec<<Z::Student<CpuTrain> as AutodiffModule<CpuTrain>>::InnerModule>, Vec<BlockSpec>)> {
+    let device = Default::default();
+    let students = zoo.students::<CpuTrain>(config, teacher, &device)?;
+    let blocks = students.blocks.into_iter().map(|b| b.valid()).collect();
+    Ok((load_student_records(run_dir, blocks, &device)?, students.specs))
 }
 
 /// Loads the weights [`save_students`] wrote into `run_dir` into `blocks`
@@ -174,16 +182,17 @@ pub struct EvalResult {
     pub text: Option<TextReport>,
 }
 
-/// Reloads the student saved in `run_dir` (by `pipebd run`) and scores it
-/// on the evaluation data named in the run's config (on the CPU).
-pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
+/// Reloads the student saved in `run_dir` (by `pipebd run` with `zoo`) and
+/// scores it on the evaluation data named in the run's config (on the CPU).
+pub fn eval_run<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<EvalResult> {
     type B = burn::backend::Flex;
     let report = RunReport::read(run_dir)?;
     let config = &report.config;
+    zoo.check(config)?;
     let device = Default::default();
-    let workload = load_workload::<B>(config, &device, true)?;
+    let workload = zoo.workload::<B>(config, &device, true)?;
     let teacher = &workload.teacher.specs;
-    let (loaded, student_specs) = load_students::<B>(run_dir, config, teacher, &device)?;
+    let (loaded, student_specs) = load_students(zoo, run_dir, config, teacher)?;
     let scored =
         score(&workload.evaluation, &workload.teacher.blocks, &loaded, &device, teacher, &student_specs)?;
     Ok(EvalResult {
@@ -196,13 +205,15 @@ pub fn eval_run(run_dir: &Path) -> Result<EvalResult> {
 
 /// Scores the configured teacher on the test split (on the CPU): top-1
 /// accuracy, or for text the probe's accuracy with the teacher's embeddings.
-pub fn eval_teacher(config: &RunConfig) -> Result<(f64, usize)> {
+pub fn eval_teacher<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(f64, usize)> {
     type B = burn::backend::Flex;
     let device = Default::default();
-    let workload = load_workload::<B>(config, &device, true)?;
+    zoo.check(config)?;
+    let workload = zoo.workload::<B>(config, &device, true)?;
     let blocks = &workload.teacher.blocks;
     // The teacher alone: no student to compare, so no embedding cosine.
     match &workload.evaluation {
+        Evaluation::None => Ok((0.0, 0)),
         Evaluation::Images(test) => Ok((accuracy(blocks, test, &device, EVAL_CHUNK)?, test.len())),
         Evaluation::Text { probe: None, .. } => Ok((0.0, 0)),
         Evaluation::Text { embeddings, probe: Some(data), .. } => {

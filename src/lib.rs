@@ -13,13 +13,15 @@
 //! `examples/` and `ARCHITECTURE.md`.
 //!
 //! - [`data`]: datasets and seeded batching,
-//! - [`zoo`]: the built-in teachers and students, from config sections,
+//! - [`zoo`]: where teachers, students and data come from ([`zoo::Zoo`]; the
+//!   built-in ones are [`zoo::Builtin`]), from config sections,
 //! - [`train`]: one block's optimizer step, its settings, the stitched pass,
 //! - [`runtime`]: the one interpreter of plans,
 //! - [`run`]: a whole job from a [`config::RunConfig`],
 //! - [`report`]: `report.json` and `metrics.csv`.
 //!
-//! The `pipebd` binary is a thin layer over [`run`].
+//! The `pipebd` binary is [`cli::run_with`]`(`[`zoo::Builtin`]`)`; a crate
+//! with its own zoo gets the same command line for its blocks.
 //!
 //! # Feature flags
 //! - `cuda`: burn's CUDA backend (`device = "cuda:N"`).
@@ -30,6 +32,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod cli;
 pub mod config;
 pub mod data;
 pub mod device;

@@ -28,7 +28,7 @@ use crate::planning::planner::{Candidate, CostTable};
 use crate::preflight::preflight;
 use crate::runtime::{concurrent_workers, threads_per_worker};
 use crate::train::{detached_copy, BlockTrainer};
-use crate::zoo::{build_students, load_workload, Workload};
+use crate::zoo::{Workload, Zoo};
 
 /// Median and spread of repeated timings, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -97,13 +97,14 @@ const REPEATS: usize = 9;
 
 /// Measures the config's blocks for g = 1..=`max_replicas` and writes the
 /// profile as JSON to `out`.
-pub fn profile(
+pub fn profile<Z: Zoo>(
+    zoo: &Z,
     config: &RunConfig,
     max_replicas: usize,
     out: &Path,
     say: &mut dyn FnMut(&str),
 ) -> Result<Profile> {
-    let profile = measure(config, max_replicas, say)?;
+    let profile = measure(zoo, config, max_replicas, say)?;
     let json = serde_json::to_string_pretty(&profile)
         .map_err(|e| Error::Data { path: out.to_path_buf(), message: e.to_string() })?;
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -115,8 +116,13 @@ pub fn profile(
 
 /// Measures the config's blocks for g = 1..=`max_replicas` on the first
 /// device slot, with each worker's share of the cores.
-pub fn measure(config: &RunConfig, max_replicas: usize, say: &mut dyn FnMut(&str)) -> Result<Profile> {
-    let (devices, _) = preflight(config)?;
+pub fn measure<Z: Zoo>(
+    zoo: &Z,
+    config: &RunConfig,
+    max_replicas: usize,
+    say: &mut dyn FnMut(&str),
+) -> Result<Profile> {
+    let (devices, _) = preflight(zoo, config)?;
     if max_replicas == 0 || max_replicas > config.train.batch_size {
         return Err(Error::Config {
             path: "--devices".into(),
@@ -135,7 +141,7 @@ pub fn measure(config: &RunConfig, max_replicas: usize, say: &mut dyn FnMut(&str
         .num_threads(threads)
         .build()
         .map_err(|e| Error::Device { device: config.device_slots().join(","), message: e.to_string() })?;
-    dispatch(&devices[..1], ProfileJob { config, max_replicas, say, pool, threads })
+    dispatch(&devices[..1], ProfileJob { zoo, config, max_replicas, say, pool, threads })
 }
 
 impl Profile {
@@ -227,7 +233,8 @@ fn time_repeated(mut f: impl FnMut() -> Result<()>) -> std::result::Result<Timin
     Timing::of(seconds).ok_or_else(|| "no repeats".into())
 }
 
-struct ProfileJob<'a> {
+struct ProfileJob<'a, Z> {
+    zoo: &'a Z,
     config: &'a RunConfig,
     max_replicas: usize,
     say: &'a mut dyn FnMut(&str),
@@ -243,7 +250,7 @@ type Measured = (
     Option<u64>,
 );
 
-impl ProfileJob<'_> {
+impl<Z> ProfileJob<'_, Z> {
     /// Teacher forward, student step, optimizer update, gradient averaging
     /// and peak memory of one block at replica count `g`.
     fn measure_block<
@@ -285,14 +292,15 @@ impl ProfileJob<'_> {
     }
 }
 
-impl BackendJob for ProfileJob<'_> {
+impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
     type Output = Profile;
 
     fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<Profile> {
         let config = self.config;
         let device = &devices[0];
-        let Workload { teacher, train: data, .. } = load_workload::<B::InnerBackend>(config, device, false)?;
-        let students = build_students::<B>(config, &teacher.specs, device)?;
+        let Workload { teacher, train: data, .. } =
+            self.zoo.workload::<B::InnerBackend>(config, device, false)?;
+        let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
         let batch = config.train.batch_size;
         let order = epoch_order(data.len(), config.seed, 0);
         let blocks = teacher.blocks.len();
@@ -456,6 +464,7 @@ pub fn profile_key(config: &RunConfig) -> String {
     let parts = serde_json::json!({
         "teacher": config.teacher,
         "students": config.students,
+        "custom": config.custom,
         "batch": config.train.batch_size,
         "tokens": config.data.is_text().then(|| config.data.max_tokens()),
         "devices": config.device_slots(),
@@ -472,7 +481,11 @@ pub fn profile_key(config: &RunConfig) -> String {
 
 /// The profile for `config`: read from [`PROFILE_CACHE`] if one with the
 /// same key exists, else measured and cached.
-pub fn cached_profile(config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<crate::profile::Profile> {
+pub fn cached_profile<Z: Zoo>(
+    zoo: &Z,
+    config: &RunConfig,
+    say: &mut dyn FnMut(&str),
+) -> Result<crate::profile::Profile> {
     let path = Path::new(PROFILE_CACHE).join(format!("{}.json", profile_key(config)));
     if path.is_file() {
         if let Ok(profile) = crate::profile::Profile::read(&path) {
@@ -481,14 +494,18 @@ pub fn cached_profile(config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<c
         }
     }
     say(&format!("profiling the blocks (cached in {})", path.display()));
-    crate::profile::profile(config, config.device_slots().len(), &path, say)
+    crate::profile::profile(zoo, config, config.device_slots().len(), &path, say)
 }
 
 /// Plans `schedule = "auto"`: the best hybrid plan for the config's device
 /// slots from its (cached) profile, within `runtime.memory_per_device`.
-pub fn auto_plan(config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<(Plan, CostTable)> {
+pub fn auto_plan<Z: Zoo>(
+    zoo: &Z,
+    config: &RunConfig,
+    say: &mut dyn FnMut(&str),
+) -> Result<(Plan, CostTable)> {
     let slots = config.device_slots().len();
-    let profile = cached_profile(config, say)?;
+    let profile = cached_profile(zoo, config, say)?;
     let costs = profile.cost_table(slots);
     let blocks = costs.blocks();
     let candidates = crate::planning::planner::plan(&costs, slots, config.runtime.memory_per_device, 3);

@@ -30,8 +30,9 @@ pub struct BlockReport {
     pub flops: u64,
     /// Teacher block forward FLOPs per sample.
     pub teacher_flops: u64,
-    /// Teacher FLOPs divided by student FLOPs (how much cheaper the student is).
-    pub flops_reduction: f64,
+    /// Teacher FLOPs divided by student FLOPs (how much cheaper the student
+    /// is); `None` where either count is unknown (0 in the spec).
+    pub flops_reduction: Option<f64>,
     /// Mean training loss over the block's last steps.
     pub final_loss: f32,
 }

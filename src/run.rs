@@ -24,7 +24,7 @@ use crate::runtime::{concurrent_workers, threads_per_worker, Distillation};
 use crate::trace::write_chrome_trace;
 use crate::train::stitch::StitchedPass;
 use crate::train::{inference_blocks, Progress};
-use crate::zoo::{build_students, load_workload, Workload};
+use crate::zoo::{Workload, Zoo};
 
 /// Command-line flags of a run that are not part of its config (`--trace`,
 /// `--resume`, `--max-failures`).
@@ -50,6 +50,9 @@ pub fn checkpoint_identity(config: &RunConfig) -> std::collections::BTreeMap<Str
     identity.insert("teacher.kind".into(), json!(config.teacher.kind));
     identity.insert("teacher.layers_per_block".into(), json!(config.teacher.layers_per_block));
     identity.insert("train.epochs".into(), json!(config.train.epochs));
+    if !config.custom.is_empty() {
+        identity.insert("custom".into(), json!(config.custom));
+    }
     identity
 }
 
@@ -79,31 +82,33 @@ pub fn runtime_settings_for(
     Ok(runtime)
 }
 
-/// Runs the job described by `config`, writing `report.json`,
-/// `metrics.csv`, the trained student (`student/block-K.mpk`) and, with
-/// `options.trace`, `trace.json` into `out_dir`. `observer` sees every
-/// training step (for progress bars).
-pub fn run(
+/// Runs the job described by `config`, with the teacher, students and data
+/// of `zoo`, writing `report.json`, `metrics.csv`, the trained student
+/// (`student/block-K.mpk`) and, with `options.trace`, `trace.json` into
+/// `out_dir`. `observer` sees every training step (for progress bars).
+pub fn run<Z: Zoo>(
+    zoo: &Z,
     config: &RunConfig,
     out_dir: &Path,
     options: &RunFlags,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<RunReport> {
     check_out_dir(out_dir)?;
-    let (devices, plan) = preflight(config)?;
+    let (devices, plan) = preflight(zoo, config)?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
     let (plan, costs) = match plan {
         Some(plan) => (plan, None),
         None => {
             let mut say = |line: &str| eprintln!("auto: {line}");
-            let (plan, costs) = auto_plan(config, &mut say)?;
+            let (plan, costs) = auto_plan(zoo, config, &mut say)?;
             (plan, Some(costs))
         }
     };
-    dispatch(&devices, Job { config, plan: &plan, costs: costs.as_ref(), out_dir, options, observer })
+    dispatch(&devices, Job { zoo, config, plan: &plan, costs: costs.as_ref(), out_dir, options, observer })
 }
 
-struct Job<'a> {
+struct Job<'a, Z> {
+    zoo: &'a Z,
     config: &'a RunConfig,
     plan: &'a Plan,
     costs: Option<&'a CostTable>,
@@ -112,15 +117,16 @@ struct Job<'a> {
     observer: &'a mut dyn FnMut(&Progress),
 }
 
-impl BackendJob for Job<'_> {
+impl<Z: Zoo> BackendJob for Job<'_, Z> {
     type Output = RunReport;
 
     fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<RunReport> {
         let config = self.config;
         let start = Instant::now();
         let device = &devices[0];
-        let Workload { teacher, train, evaluation } = load_workload::<B::InnerBackend>(config, device, true)?;
-        let students = build_students::<B>(config, &teacher.specs, device)?;
+        let Workload { teacher, train, evaluation } =
+            self.zoo.workload::<B::InnerBackend>(config, device, true)?;
+        let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
 
         let runtime = runtime_settings_for(config, self.out_dir, self.options, self.costs)?;
         let settings = config.train_settings();
@@ -238,7 +244,8 @@ fn block_report(k: usize, teacher: &BlockSpec, student: &BlockSpec, final_loss: 
         teacher_params: teacher.params,
         flops: student.flops,
         teacher_flops: teacher.flops,
-        flops_reduction: teacher.flops as f64 / student.flops.max(1) as f64,
+        flops_reduction: (teacher.flops > 0 && student.flops > 0)
+            .then(|| teacher.flops as f64 / student.flops as f64),
         final_loss,
     }
 }

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use pipe_bd::config::RunConfig;
+use pipe_bd::zoo::{Builtin, Zoo};
 use pipe_bd::Error;
 
 mod common;
@@ -46,8 +47,9 @@ hidden = 32
 classes = 10
 "#;
 
+/// Parses with the built-in zoo's checks, as `pipebd` does.
 fn parse(text: &str) -> Result<RunConfig, Error> {
-    RunConfig::parse(text, Path::new("bad.toml"))
+    Builtin.parse_config(text, Path::new("bad.toml"))
 }
 
 /// Asserts a config error at `line` about `field` whose message contains `needle`.
@@ -132,7 +134,7 @@ fn not_toml_at_all_is_refused() {
 #[test]
 fn student_with_wrong_output_shape_is_rejected_before_training() {
     let config = parse(&GOOD.replace("out_channels = 128", "out_channels = 96")).unwrap();
-    let err = pipe_bd::preflight::preflight(&config).unwrap_err();
+    let err = pipe_bd::preflight::preflight(&Builtin, &config).unwrap_err();
     match &err {
         Error::Core(pipe_bd::BlockError::ShapeMismatch { block, student, teacher, .. }) => {
             assert_eq!(*block, 3);
@@ -163,7 +165,7 @@ fn head_on_a_too_small_input_is_rejected() {
         "[[students]]\nkind = \"head\"\nhidden = 32\nclasses = 7",
     );
     let config = parse(&text).unwrap();
-    let err = pipe_bd::preflight::preflight(&config).unwrap_err();
+    let err = pipe_bd::preflight::preflight(&Builtin, &config).unwrap_err();
     assert!(matches!(err, Error::Core(pipe_bd::BlockError::ShapeMismatch { block: 4, .. })), "{err}");
 }
 
@@ -172,7 +174,7 @@ fn head_on_a_too_small_input_is_rejected() {
 #[test]
 fn cuda_is_refused_with_the_reason_unless_built_in_and_present() {
     let config = parse(&GOOD.replace("device = \"cpu\"", "device = \"cuda:0\"")).unwrap();
-    match pipe_bd::preflight::preflight(&config) {
+    match pipe_bd::preflight::preflight(&Builtin, &config) {
         // Built without CUDA: always refused, saying how to build it in.
         Err(Error::Device { device, message }) if !cfg!(feature = "cuda") => {
             assert_eq!(device, "cuda:0");

@@ -4,9 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use pipe_bd::config::RunConfig;
 use pipe_bd::preflight::preflight;
 use pipe_bd::sweep::{apply, expand, SweepConfig};
+use pipe_bd::zoo::{Builtin, Zoo};
 
 fn experiments() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
@@ -34,12 +34,13 @@ fn every_experiment_config_passes_check() {
             let base_path = path.parent().unwrap().join(&sweep.base);
             let base: toml::Table = toml::from_str(&std::fs::read_to_string(&base_path).unwrap()).unwrap();
             for point in expand(&sweep.grid) {
-                let config = apply(&base, &point, &base_path).unwrap_or_else(|e| panic!("{e}"));
-                preflight(&config).unwrap_or_else(|e| panic!("{} [{}]: {e}", path.display(), point.id()));
+                let config = apply(&Builtin, &base, &point, &base_path).unwrap_or_else(|e| panic!("{e}"));
+                preflight(&Builtin, &config)
+                    .unwrap_or_else(|e| panic!("{} [{}]: {e}", path.display(), point.id()));
             }
         } else {
-            let config = RunConfig::load(path).unwrap_or_else(|e| panic!("{e}"));
-            preflight(&config).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let config = Builtin.load_config(path, Default::default()).unwrap_or_else(|e| panic!("{e}"));
+            preflight(&Builtin, &config).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         }
     }
     assert!(sweeps >= 1, "the sweep example was not recognised");

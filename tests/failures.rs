@@ -12,7 +12,7 @@ use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
-use pipe_bd::zoo::{build_students, build_teacher};
+use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 use pipe_bd::Error;
 use pipe_bd::{Activation, Block, Students};
 use pipebd_kernels::FusedBackend;
@@ -64,7 +64,7 @@ fn run_with_fault(mode: usize) -> (Error, Duration, usize) {
     let device = Default::default();
     let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
-    let students = build_students::<B>(&config, &teacher.specs, &device).unwrap();
+    let students = Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
     let blocks = students
         .blocks
         .into_iter()

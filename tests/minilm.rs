@@ -7,6 +7,7 @@ use burn::backend::Flex;
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::text::{cosine, sentence_embeddings};
 use pipe_bd::zoo::build_minilm;
+use pipe_bd::zoo::{student_table, Builtin, Zoo};
 use pipe_bd::{forward_chain, Activation};
 use pipebd_teachers::minilm::MiniLmTokenizer;
 use serde::Deserialize;
@@ -92,15 +93,16 @@ fn a_student_pruned_to_the_teachers_full_size_is_the_teacher() {
     let device = Default::default();
     let mut config = config(None, 16);
     for student in &mut config.students {
-        *student = pipebd_students::StudentBlockConfig::Encoder {
+        *student = student_table(&pipebd_students::StudentBlockConfig::Encoder {
             heads: 12,
             head_dim: 32,
             ffn: 1536,
             init: pipebd_students::EncoderInit::Teacher,
-        };
+        })
+        .unwrap();
     }
     let (embeddings, teacher) = build_minilm::<Flex>(&config, &device).unwrap();
-    let students = pipe_bd::zoo::build_students::<Train>(&config, &teacher.specs, &device).unwrap();
+    let students = Builtin.students::<Train>(&config, &teacher.specs, &device).unwrap();
     let stitched = pipe_bd::train::inference_blocks(&students);
     let ids: Vec<Vec<u32>> = vec![vec![101, 1996, 4248, 2829, 102], vec![101, 7592, 102]];
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
@@ -114,14 +116,15 @@ fn a_student_pruned_to_the_teachers_full_size_is_the_teacher() {
 #[test]
 fn teacher_initialisation_refuses_a_student_wider_than_the_teacher() {
     let mut config = config(None, 16);
-    config.students[2] = pipebd_students::StudentBlockConfig::Encoder {
+    config.students[2] = student_table(&pipebd_students::StudentBlockConfig::Encoder {
         heads: 12,
         head_dim: 32,
         ffn: 2048,
         init: pipebd_students::EncoderInit::Teacher,
-    };
-    let specs = pipe_bd::zoo::teacher_specs(&config);
-    let err = pipe_bd::zoo::build_students::<Train>(&config, &specs, &Default::default()).err().unwrap();
+    })
+    .unwrap();
+    let specs = Builtin.teacher_specs(&config).unwrap();
+    let err = Builtin.students::<Train>(&config, &specs, &Default::default()).err().unwrap();
     let message = err.to_string();
     assert!(message.contains("block 3") && message.contains("ffn <= 1536"), "{message}");
 }
@@ -141,8 +144,8 @@ fn sgd_config() -> RunConfig {
 fn train_text(plan: &pipe_bd::plan::Plan, slots: usize) -> Vec<Vec<f32>> {
     let config = sgd_config();
     let device = Default::default();
-    let workload = pipe_bd::zoo::load_workload::<Flex>(&config, &device, false).unwrap();
-    let students = pipe_bd::zoo::build_students::<Train>(&config, &workload.teacher.specs, &device).unwrap();
+    let workload = Builtin.workload::<Flex>(&config, &device, false).unwrap();
+    let students = Builtin.students::<Train>(&config, &workload.teacher.specs, &device).unwrap();
     let options = pipe_bd::runtime::RuntimeSettings { threads_per_worker: 1, ..Default::default() };
     let output = pipe_bd::runtime::Distillation::new(&workload.teacher, students, workload.train.as_ref())
         .settings(config.train_settings())
@@ -160,8 +163,8 @@ fn every_schedule_trains_the_same_text_students() {
     let reference = train_text(&Plan::ideal(6), 1);
     let initial: Vec<Vec<f32>> = {
         let config = sgd_config();
-        let specs = pipe_bd::zoo::teacher_specs(&config);
-        let students = pipe_bd::zoo::build_students::<Train>(&config, &specs, &Default::default()).unwrap();
+        let specs = Builtin.teacher_specs(&config).unwrap();
+        let students = Builtin.students::<Train>(&config, &specs, &Default::default()).unwrap();
         students.blocks.iter().map(pipe_bd::flat_parameters::<Train, _>).collect()
     };
     let max_diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
@@ -174,8 +177,8 @@ fn every_schedule_trains_the_same_text_students() {
     // never further than 1e-5), so weights that barely moved cannot pass.
     let tolerance = (moved / 100.0).min(1e-5);
     let config = config(None, 16);
-    let specs = pipe_bd::zoo::teacher_specs(&config);
-    let students = pipe_bd::zoo::student_specs(&config.students, &specs).unwrap();
+    let specs = Builtin.teacher_specs(&config).unwrap();
+    let students = Builtin.student_specs(&config, &specs).unwrap();
     let cost = flops_cost(&specs, &students);
     let mut plans: Vec<Plan> = ["dp", "ls", "tr", "tr-dpu"]
         .iter()
@@ -202,9 +205,9 @@ fn untrained_cosine(config: &RunConfig) -> f64 {
     let mut config = config.clone();
     config.data.probe = None;
     let device = Default::default();
-    let workload = pipe_bd::zoo::load_workload::<Flex>(&config, &device, true).unwrap();
+    let workload = Builtin.workload::<Flex>(&config, &device, true).unwrap();
     let teacher = &workload.teacher;
-    let students = pipe_bd::zoo::build_students::<Train>(&config, &teacher.specs, &device).unwrap();
+    let students = Builtin.students::<Train>(&config, &teacher.specs, &device).unwrap();
     let blocks = pipe_bd::train::inference_blocks(&students);
     let (evaluation, specs) = (&workload.evaluation, &teacher.specs);
     let score =
@@ -228,7 +231,7 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     });
     let start = untrained_cosine(&config);
     let out = tempfile::tempdir().unwrap();
-    let report = pipe_bd::run::run(&config, out.path(), &Default::default(), &mut |_| {}).unwrap();
+    let report = pipe_bd::run::run(&Builtin, &config, out.path(), &Default::default(), &mut |_| {}).unwrap();
     let text = report.text.clone().expect("a text run reports its text section");
     assert_eq!(text.heldout_sentences, 16);
     assert!(text.embedding_cosine <= 1.0 + 1e-9, "{text:?}");
@@ -265,7 +268,7 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     assert_eq!((probe.train_emails, probe.test_emails), (60, 20));
     assert_eq!(report.student_accuracy, probe.student_accuracy);
     // The saved student, reloaded, scores exactly what the run reported.
-    let eval = pipe_bd::eval::eval_run(out.path()).unwrap();
+    let eval = pipe_bd::eval::eval_run(&Builtin, out.path()).unwrap();
     let again = eval.text.expect("text section");
     assert!((again.embedding_cosine - text.embedding_cosine).abs() < 1e-6);
     assert_eq!(eval.student_accuracy, report.student_accuracy);

@@ -12,14 +12,13 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use burn::backend::Flex;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{backend::Backend, Tensor};
 use pipe_bd::config::RunConfig;
 use pipe_bd::eval::load_students;
 use pipe_bd::report::RunReport;
 use pipe_bd::run::{run, RunFlags};
-use pipe_bd::zoo::teacher_specs;
+use pipe_bd::zoo::{Builtin, Zoo};
 
 mod common;
 
@@ -75,8 +74,8 @@ fn student_weights(run_dir: &Path) -> Vec<Vec<f32>> {
         }
     }
     let report = RunReport::read(run_dir).unwrap();
-    let teacher = teacher_specs(&report.config);
-    let (blocks, _) = load_students::<Flex>(run_dir, &report.config, &teacher, &Default::default()).unwrap();
+    let teacher = Builtin.teacher_specs(&report.config).unwrap();
+    let (blocks, _) = load_students(&Builtin, run_dir, &report.config, &teacher).unwrap();
     blocks
         .iter()
         .map(|b| {
@@ -249,16 +248,22 @@ fn a_w3_run_survives_a_lost_replica_and_then_a_lost_stage() {
     let _one = serial();
     let dir = tempfile::tempdir().unwrap();
     let clean =
-        run(&three_slot_config(""), &dir.path().join("clean"), &RunFlags::default(), &mut |_| {}).unwrap();
+        run(&Builtin, &three_slot_config(""), &dir.path().join("clean"), &RunFlags::default(), &mut |_| {})
+            .unwrap();
     assert!(clean.resilience.failures.is_empty());
 
     // The second replica of stage 1 panics at step 6; at step 41 the only
     // worker of stage 2 stops answering (no error: only the watchdog sees it).
     let faults = "[[faults]]\nkind = \"panic\"\nslot = 1\nstep = 6\n\n[[faults]]\nkind = \"hang\"\nslot = 2\nstep = 41\n";
     let started = Instant::now();
-    let faulty =
-        run(&three_slot_config(faults), &dir.path().join("faulty"), &RunFlags::default(), &mut |_| {})
-            .unwrap();
+    let faulty = run(
+        &Builtin,
+        &three_slot_config(faults),
+        &dir.path().join("faulty"),
+        &RunFlags::default(),
+        &mut |_| {},
+    )
+    .unwrap();
     let elapsed = started.elapsed();
     let failures = &faulty.resilience.failures;
     assert_eq!(failures.len(), 2, "{failures:#?}");
@@ -300,7 +305,7 @@ fn past_max_failures_the_run_stops_with_an_error_and_its_checkpoints() {
     let mut config = three_slot_config(faults);
     config.runtime.max_failures = 0;
     let out = dir.path().join("stopped");
-    let error = run(&config, &out, &RunFlags::default(), &mut |_| {}).unwrap_err().to_string();
+    let error = run(&Builtin, &config, &out, &RunFlags::default(), &mut |_| {}).unwrap_err().to_string();
     assert!(error.contains("slot 2") && error.contains("injected fault"), "{error}");
     // Blocks 3-4 had written step 4 and 8 before their worker failed at step 9.
     assert_eq!(newest_step(&out.join("checkpoints"), 3), Some(8));
@@ -315,10 +320,11 @@ fn dp_on_three_slots_reroutes_every_later_phase_around_a_lost_slot() {
         "device = \"cpu\"\ndevices = [\"cpu\", \"cpu\", \"cpu\"]\nschedule = \"dp\"\n",
     );
     let config = RunConfig::parse(&text, Path::new("dp.toml")).unwrap();
-    let clean = run(&config, &dir.path().join("clean"), &RunFlags::default(), &mut |_| {}).unwrap();
+    let clean = run(&Builtin, &config, &dir.path().join("clean"), &RunFlags::default(), &mut |_| {}).unwrap();
     let mut faulty_config = config.clone();
     faulty_config.faults = pipe_bd::fault::parse_list("error slot=2 step=5").unwrap();
-    let faulty = run(&faulty_config, &dir.path().join("faulty"), &RunFlags::default(), &mut |_| {}).unwrap();
+    let faulty =
+        run(&Builtin, &faulty_config, &dir.path().join("faulty"), &RunFlags::default(), &mut |_| {}).unwrap();
     let failures = &faulty.resilience.failures;
     assert_eq!(failures.len(), 1, "{failures:#?}");
     assert_eq!(

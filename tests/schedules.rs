@@ -10,7 +10,7 @@ use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::flat_parameters;
 use pipe_bd::plan::{flops_cost, Plan, StageSpec};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
-use pipe_bd::zoo::{build_students, build_teacher};
+use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 
 mod common;
 
@@ -30,7 +30,7 @@ fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     let device = Default::default();
     let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
-    let students = build_students::<B>(&config, &teacher.specs, &device).unwrap();
+    let students = Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
     let options = RuntimeSettings { threads_per_worker: 1, ..Default::default() };
     let devices = vec![device; slots];
     let output = Distillation::new(&teacher, students, &data)
@@ -55,8 +55,8 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 fn plans(slots: usize) -> Vec<Plan> {
     let config = config();
-    let teacher = pipe_bd::zoo::teacher_specs(&config);
-    let students = pipe_bd::zoo::student_specs(&config.students, &teacher).unwrap();
+    let teacher = Builtin.teacher_specs(&config).unwrap();
+    let students = Builtin.student_specs(&config, &teacher).unwrap();
     let cost = flops_cost(&teacher, &students);
     ["dp", "ls", "tr", "tr-dpu"].iter().map(|name| Plan::named(name, 4, slots, &cost, &[]).unwrap()).collect()
 }
@@ -67,8 +67,8 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
     assert_eq!(moved, 0.0, "ideal is not reproducible");
     let initial = {
         let config = config();
-        let teacher = pipe_bd::zoo::teacher_specs(&config);
-        let students = build_students::<B>(&config, &teacher, &Default::default()).unwrap();
+        let teacher = Builtin.teacher_specs(&config).unwrap();
+        let students = Builtin.students::<B>(&config, &teacher, &Default::default()).unwrap();
         students.blocks.iter().map(flat_parameters::<B, _>).collect::<Vec<_>>()
     };
     let moved = max_abs_diff(&reference, &initial);

@@ -13,7 +13,7 @@ use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
 use pipe_bd::train::stitch::{stitched_pass, StitchedGradients, StitchedPass};
 use pipe_bd::train::TrainSettings;
-use pipe_bd::zoo::{build_students, build_teacher};
+use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 use pipe_bd::{forward_chain, Activation};
 
 mod common;
@@ -35,7 +35,7 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
             .unwrap()
             .students
     };
-    let trained = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
+    let trained = blockwise(&settings, Builtin.students::<B>(&config, &teacher.specs, &device).unwrap());
 
     // Mean squared distance of the stitched output of blocks 1-3 from the teacher's.
     let indices: Vec<usize> = (0..test.len()).collect();
@@ -63,12 +63,12 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
 
     // The control: the same 40 steps at the same rate, blockwise (teacher
     // inputs), from the same starting point, close the gap less.
-    let again = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
+    let again = blockwise(&settings, Builtin.students::<B>(&config, &teacher.specs, &device).unwrap());
     let mut more = settings.clone();
     more.optimizer = local.optimizer.clone();
     let control = gap(&blockwise(&more, again));
     // End to end (gradients through the stitched chain), from the same start.
-    let again = blockwise(&settings, build_students::<B>(&config, &teacher.specs, &device).unwrap());
+    let again = blockwise(&settings, Builtin.students::<B>(&config, &teacher.specs, &device).unwrap());
     let end_to_end = StitchedPass { gradients: StitchedGradients::EndToEnd, ..local };
     let (chained, _) =
         stitched_pass(&teacher, again, &data, &settings, &end_to_end, &device, &mut |_| {}).unwrap();

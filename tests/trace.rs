@@ -11,6 +11,7 @@ use pipe_bd::config::RunConfig;
 use pipe_bd::report::RunReport;
 use pipe_bd::run::{run, RunFlags};
 use pipe_bd::trace::SpanKind;
+use pipe_bd::zoo::Builtin;
 
 mod common;
 
@@ -57,7 +58,8 @@ fn traced_run(schedule: &str, devices: &[&str], extra: &str) -> (RunReport, Trac
     let config = RunConfig::parse(&text, Path::new("trace.toml")).unwrap();
     let out = tempfile::tempdir().unwrap();
     let report =
-        run(&config, out.path(), &RunFlags { trace: true, ..Default::default() }, &mut |_| {}).unwrap();
+        run(&Builtin, &config, out.path(), &RunFlags { trace: true, ..Default::default() }, &mut |_| {})
+            .unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("trace.json")).unwrap()).unwrap();
     let mut trace = Trace { events: Vec::new(), names: HashMap::new() };

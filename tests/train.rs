@@ -8,7 +8,7 @@ use burn::backend::{Autodiff, Flex};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::train::{accuracy, inference_blocks};
-use pipe_bd::zoo::{build_students, build_teacher};
+use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 
 mod common;
 
@@ -17,7 +17,7 @@ mod common;
 fn untrained_accuracy(config: &RunConfig) -> f64 {
     let device = Default::default();
     let teacher = build_teacher::<Flex>(config, &device).unwrap();
-    let students = build_students::<Autodiff<Flex>>(config, &teacher.specs, &device).unwrap();
+    let students = Builtin.students::<Autodiff<Flex>>(config, &teacher.specs, &device).unwrap();
     let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
     accuracy::<Flex, _>(&inference_blocks(&students), &test, &device, 1000).unwrap()
 }
@@ -28,7 +28,8 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     let out = tempfile::tempdir().unwrap();
     let mut steps_seen = 0;
     let report =
-        pipe_bd::run::run(&config, out.path(), &Default::default(), &mut |_| steps_seen += 1).unwrap();
+        pipe_bd::run::run(&Builtin, &config, out.path(), &Default::default(), &mut |_| steps_seen += 1)
+            .unwrap();
     assert_eq!(steps_seen, 100, "6400 samples at batch 64 is 100 steps");
     assert_eq!(report.steps, 100);
 
@@ -77,7 +78,7 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     assert!(after >= before + 0.3, "100 steps took the stitched student only from {before} to {after}");
 
     // Reload from disk and re-score.
-    let eval = pipe_bd::eval::eval_run(out.path()).unwrap();
+    let eval = pipe_bd::eval::eval_run(&Builtin, out.path()).unwrap();
     assert_eq!(eval.test_samples, 1000);
     assert_eq!(eval.student_accuracy, report.student_accuracy);
 

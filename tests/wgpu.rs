@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use pipe_bd::config::RunConfig;
+use pipe_bd::zoo::Builtin;
 
 mod common;
 
@@ -17,7 +18,7 @@ fn wgpu_run_matches_the_cpu_run() {
         let mut config = RunConfig::parse(&text, Path::new("small.toml")).unwrap();
         config.device = device.to_string();
         let out = tempfile::tempdir().unwrap();
-        pipe_bd::run::run(&config, out.path(), &Default::default(), &mut |_| {}).unwrap()
+        pipe_bd::run::run(&Builtin, &config, out.path(), &Default::default(), &mut |_| {}).unwrap()
     };
     let cpu = run("cpu");
     let gpu = run("wgpu");

@@ -27,6 +27,7 @@ use serde::Deserialize;
 use crate::config::RunConfig;
 use crate::error::{Error, Result};
 use crate::run::{run, RunFlags};
+use crate::zoo::Zoo;
 
 /// A sweep file.
 #[derive(Debug, Clone, Deserialize)]
@@ -83,7 +84,7 @@ pub fn expand(grid: &BTreeMap<String, Vec<toml::Value>>) -> Vec<Point> {
 }
 
 /// The base config with the point's fields set; `path` names it in errors.
-pub fn apply(base: &toml::Table, point: &Point, path: &Path) -> Result<RunConfig> {
+pub fn apply<Z: Zoo>(zoo: &Z, base: &toml::Table, point: &Point, path: &Path) -> Result<RunConfig> {
     let mut doc = base.clone();
     for (key, value) in &point.values {
         let mut table = &mut doc;
@@ -106,7 +107,7 @@ pub fn apply(base: &toml::Table, point: &Point, path: &Path) -> Result<RunConfig
         field: None,
         message: e.to_string(),
     })?;
-    RunConfig::parse(&text, &path.with_file_name(format!("{} [{}]", file_name(path), point.id())))
+    zoo.parse_config(&text, &path.with_file_name(format!("{} [{}]", file_name(path), point.id())))
 }
 
 fn file_name(path: &Path) -> String {
@@ -215,7 +216,7 @@ pub fn read_rows(path: &Path, keys: &[String]) -> Result<Vec<Row>> {
 
 /// Runs every point of the sweep at `path` not yet in its `sweep.csv`,
 /// then draws `sweep.png`. `say` receives progress lines.
-pub fn sweep(path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
+pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| config_error(path, format!("cannot read the sweep file: {e}")))?;
     let sweep: SweepConfig =
@@ -235,7 +236,7 @@ pub fn sweep(path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
     let keys: Vec<String> = sweep.grid.keys().cloned().collect();
     let points = expand(&sweep.grid);
     // Check every point's config before running any.
-    let configs = points.iter().map(|p| apply(&base, p, &base_path)).collect::<Result<Vec<_>>>()?;
+    let configs = points.iter().map(|p| apply(zoo, &base, p, &base_path)).collect::<Result<Vec<_>>>()?;
 
     std::fs::create_dir_all(&sweep.out).map_err(|e| Error::io("creating directory", &sweep.out, e))?;
     let csv_path = sweep.out.join("sweep.csv");
@@ -255,7 +256,7 @@ pub fn sweep(path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
         }
         say(&format!("[{}/{}] {id}", i + 1, points.len()));
         let dir = sweep.out.join("points").join(format!("{i:03}"));
-        let report = run(config, &dir, &RunFlags::default(), &mut |_| {})?;
+        let report = run(zoo, config, &dir, &RunFlags::default(), &mut |_| {})?;
         let row = Row {
             id: id.clone(),
             values: point.values.iter().map(|(_, v)| plain(v)).collect(),

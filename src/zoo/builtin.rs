@@ -1,13 +1,13 @@
-//! The built-in zoo, from config sections: the teachers of `pipebd-teachers`
-//! and the students of `pipebd-students` (both implement the block API of
-//! `pipebd-core` themselves) built into a [`Teacher`] and [`Students`], with
-//! their data.
+//! The built-in zoo ([`Builtin`]), from config sections: the teachers of
+//! `pipebd-teachers` and the students of `pipebd-students` (both implement
+//! the block API of `pipebd-core` themselves) built into a [`Teacher`] and
+//! [`Students`], with their data.
 
 use std::path::Path;
 
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Dataset, Students, Teacher};
+use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Students, Teacher};
 use pipebd_kernels::encoder::top_indices;
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_students::{EncoderInit, StudentBlock, StudentBlockConfig};
@@ -16,7 +16,8 @@ use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
 use pipebd_teachers::TeacherBlock;
 
-use crate::config::RunConfig;
+use super::{parse_students, Evaluation, Workload, Zoo};
+use crate::config::{ConfigIssue, RunConfig};
 use crate::data::text::{brown_splits, tokenize, ProbeData, TextDataset};
 use crate::data::{ImageDataset, Split};
 use crate::error::{Error, Result};
@@ -64,54 +65,13 @@ pub fn mnist_teacher<B: FusedBackend>(
     Ok(Teacher::new(blocks.into_iter().map(TeacherBlock::Mnist).collect(), specs)?)
 }
 
-/// The teacher's block specs without loading its weights (to check a student
-/// config before anything heavy happens).
-pub fn teacher_specs(config: &RunConfig) -> Vec<BlockSpec> {
-    if config.data.is_text() {
-        return minilm_specs(&layers_per_block(config), config.data.max_tokens());
-    }
-    let blocks = MnistCnn::<burn::backend::Flex>::init(&Default::default()).into_blocks();
-    mnist_specs(&blocks)
-}
-
-/// What evaluating a trained student needs besides the blocks.
-#[allow(clippy::large_enum_variant)] // one per run
-pub enum Evaluation<B: FusedBackend> {
-    /// Image classification: top-1 accuracy on the test split.
-    Images(ImageDataset),
-    /// Sentence embeddings: cosine to the teacher on held-out sentences, and
-    /// the optional downstream probe.
-    Text {
-        /// The teacher's frozen embeddings.
-        embeddings: Embeddings<B>,
-        /// Held-out sentences, tokenised.
-        heldout: Vec<Vec<u32>>,
-        /// Tokens per sequence.
-        max_tokens: usize,
-        /// The probe's data.
-        probe: Option<ProbeData>,
-        /// Mean real tokens per training sentence.
-        mean_tokens: f64,
-    },
-}
-
-/// A training job's data and teacher, loaded from its config.
-pub struct Workload<B: FusedBackend> {
-    /// The frozen teacher, cut into blocks.
-    pub teacher: Teacher<B, TeacherBlock<B>>,
-    /// The training samples.
-    pub train: Box<dyn Dataset<B>>,
-    /// What evaluation needs.
-    pub evaluation: Evaluation<B>,
-}
-
 /// Loads the config's training data, teacher and evaluation data on `device`.
 /// With `with_evaluation = false` the held-out and probe data are skipped.
-pub fn load_workload<B: FusedBackend>(
+fn load_workload<B: FusedBackend>(
     config: &RunConfig,
     device: &B::Device,
     with_evaluation: bool,
-) -> Result<Workload<B>> {
+) -> Result<Workload<B, TeacherBlock<B>>> {
     let data = &config.data;
     if !data.is_text() {
         let train = ImageDataset::load_mnist(&data.dir, Split::Train, data.train_limit)?;
@@ -145,12 +105,12 @@ pub fn load_workload<B: FusedBackend>(
 /// Specs of the student blocks described by `configs`, built for the
 /// teacher's input shapes. Fails on a block whose shapes do not match.
 /// Students initialised from the teacher are checked against it too.
-pub fn student_specs(configs: &[StudentBlockConfig], teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
+fn specs_of(configs: &[StudentBlockConfig], teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
     let (_, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &Default::default())?;
     Ok(specs)
 }
 
-pub(crate) fn init_student_blocks<B: FusedBackend>(
+fn init_student_blocks<B: FusedBackend>(
     configs: &[StudentBlockConfig],
     teacher: &[BlockSpec],
     device: &B::Device,
@@ -176,7 +136,7 @@ pub(crate) fn init_student_blocks<B: FusedBackend>(
 
 /// Fails unless student `k` (zero-based), if it is an `encoder` with
 /// `init = "teacher"`, fits inside the teacher layer it is pruned from.
-pub fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
+fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
     let StudentBlockConfig::Encoder { heads, head_dim, ffn, init: EncoderInit::Teacher } = *student else {
         return Ok(());
     };
@@ -205,10 +165,14 @@ const REFIT_RIDGE: f64 = 1e-3;
 /// teacher layer of their block, pruned to their size: the heads with the
 /// largest weights and the feed-forward neurons that move the residual
 /// stream most on the first training sentences are kept.
-fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backend::Flex>]) -> Result<()> {
+fn init_from_teacher(
+    config: &RunConfig,
+    students: &[StudentBlockConfig],
+    blocks: &mut [StudentBlock<burn::backend::Flex>],
+) -> Result<()> {
     let wanted =
         |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Encoder { init: EncoderInit::Teacher, .. });
-    if !config.students.iter().any(wanted) {
+    if !students.iter().any(wanted) {
         return Ok(());
     }
     let device = Default::default();
@@ -228,7 +192,7 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
         layer_inputs.push(hidden.clone());
         hidden = layer.forward(hidden, mask.clone());
     }
-    for (k, student) in config.students.iter().enumerate() {
+    for (k, student) in students.iter().enumerate() {
         let StudentBlockConfig::Encoder { heads, ffn, init: EncoderInit::Teacher, .. } = *student else {
             continue;
         };
@@ -260,12 +224,12 @@ fn init_from_teacher(config: &RunConfig, blocks: &mut [StudentBlock<burn::backen
 /// The initial weights are made on the CPU (flex) and copied to `device`, so
 /// one seed gives the same students on every backend (a wgpu or cuda run
 /// starts from exactly the weights of the CPU run).
-pub fn build_students<B: DistillBackend>(
+fn build_students<B: DistillBackend>(
     config: &RunConfig,
     teacher: &[BlockSpec],
     device: &B::Device,
 ) -> Result<Students<B, StudentBlock<B>>> {
-    let (configs, seed) = (&config.students, config.seed);
+    let (configs, seed) = (&student_configs(config)?, config.seed);
     let cpu = Default::default();
     // burn's CPU backend draws from one process-wide generator: hold a lock
     // from seeding to the last module built, so that concurrent builds (and
@@ -275,7 +239,7 @@ pub fn build_students<B: DistillBackend>(
     let (cpu_blocks, specs) = {
         <burn::backend::Flex as burn::tensor::backend::Backend>::seed(&cpu, seed);
         let (mut blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
-        init_from_teacher(config, &mut blocks)?;
+        init_from_teacher(config, configs, &mut blocks)?;
         // burn initialises parameters lazily, at first use: draw them now, in order.
         let records: Vec<_> = blocks.into_iter().map(|b| b.into_record()).collect();
         (records, specs)
@@ -298,4 +262,215 @@ pub fn build_students<B: DistillBackend>(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Students::new(blocks, specs, teacher)?)
+}
+
+/// Checks that the files a config names are there and what they should be,
+/// without reading what training reads: the MNIST files' headers and sizes
+/// and the MNIST teacher's weights (loaded on the CPU: 1.5 MB), or the
+/// Brown corpus' file list, the probe's folder, MiniLM's safetensors header and its
+/// tokenizer. Every error names the file.
+fn check_builtin_inputs(config: &RunConfig) -> Result<()> {
+    let data = &config.data;
+    if !data.is_text() {
+        crate::data::check_mnist_files(&data.dir)?;
+        pipebd_teachers::mnist_cnn::MnistCnn::<burn::backend::Flex>::load_pytorch(
+            &config.teacher.weights,
+            &Default::default(),
+        )?;
+        return Ok(());
+    }
+    crate::data::text::brown_files(&data.dir)?;
+    if let Some(probe) = &data.probe {
+        if !probe.dir.is_dir() {
+            return Err(crate::data::data_error(
+                &probe.dir,
+                "folder not found (run scripts/setup-data.sh, or fix `data.probe.dir` in the config)",
+            ));
+        }
+    }
+    check_safetensors_header(&config.teacher.weights)?;
+    pipebd_teachers::minilm::MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;
+    Ok(())
+}
+
+/// Checks that `path` is laid out as a safetensors file (an 8-byte header
+/// length, a JSON header, tensor data up to the last offset it announces)
+/// without reading the tensors.
+fn check_safetensors_header(path: &Path) -> Result<()> {
+    use pipebd_teachers::TeacherError;
+    use std::io::Read;
+    let bad =
+        |message: String| Error::Teacher(TeacherError::BadWeights { path: path.to_path_buf(), message });
+    if path.is_dir() {
+        return Err(bad("is a folder, expected the `model.safetensors` file".into()));
+    }
+    if !path.is_file() {
+        return Err(Error::Teacher(TeacherError::MissingWeights { path: path.to_path_buf() }));
+    }
+    let mut file = std::fs::File::open(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let size = file.metadata().map_err(|e| bad(format!("cannot read: {e}")))?.len();
+    let not_safetensors = |what: String| bad(format!("not a safetensors file: {what}"));
+    let mut word = [0u8; 8];
+    file.read_exact(&mut word)
+        .map_err(|_| not_safetensors(format!("{size} bytes, too short for the header length")))?;
+    let header_len = u64::from_le_bytes(word);
+    if header_len > size.saturating_sub(8) {
+        return Err(not_safetensors(format!(
+            "the header length {header_len} exceeds the file's {size} bytes"
+        )));
+    }
+    let mut header = Vec::new();
+    file.take(header_len).read_to_end(&mut header).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| not_safetensors(format!("the header is not a JSON object ({e})")))?;
+    let tensors: Vec<&serde_json::Value> =
+        header.iter().filter(|(name, _)| name.as_str() != "__metadata__").map(|(_, t)| t).collect();
+    if tensors.is_empty() {
+        return Err(not_safetensors("the header lists no tensors".into()));
+    }
+    let data_end =
+        tensors.iter().filter_map(|tensor| tensor.get("data_offsets")?.get(1)?.as_u64()).max().unwrap_or(0);
+    let needed = header_len.saturating_add(data_end).saturating_add(8);
+    if needed > size {
+        return Err(bad(format!("truncated: the tensors end at byte {needed}, the file has {size}")));
+    }
+    Ok(())
+}
+
+/// The built-in zoo: the MNIST CNN teacher on MNIST/Fashion-MNIST images
+/// (`data.dataset = "mnist"`, `teacher.kind = "mnist-cnn"`) and MiniLM on
+/// the Brown corpus (`"brown"`, `"minilm-l6"`), with the students of
+/// `pipebd-students` (`[[students]] kind = "conv" | "dwsep" | "mlp" |
+/// "encoder" | ...`). `pipebd` itself is `cli::run_with(Builtin)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Builtin;
+
+impl Zoo for Builtin {
+    type Teacher<B: FusedBackend> = TeacherBlock<B>;
+    type Student<B: DistillBackend> = StudentBlock<B>;
+
+    fn check_config(&self, config: &RunConfig) -> std::result::Result<(), ConfigIssue> {
+        let data = &config.data;
+        if !["mnist", "brown"].contains(&data.dataset.as_str()) {
+            return Err(ConfigIssue::new(
+                "data",
+                "dataset",
+                format!("unknown dataset `{}`: expected `mnist` or `brown`", data.dataset),
+            ));
+        }
+        let expected_teacher = if data.is_text() { "minilm-l6" } else { "mnist-cnn" };
+        if config.teacher.kind != expected_teacher {
+            return Err(ConfigIssue::new(
+                "teacher",
+                "kind",
+                format!(
+                    "teacher `{}` does not fit dataset `{}`: expected `{expected_teacher}`",
+                    config.teacher.kind, data.dataset
+                ),
+            ));
+        }
+        if !config.custom.is_empty() {
+            return Err(ConfigIssue::new(
+                "custom",
+                "",
+                "the built-in teachers and students take no [custom] settings".into(),
+            ));
+        }
+        let positions = 2..=minilm::MAX_POSITIONS;
+        if let Some(tokens) = data.max_tokens {
+            if !positions.contains(&tokens) {
+                return Err(ConfigIssue::new(
+                    "data",
+                    "max_tokens",
+                    format!("must be in 2..=512, got {tokens}"),
+                ));
+            }
+        }
+        if let Some(probe) = &data.probe {
+            if !positions.contains(&probe.max_tokens) {
+                let message = format!("must be in 2..=512, got {}", probe.max_tokens);
+                return Err(ConfigIssue::new("data.probe", "max_tokens", message));
+            }
+            if !(probe.test_fraction > 0.0 && probe.test_fraction < 1.0) {
+                let message = format!("must be in (0, 1), got {}", probe.test_fraction);
+                return Err(ConfigIssue::new("data.probe", "test_fraction", message));
+            }
+            if probe.limit == Some(0) {
+                let message = "must be at least 1 (leave it out to use every email)".to_string();
+                return Err(ConfigIssue::new("data.probe", "limit", message));
+            }
+        }
+        if let Some(groups) = &config.teacher.layers_per_block {
+            let layers = minilm::LAYERS;
+            if groups.contains(&0) || groups.iter().sum::<usize>() != layers {
+                return Err(ConfigIssue::new(
+                    "teacher",
+                    "layers_per_block",
+                    format!("must be positive and add up to the teacher's {layers} layers, got {groups:?}"),
+                ));
+            }
+        }
+        let students: Vec<StudentBlockConfig> = parse_students(config)?;
+        let teacher_blocks = if data.is_text() {
+            config.teacher.layers_per_block.as_ref().map_or(minilm::LAYERS, Vec::len)
+        } else {
+            pipebd_teachers::mnist_cnn::block_output_shapes().len()
+        };
+        if students.len() != teacher_blocks {
+            return Err(ConfigIssue::new(
+                "students",
+                "",
+                format!(
+                    "the teacher `{}` has {teacher_blocks} blocks but {} student blocks are configured: \
+                     give one [[students]] entry per teacher block",
+                    config.teacher.kind,
+                    students.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn teacher_specs(&self, config: &RunConfig) -> Result<Vec<BlockSpec>> {
+        if config.data.is_text() {
+            return Ok(minilm_specs(&layers_per_block(config), config.data.max_tokens()));
+        }
+        let blocks = MnistCnn::<burn::backend::Flex>::init(&Default::default()).into_blocks();
+        Ok(mnist_specs(&blocks))
+    }
+
+    fn student_specs(&self, config: &RunConfig, teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
+        let configs = student_configs(config)?;
+        for (k, student) in configs.iter().enumerate() {
+            check_teacher_init(k, student)?;
+        }
+        specs_of(&configs, teacher)
+    }
+
+    fn check_inputs(&self, config: &RunConfig) -> Result<()> {
+        check_builtin_inputs(config)
+    }
+
+    fn workload<B: FusedBackend>(
+        &self,
+        config: &RunConfig,
+        device: &B::Device,
+        with_evaluation: bool,
+    ) -> Result<Workload<B, TeacherBlock<B>>> {
+        load_workload(config, device, with_evaluation)
+    }
+
+    fn students<B: DistillBackend>(
+        &self,
+        config: &RunConfig,
+        teacher: &[BlockSpec],
+        device: &B::Device,
+    ) -> Result<Students<B, StudentBlock<B>>> {
+        build_students(config, teacher, device)
+    }
+}
+
+/// The config's `[[students]]` tables as the built-in student configs.
+fn student_configs(config: &RunConfig) -> Result<Vec<StudentBlockConfig>> {
+    parse_students(config).map_err(|issue| issue.into_error(Path::new("config"), None))
 }

@@ -1,0 +1,176 @@
+//! Where teachers, students and datasets come from: the [`Zoo`] trait, the
+//! one door through which `pipebd run`, `bench`, `profile`, `sweep`, `eval`
+//! and `check` build a job's blocks and data from its config.
+//!
+//! The built-in zoo ([`Builtin`]: the MNIST CNN and MiniLM teachers, the
+//! students of `pipebd-students`) goes through this door like any other. A
+//! user crate implements [`Zoo`] for its own kinds and calls
+//! [`crate::cli::run_with`] (the whole `pipebd` command line) or the job
+//! functions ([`crate::run::run`], ...) with it; see
+//! `examples/custom_zoo.rs`.
+
+mod builtin;
+
+use std::path::Path;
+
+use pipebd_core::{Block, BlockSpec, Dataset, Students};
+use pipebd_kernels::{DistillBackend, FusedBackend};
+use serde::de::DeserializeOwned;
+
+use crate::config::{ConfigIssue, Overrides, RunConfig};
+use crate::data::text::ProbeData;
+use crate::data::ImageDataset;
+use crate::error::{Error, Result};
+use pipebd_teachers::minilm::Embeddings;
+
+pub use builtin::{build_minilm, build_teacher, layers_per_block, mnist_teacher, Builtin, BuiltinTeacher};
+
+/// A family of teachers, students and datasets that configs can name.
+///
+/// The engine reads the generic parts of a [`RunConfig`] (schedule, devices,
+/// training, optimizer, runtime, checkpoints); a zoo reads the rest:
+/// `data.dataset` and `data.dir`, the `[teacher]` table, each `[[students]]`
+/// table (kept as raw TOML in [`RunConfig::students`]; parse them with
+/// [`parse_students`]) and the free `[custom]` table ([`parse_custom`]).
+///
+/// Backend-generic like the blocks themselves: a job picks burn's backend
+/// from the config's devices and asks the zoo for blocks on it.
+pub trait Zoo: Sync {
+    /// The teacher's block type on backend `B` (frozen: forward only).
+    type Teacher<B: FusedBackend>: Block<B> + Send + Sync;
+    /// The students' block type on the training backend `B`.
+    type Student<B: DistillBackend>: pipebd_core::StudentModule<B>;
+
+    /// Checks the parts of `config` this zoo reads (dataset name, teacher
+    /// kind, each student table, `[custom]`) before anything runs. Name the
+    /// field in the issue: errors then point at the file's line.
+    fn check_config(&self, config: &RunConfig) -> std::result::Result<(), ConfigIssue>;
+
+    /// The teacher's block specs, cheaply (without reading large weight files
+    /// where possible): configs are checked against them before heavy work.
+    fn teacher_specs(&self, config: &RunConfig) -> Result<Vec<BlockSpec>>;
+
+    /// The students' block specs for `teacher`'s (fails on a block whose
+    /// shapes do not fit). By default the students are built on the CPU and
+    /// their specs taken; override it where that is costly.
+    fn student_specs(&self, config: &RunConfig, teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
+        type Cpu = burn::backend::Autodiff<burn::backend::Flex>;
+        Ok(self.students::<Cpu>(config, teacher, &Default::default())?.specs)
+    }
+
+    /// Checks that the files `config` names (data, weights) are there and
+    /// readable, without reading what training reads; every error should
+    /// name the file. By default nothing is checked.
+    fn check_inputs(&self, config: &RunConfig) -> Result<()> {
+        let _ = config;
+        Ok(())
+    }
+
+    /// Loads the teacher, the training data and (with `with_evaluation`) the
+    /// evaluation data on `device`.
+    fn workload<B: FusedBackend>(
+        &self,
+        config: &RunConfig,
+        device: &B::Device,
+        with_evaluation: bool,
+    ) -> Result<Workload<B, Self::Teacher<B>>>;
+
+    /// Builds the config's student blocks on `device`, initialised from
+    /// `config.seed` (the same weights on every backend where possible), and
+    /// checks them against the teacher's specs.
+    fn students<B: DistillBackend>(
+        &self,
+        config: &RunConfig,
+        teacher: &[BlockSpec],
+        device: &B::Device,
+    ) -> Result<Students<B, Self::Student<B>>>;
+
+    /// Parses and validates config text: the engine's checks, then this
+    /// zoo's ([`Zoo::check_config`]); `path` is only used in errors.
+    fn parse_config(&self, text: &str, path: &Path) -> Result<RunConfig> {
+        RunConfig::parse_checked(text, path, &|config| self.check_config(config))
+    }
+
+    /// Reads, parses and validates a config file ([`Zoo::parse_config`]),
+    /// then applies command-line `overrides`.
+    fn load_config(&self, path: &Path, overrides: Overrides) -> Result<RunConfig> {
+        let text = RunConfig::read_text(path)?;
+        let mut config = self.parse_config(&text, path)?;
+        config.apply(overrides)?;
+        Ok(config)
+    }
+
+    /// [`Zoo::check_config`] for a config that did not come from a file (a
+    /// library user's): the error names the field but no line.
+    fn check(&self, config: &RunConfig) -> Result<()> {
+        self.check_config(config).map_err(|issue| issue.into_error(Path::new("config"), None))
+    }
+}
+
+/// A job's data and teacher, loaded from its config by a [`Zoo`].
+pub struct Workload<B: FusedBackend, T: Block<B>> {
+    /// The frozen teacher, cut into blocks.
+    pub teacher: pipebd_core::Teacher<B, T>,
+    /// The training samples.
+    pub train: Box<dyn Dataset<B>>,
+    /// What evaluation needs.
+    pub evaluation: Evaluation<B>,
+}
+
+/// How a trained student is scored after training.
+#[allow(clippy::large_enum_variant)] // one per run
+pub enum Evaluation<B: FusedBackend> {
+    /// Nothing to score: the report's accuracies are 0 and `test_samples` 0.
+    None,
+    /// Classification: top-1 accuracy of the last block's logits on these
+    /// samples (labels from [`ImageDataset`]).
+    Images(ImageDataset),
+    /// Sentence embeddings (MiniLM): cosine to the teacher on held-out
+    /// sentences, and the optional downstream probe.
+    Text {
+        /// The teacher's frozen embeddings.
+        embeddings: Embeddings<B>,
+        /// Held-out sentences, tokenised.
+        heldout: Vec<Vec<u32>>,
+        /// Tokens per sequence.
+        max_tokens: usize,
+        /// The probe's data.
+        probe: Option<ProbeData>,
+        /// Mean real tokens per training sentence.
+        mean_tokens: f64,
+    },
+}
+
+/// Parses each `[[students]]` table of `config` as a `C` (a zoo's student
+/// config type, usually a `#[serde(tag = "kind")]` enum); the issue names
+/// the entry (`students[3]`) and what serde found wrong.
+pub fn parse_students<C: DeserializeOwned>(config: &RunConfig) -> std::result::Result<Vec<C>, ConfigIssue> {
+    config
+        .students
+        .iter()
+        .enumerate()
+        .map(|(k, table)| {
+            C::deserialize(toml::Value::Table(table.clone())).map_err(|e| {
+                ConfigIssue::in_entry("students", k, format!("block {}: {}", k + 1, e.message().trim()))
+            })
+        })
+        .collect()
+}
+
+/// Parses the `[custom]` table of `config` as a `C` (a zoo's own settings;
+/// an absent table parses as an empty one).
+pub fn parse_custom<C: DeserializeOwned>(config: &RunConfig) -> std::result::Result<C, ConfigIssue> {
+    C::deserialize(toml::Value::Table(config.custom.clone()))
+        .map_err(|e| ConfigIssue::new("custom", "", e.message().to_string()))
+}
+
+/// A student config as the raw TOML table [`RunConfig::students`] holds
+/// (to build configs in code).
+pub fn student_table<C: serde::Serialize>(student: &C) -> Result<toml::Table> {
+    toml::Table::try_from(student).map_err(|e| Error::Config {
+        path: "students".into(),
+        line: None,
+        field: Some("students".into()),
+        message: format!("cannot be written as a TOML table: {e}"),
+    })
+}
