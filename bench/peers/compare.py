@@ -1,0 +1,85 @@
+"""pipe-bd against its PyTorch peer on the quickstart recipe, side by side.
+
+Runs `pipebd run experiments/mnist-cnn.toml` and bench/peers/mnist_cnn_torch.py
+on the same machine, one after the other, `--rounds` times each (alternating,
+so both see the same machine), and prints the ratios: samples/s while
+training, stitched test accuracy, and each block's final loss.
+
+    cargo build --release && bash bench/peers/setup.sh
+    bench/peers/.venv/bin/python bench/peers/compare.py --epochs 1
+
+Writes the measurements to runs/peers/compare.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def run_pipebd(args):
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [args.pipebd, "run", args.config, "--out", out, "--epochs", str(args.epochs), "--quiet"]
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "report.json")) as f:
+            report = json.load(f)
+    return {
+        "samples_per_second": report["samples_per_second"],
+        "train_seconds": report["train_seconds"],
+        "student_accuracy": report["student_accuracy"],
+        "teacher_accuracy": report["teacher_accuracy"],
+        "final_losses": [b["final_loss"] for b in report["blocks"]],
+    }
+
+
+def run_peer(args):
+    cmd = [sys.executable, os.path.join(ROOT, "bench/peers/mnist_cnn_torch.py"), "--epochs", str(args.epochs),
+           "--threads", str(args.threads)]
+    done = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--config", default="experiments/mnist-cnn.toml")
+    parser.add_argument("--pipebd", default=os.path.join(ROOT, "target/release/pipebd"))
+    args = parser.parse_args()
+    if not os.path.exists(args.pipebd):
+        sys.exit(f"{args.pipebd}: not found (cargo build --release first)")
+
+    ours, theirs = [], []
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}: pipe-bd ...", file=sys.stderr, flush=True)
+        ours.append(run_pipebd(args))
+        print(f"round {r + 1}/{args.rounds}: pytorch ...", file=sys.stderr, flush=True)
+        theirs.append(run_peer(args))
+
+    median = lambda runs, key: statistics.median(run[key] for run in runs)
+    speed = median(ours, "samples_per_second") / median(theirs, "samples_per_second")
+    print(f"quickstart recipe, {args.epochs} epoch(s), {args.threads} threads, {args.rounds} round(s); "
+          f"peer: {theirs[0]['peer']}")
+    print(f"{'':<24}{'pipe-bd':>12}{'pytorch':>12}{'ratio':>10}")
+    print(f"{'samples/s':<24}{median(ours, 'samples_per_second'):>12.0f}"
+          f"{median(theirs, 'samples_per_second'):>12.0f}{speed:>9.2f}x")
+    print(f"{'stitched accuracy':<24}{100 * median(ours, 'student_accuracy'):>11.2f}%"
+          f"{100 * median(theirs, 'student_accuracy'):>11.2f}%")
+    for k in range(len(ours[0]["final_losses"])):
+        a = statistics.median(run["final_losses"][k] for run in ours)
+        b = statistics.median(run["final_losses"][k] for run in theirs)
+        print(f"{f'block {k + 1} final loss':<24}{a:>12.4f}{b:>12.4f}{a / b:>9.2f}x")
+    os.makedirs(os.path.join(ROOT, "runs/peers"), exist_ok=True)
+    with open(os.path.join(ROOT, "runs/peers/compare.json"), "w") as f:
+        json.dump({"epochs": args.epochs, "threads": args.threads, "pipebd": ours, "pytorch": theirs,
+                   "speed_ratio": speed}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The quickstart recipe (experiments/mnist-cnn.toml) as a short PyTorch script.
+
+The peer pipe-bd is compared against: what a user of this field would write
+by hand. Same data (the IDX files in data/mnist, normalised with the
+teacher's mean and std), same frozen teacher (data/teachers/mnist-cnn.pth),
+same four student blocks, losses (MSE on blocks 1-3, soft-target
+cross-entropy at temperature 1 on the logits), Adam (lr 0.002, eps 1e-5)
+with a per-step cosine decay to 0, batch 128, a shuffled epoch order. Each
+block trains on the teacher's own input to it (blockwise distillation, the
+`ideal` schedule: one device, blocks one after another per batch).
+
+    bash bench/peers/setup.sh                   # once: torch into bench/peers/.venv
+    bench/peers/.venv/bin/python bench/peers/mnist_cnn_torch.py --epochs 1 --threads 2
+
+Prints one JSON object: samples/s while training, per-block final losses
+(mean of the last 20 steps, as pipe-bd reports them), the teacher's and the
+stitched student's test accuracy.
+"""
+
+import argparse
+import gzip
+import json
+import math
+import os
+import struct
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PIXEL_MEAN, PIXEL_STD = 0.1307, 0.3081
+STAGE_CHANNELS = [32, 64, 128]
+
+
+def read_idx(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    magic, = struct.unpack(">I", data[:4])
+    dims = magic & 0xFF
+    shape = struct.unpack(">" + "I" * dims, data[4 : 4 + 4 * dims])
+    return torch.frombuffer(bytearray(data[4 + 4 * dims :]), dtype=torch.uint8).reshape(shape)
+
+
+def find(dir_, stem):
+    for name in (stem, stem + ".gz"):
+        path = os.path.join(dir_, name)
+        if os.path.exists(path):
+            return path
+    sys.exit(f"{os.path.join(dir_, stem)}: not found (run scripts/setup-data.sh)")
+
+
+def load_split(dir_, prefix, limit):
+    images = read_idx(find(dir_, f"{prefix}-images-idx3-ubyte")).float()
+    labels = read_idx(find(dir_, f"{prefix}-labels-idx1-ubyte")).long()
+    if limit:
+        images, labels = images[:limit], labels[:limit]
+    images = (images / 255.0 - PIXEL_MEAN) / PIXEL_STD
+    return images.unsqueeze(1), labels
+
+
+class Teacher(nn.Module):
+    """The published MNIST CNN: three conv 3x3 + ReLU + max-pool stages and a 2-layer head."""
+
+    def __init__(self):
+        super().__init__()
+        chans = [1] + STAGE_CHANNELS
+        self.conv_layers = nn.ModuleList(nn.Conv2d(chans[i], chans[i + 1], 3, padding=1) for i in range(3))
+        self.fc_layers = nn.ModuleList([nn.Linear(128 * 3 * 3, 256), nn.Linear(256, 10)])
+
+    def blocks(self):
+        stages = [lambda x, c=c: F.max_pool2d(F.relu(c(x)), 2) for c in self.conv_layers]
+        head = lambda x: self.fc_layers[1](F.relu(self.fc_layers[0](x.flatten(1))))
+        return stages + [head]
+
+
+class ConvStudent(nn.Module):
+    """conv 3x3 (c_in -> width) -> ReLU -> conv 1x1 (width -> out) -> ReLU -> max-pool 2."""
+
+    def __init__(self, c_in, width, out):
+        super().__init__()
+        self.spatial = nn.Conv2d(c_in, width, 3, padding=1)
+        self.project = nn.Conv2d(width, out, 1)
+
+    def forward(self, x):
+        return F.max_pool2d(F.relu(self.project(F.relu(self.spatial(x)))), 2)
+
+
+class BottleneckStudent(nn.Module):
+    """conv 1x1 (c_in -> rank) -> conv 3x3 (rank -> rank) -> conv 1x1 (rank -> out) -> ReLU -> max-pool 2."""
+
+    def __init__(self, c_in, rank, out):
+        super().__init__()
+        self.reduce = nn.Conv2d(c_in, rank, 1)
+        self.spatial = nn.Conv2d(rank, rank, 3, padding=1)
+        self.expand = nn.Conv2d(rank, out, 1)
+
+    def forward(self, x):
+        return F.max_pool2d(F.relu(self.expand(self.spatial(self.reduce(x)))), 2)
+
+
+class HeadStudent(nn.Module):
+    """flatten -> linear (features -> hidden) -> ReLU -> linear (hidden -> classes)."""
+
+    def __init__(self, features, hidden, classes):
+        super().__init__()
+        self.hidden = nn.Linear(features, hidden)
+        self.output = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.output(F.relu(self.hidden(x.flatten(1))))
+
+
+def published_to_ours(state):
+    """The published state dict names layers by their index in nn.Sequential
+    stacks (conv, ReLU, pool, ...): conv_layers.0/3/6, fc_layers.0/2."""
+    renames = {"conv_layers.3.": "conv_layers.1.", "conv_layers.6.": "conv_layers.2.", "fc_layers.2.": "fc_layers.1."}
+    out = {}
+    for key, value in state.items():
+        for old, new in renames.items():
+            if key.startswith(old):
+                key = new + key[len(old) :]
+        out[key] = value
+    return out
+
+
+def soft_target_ce(logits, target_logits, temperature=1.0):
+    target = F.softmax(target_logits / temperature, dim=1)
+    return -(target * F.log_softmax(logits / temperature, dim=1)).sum(1).mean()
+
+
+def accuracy(blocks, images, labels, chunk=1000):
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(images), chunk):
+            x = images[i : i + chunk]
+            for block in blocks:
+                x = block(x)
+            correct += (x.argmax(1) == labels[i : i + chunk]).sum().item()
+    return correct / len(images)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default="data/mnist")
+    parser.add_argument("--teacher", default="data/teachers/mnist-cnn.pth")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=0.002)
+    parser.add_argument("--train-limit", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--metrics", help="write step,block,loss,lr of every step to this CSV")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    train_x, _ = load_split(args.data, "train", args.train_limit)
+    test_x, test_y = load_split(args.data, "t10k", 0)
+
+    teacher = Teacher()
+    teacher.load_state_dict(published_to_ours(torch.load(args.teacher, map_location="cpu")))
+    teacher.eval().requires_grad_(False)
+    teacher_blocks = teacher.blocks()
+    students = [
+        ConvStudent(1, 6, 32),
+        BottleneckStudent(32, 16, 64),
+        BottleneckStudent(64, 24, 128),
+        HeadStudent(128 * 3 * 3, 128, 10),
+    ]
+    losses = [F.mse_loss] * 3 + [soft_target_ce]
+    optimizers = [torch.optim.Adam(s.parameters(), lr=args.lr, eps=1e-5) for s in students]
+    per_epoch = len(train_x) // args.batch_size
+    total = per_epoch * args.epochs
+    history = [[] for _ in students]
+    rows = []
+
+    start = time.perf_counter()
+    step = 0
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(train_x))
+        for b in range(per_epoch):
+            lr = 0.5 * args.lr * (1 + math.cos(math.pi * step / total))
+            x = train_x[order[b * args.batch_size : (b + 1) * args.batch_size]]
+            for k, (t, s, loss_fn, opt) in enumerate(zip(teacher_blocks, students, losses, optimizers)):
+                with torch.no_grad():
+                    y = t(x)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                loss = loss_fn(s(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                history[k].append(loss.item())
+                rows.append(f"{step},{k + 1},{history[k][-1]},{lr}")
+                x = y
+            step += 1
+    seconds = time.perf_counter() - start
+
+    if args.metrics:
+        with open(args.metrics, "w") as f:
+            f.write("step,block,loss,lr\n" + "\n".join(rows) + "\n")
+    for s in students:
+        s.eval()
+    print(
+        json.dumps(
+            {
+                "peer": f"pytorch {torch.__version__} eager",
+                "threads": args.threads,
+                "epochs": args.epochs,
+                "train_samples": len(train_x),
+                "steps": total,
+                "train_seconds": seconds,
+                "samples_per_second": total * args.batch_size / seconds,
+                "final_losses": [sum(h[-20:]) / len(h[-20:]) for h in history],
+                "teacher_accuracy": accuracy(teacher_blocks, test_x, test_y),
+                "student_accuracy": accuracy(students, test_x, test_y),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
