@@ -126,6 +126,19 @@ def published_to_ours(state):
     return out
 
 
+def load_params(module, path):
+    """Copies flat parameters (burn's layouts: linear weights [in, out]) into `module`."""
+    with open(path) as f:
+        params = json.load(f)["params"]
+    ours = list(module.parameters())
+    if len(ours) != len(params):
+        sys.exit(f"{path}: {len(params)} tensors, the module has {len(ours)}")
+    with torch.no_grad():
+        for p, r in zip(ours, params):
+            t = torch.tensor(r["values"]).reshape(r["shape"])
+            p.copy_(t if t.shape == p.shape else t.t())
+
+
 def soft_target_ce(logits, target_logits, temperature=1.0):
     target = F.softmax(target_logits / temperature, dim=1)
     return -(target * F.log_softmax(logits / temperature, dim=1)).sum(1).mean()
@@ -152,6 +165,8 @@ def main():
     parser.add_argument("--train-limit", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--init", help="start the students from the weights `pipebd export-init` wrote into "
+                        "this folder (block-K.json), i.e. exactly where pipe-bd starts them")
     parser.add_argument("--metrics", help="write step,block,loss,lr of every step to this CSV")
     args = parser.parse_args()
 
@@ -170,6 +185,9 @@ def main():
         BottleneckStudent(64, 24, 128),
         HeadStudent(128 * 3 * 3, 128, 10),
     ]
+    if args.init:
+        for k, student in enumerate(students):
+            load_params(student, os.path.join(args.init, f"block-{k + 1}.json"))
     losses = [F.mse_loss] * 3 + [soft_target_ce]
     optimizers = [torch.optim.Adam(s.parameters(), lr=args.lr, eps=1e-5) for s in students]
     per_epoch = len(train_x) // args.batch_size

@@ -149,6 +149,16 @@ enum Command {
         /// The run config.
         config: PathBuf,
     },
+    /// Write the students' initial weights (as a run with this config starts
+    /// them) to JSON, one file per block: to start another framework's
+    /// training from the same weights (bench/peers/mnist_cnn_torch.py --init).
+    ExportInit {
+        /// The run config.
+        config: PathBuf,
+        /// Folder that receives block-K.json.
+        #[arg(long, default_value = "runs/init")]
+        out: PathBuf,
+    },
 }
 
 /// Parses the command line and runs the command with the teachers, students
@@ -370,6 +380,12 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             let config = zoo.load_config(&config, Overrides::default())?;
             crate::preflight::preflight(zoo, &config)?;
             println!("{}: ok", config.name);
+            Ok(())
+        }
+        Command::ExportInit { config, out } => {
+            let config = zoo.load_config(&config, Overrides::default())?;
+            let files = crate::eval::export_initial_weights(zoo, &config, &out)?;
+            println!("wrote {} files: {}", files.len(), out.join("block-K.json").display());
             Ok(())
         }
     }
