@@ -37,6 +37,19 @@ def run_pipebd(args):
     }
 
 
+def profile_pipebd(args):
+    """Per block at the full batch on one slot: teacher forward and student step (ms)."""
+    with tempfile.TemporaryDirectory() as out:
+        path = os.path.join(out, "profile.json")
+        cmd = [args.pipebd, "profile", args.config, "--devices", "cpu", "--out", path]
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(path) as f:
+            entries = json.load(f)["entries"]
+    ms = lambda t: 1e3 * t["median"] if t else float("nan")
+    return [{"teacher_forward": ms(row[0]["teacher_forward"]), "student_step": ms(row[0]["student_step"])}
+            for row in entries]
+
+
 def run_peer(args):
     cmd = [sys.executable, os.path.join(ROOT, "bench/peers/mnist_cnn_torch.py"), "--epochs", str(args.epochs),
            "--threads", str(args.threads)]
@@ -75,10 +88,18 @@ def main():
         a = statistics.median(run["final_losses"][k] for run in ours)
         b = statistics.median(run["final_losses"][k] for run in theirs)
         print(f"{f'block {k + 1} final loss':<24}{a:>12.4f}{b:>12.4f}{a / b:>9.2f}x")
+    print("per block, median ms per step (pipe-bd: `pipebd profile`; pytorch: timed in its loop):")
+    ours_ms = profile_pipebd(args)
+    theirs_ms = theirs[0]["block_ms"]
+    print(f"{'':<10}{'teacher forward (ours / theirs)':>34}{'student step (ours / theirs)':>34}")
+    for k, (a, b) in enumerate(zip(ours_ms, theirs_ms)):
+        tf = f"{a['teacher_forward']:.1f} / {b['teacher_forward']:.1f} = {a['teacher_forward'] / b['teacher_forward']:.1f}x"
+        st = f"{a['student_step']:.1f} / {b['student_step']:.1f} = {a['student_step'] / b['student_step']:.1f}x"
+        print(f"{f'block {k + 1}':<10}{tf:>34}{st:>34}")
     os.makedirs(os.path.join(ROOT, "runs/peers"), exist_ok=True)
     with open(os.path.join(ROOT, "runs/peers/compare.json"), "w") as f:
         json.dump({"epochs": args.epochs, "threads": args.threads, "pipebd": ours, "pytorch": theirs,
-                   "speed_ratio": speed}, f, indent=1)
+                   "speed_ratio": speed, "pipebd_block_ms": ours_ms}, f, indent=1)
 
 
 if __name__ == "__main__":

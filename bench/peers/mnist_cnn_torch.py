@@ -22,6 +22,7 @@ import gzip
 import json
 import math
 import os
+import statistics
 import struct
 import sys
 import time
@@ -194,6 +195,7 @@ def main():
     total = per_epoch * args.epochs
     history = [[] for _ in students]
     rows = []
+    timings = [([], []) for _ in students]  # per block: teacher forward, student step (seconds)
 
     start = time.perf_counter()
     step = 0
@@ -203,8 +205,10 @@ def main():
             lr = 0.5 * args.lr * (1 + math.cos(math.pi * step / total))
             x = train_x[order[b * args.batch_size : (b + 1) * args.batch_size]]
             for k, (t, s, loss_fn, opt) in enumerate(zip(teacher_blocks, students, losses, optimizers)):
+                t0 = time.perf_counter()
                 with torch.no_grad():
                     y = t(x)
+                t1 = time.perf_counter()
                 for group in opt.param_groups:
                     group["lr"] = lr
                 loss = loss_fn(s(x), y)
@@ -212,6 +216,8 @@ def main():
                 loss.backward()
                 opt.step()
                 history[k].append(loss.item())
+                timings[k][0].append(t1 - t0)
+                timings[k][1].append(time.perf_counter() - t1)
                 rows.append(f"{step},{k + 1},{history[k][-1]},{lr}")
                 x = y
             step += 1
@@ -233,6 +239,10 @@ def main():
                 "train_seconds": seconds,
                 "samples_per_second": total * args.batch_size / seconds,
                 "final_losses": [sum(h[-20:]) / len(h[-20:]) for h in history],
+                "block_ms": [
+                    {"teacher_forward": 1e3 * statistics.median(f), "student_step": 1e3 * statistics.median(s)}
+                    for f, s in timings
+                ],
                 "teacher_accuracy": accuracy(teacher_blocks, test_x, test_y),
                 "student_accuracy": accuracy(students, test_x, test_y),
             }
