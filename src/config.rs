@@ -114,6 +114,12 @@ impl ConfigIssue {
         Error::Config { path: path.to_path_buf(), line, field: Some(self.field()), message: self.message }
     }
 
+    /// The issue as an error about a config that did not come from a file
+    /// (no path or line to give; the field is named).
+    pub fn into_plain_error(self) -> Error {
+        self.into_error(Path::new("config"), None)
+    }
+
     /// The line of `text` the issue is about, where it can be found.
     fn line_in(&self, text: &str) -> Option<usize> {
         match self.entry {

@@ -179,7 +179,7 @@ impl MyZoo {
 }
 
 fn custom(config: &RunConfig) -> pipe_bd::Result<Custom> {
-    parse_custom(config).map_err(|issue| issue.into_error("config".as_ref(), None))
+    parse_custom(config).map_err(ConfigIssue::into_plain_error)
 }
 
 impl Zoo for MyZoo {
@@ -252,8 +252,7 @@ impl Zoo for MyZoo {
         teacher: &[BlockSpec],
         device: &B::Device,
     ) -> pipe_bd::Result<Students<B, MyStudent<B>>> {
-        let kinds: Vec<StudentKind> =
-            parse_students(config).map_err(|issue| issue.into_error("config".as_ref(), None))?;
+        let kinds: Vec<StudentKind> = parse_students(config).map_err(ConfigIssue::into_plain_error)?;
         B::seed(device, config.seed);
         let blocks = kinds
             .iter()

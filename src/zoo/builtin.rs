@@ -472,5 +472,5 @@ impl Zoo for Builtin {
 
 /// The config's `[[students]]` tables as the built-in student configs.
 fn student_configs(config: &RunConfig) -> Result<Vec<StudentBlockConfig>> {
-    parse_students(config).map_err(|issue| issue.into_error(Path::new("config"), None))
+    parse_students(config).map_err(ConfigIssue::into_plain_error)
 }

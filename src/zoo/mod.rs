@@ -103,7 +103,7 @@ pub trait Zoo: Sync {
     /// [`Zoo::check_config`] for a config that did not come from a file (a
     /// library user's): the error names the field but no line.
     fn check(&self, config: &RunConfig) -> Result<()> {
-        self.check_config(config).map_err(|issue| issue.into_error(Path::new("config"), None))
+        self.check_config(config).map_err(ConfigIssue::into_plain_error)
     }
 }
 
