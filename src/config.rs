@@ -29,6 +29,13 @@ pub struct RunConfig {
     /// Seed for student initialisation and data order.
     #[serde(default)]
     pub seed: u64,
+    /// Generator of the initial student weights and the epoch orders:
+    /// `native` (burn's, the default) or `torch` (PyTorch's CPU generator
+    /// after `torch.manual_seed(seed)`, layer by layer as `torch.nn` draws:
+    /// a PyTorch script with the same seed starts from the same students and
+    /// sees the same batches; students of `Conv2d` and `Linear` layers only).
+    #[serde(default)]
+    pub generator: crate::rng::Generator,
     /// Device: `cpu`, `cuda[:N]` or `wgpu[:N]` (one slot; see `devices`).
     #[serde(default = "default_device")]
     pub device: String,
@@ -488,6 +495,7 @@ impl RunConfig {
             epochs: self.train.epochs,
             batch_size: self.train.batch_size,
             seed: self.seed,
+            generator: self.generator,
             log_every: self.train.log_every,
             optimizer: self.optimizer.clone(),
             temperature: self.train.temperature,

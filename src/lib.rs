@@ -46,6 +46,7 @@ pub mod planning;
 pub mod preflight;
 pub mod profile;
 pub mod report;
+pub mod rng;
 pub mod run;
 pub mod runtime;
 pub mod sweep;

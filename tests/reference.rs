@@ -102,3 +102,77 @@ fn student_steps_follow_pytorchs_loss_curves_from_the_same_start() {
         }
     }
 }
+
+#[derive(Deserialize)]
+struct TorchInit {
+    seed: u64,
+    samples: usize,
+    blocks: Vec<Vec<TensorDigest>>,
+    epochs: Vec<OrderDigest>,
+}
+
+#[derive(Deserialize)]
+struct TensorDigest {
+    shape: Vec<usize>,
+    first: Vec<f32>,
+    last: f32,
+    sum: f64,
+}
+
+#[derive(Deserialize)]
+struct OrderDigest {
+    first: Vec<usize>,
+    last: Vec<usize>,
+}
+
+/// Collects every float parameter's shape and values, in visiting order.
+struct Collect(Vec<(Vec<usize>, Vec<f32>)>);
+
+impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Collect {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let tensor = param.val();
+        self.0.push((tensor.dims().to_vec(), tensor.into_data().iter::<f32>().collect()));
+    }
+}
+
+/// `generator = "torch"` (the quickstart's students, seed 42) draws exactly
+/// the weights `torch.nn` draws after `torch.manual_seed(42)`, and the epoch
+/// orders are the `torch.randperm` calls that follow
+/// (`tests/data/torch-init.json`, written by `bench/peers/reference_init.py`).
+#[test]
+fn torch_generator_draws_what_pytorch_draws() {
+    use pipe_bd::config::Overrides;
+    use pipe_bd::data::DataOrder;
+    use pipe_bd::rng::Generator;
+    use pipe_bd::zoo::{Builtin, Zoo};
+
+    let text = std::fs::read_to_string("tests/data/torch-init.json").unwrap();
+    let reference: TorchInit = serde_json::from_str(&text).unwrap();
+    let path = std::path::Path::new("experiments/mnist-cnn.toml");
+    let mut config = Builtin.load_config(path, Overrides::default()).unwrap();
+    config.seed = reference.seed;
+    config.generator = Generator::Torch;
+    let teacher = Builtin.teacher_specs(&config).unwrap();
+    let students = Builtin.students::<Train>(&config, &teacher, &Default::default()).unwrap();
+    assert_eq!(students.blocks.len(), reference.blocks.len());
+    for (k, (block, expected)) in students.blocks.iter().zip(&reference.blocks).enumerate() {
+        let mut collect = Collect(Vec::new());
+        block.visit(&mut collect);
+        assert_eq!(collect.0.len(), expected.len(), "block {}: number of tensors", k + 1);
+        for (t, ((shape, values), want)) in collect.0.iter().zip(expected).enumerate() {
+            let at = format!("block {} tensor {t}", k + 1);
+            assert_eq!(shape, &want.shape, "{at}: shape");
+            assert_eq!(&values[..want.first.len()], &want.first[..], "{at}: first values");
+            assert_eq!(values.last(), Some(&want.last), "{at}: last value");
+            let sum: f64 = values.iter().map(|&v| v as f64).sum();
+            assert!((sum - want.sum).abs() < 1e-9 * values.len() as f64, "{at}: sum {sum} vs {}", want.sum);
+        }
+    }
+    let params = students.specs.iter().map(|s| s.params).sum();
+    let order = DataOrder::new(Generator::Torch, reference.seed, params);
+    for (epoch, want) in reference.epochs.iter().enumerate() {
+        let got = order.epoch(reference.samples, epoch);
+        assert_eq!(&got[..want.first.len()], &want.first[..], "epoch {epoch}: first samples");
+        assert_eq!(&got[got.len() - want.last.len()..], &want.last[..], "epoch {epoch}: last samples");
+    }
+}

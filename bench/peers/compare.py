@@ -3,7 +3,10 @@
 Runs `pipebd run experiments/mnist-cnn.toml` and bench/peers/mnist_cnn_torch.py
 on the same machine, one after the other, `--rounds` times each (alternating,
 so both see the same machine), and prints the ratios: samples/s while
-training, stitched test accuracy, and each block's final loss.
+training, stitched test accuracy, and each block's final loss. With
+`--seeds 1,2,3`, each round runs every seed (the config's `seed` replaced,
+the peer's `--seed` set): after one epoch the stitched accuracy of this
+recipe spreads over points from seed to seed, in both.
 
     cargo build --release && bash bench/peers/setup.sh
     bench/peers/.venv/bin/python bench/peers/compare.py --epochs 1
@@ -14,6 +17,7 @@ Writes the measurements to runs/peers/compare.json.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -22,9 +26,23 @@ import tempfile
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def run_pipebd(args):
+def config_with_seed(path, seed, out):
+    """A copy of the config at `path` in folder `out` with `seed = <seed>`."""
+    with open(os.path.join(ROOT, path)) as f:
+        text = f.read()
+    text, found = re.subn(r"(?m)^seed\s*=\s*\d+", f"seed = {seed}", text)
+    if not found:
+        sys.exit(f"{path}: no top-level `seed = N` line to replace")
+    copy = os.path.join(out, "config.toml")
+    with open(copy, "w") as f:
+        f.write(text)
+    return copy
+
+
+def run_pipebd(args, seed):
     with tempfile.TemporaryDirectory() as out:
-        cmd = [args.pipebd, "run", args.config, "--out", out, "--epochs", str(args.epochs), "--quiet"]
+        config = args.config if seed is None else config_with_seed(args.config, seed, out)
+        cmd = [args.pipebd, "run", config, "--out", out, "--epochs", str(args.epochs), "--quiet"]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "report.json")) as f:
             report = json.load(f)
@@ -50,9 +68,11 @@ def profile_pipebd(args):
             for row in entries]
 
 
-def run_peer(args):
+def run_peer(args, seed):
     cmd = [sys.executable, os.path.join(ROOT, "bench/peers/mnist_cnn_torch.py"), "--epochs", str(args.epochs),
            "--threads", str(args.threads)]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
     done = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -64,16 +84,20 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--config", default="experiments/mnist-cnn.toml")
     parser.add_argument("--pipebd", default=os.path.join(ROOT, "target/release/pipebd"))
+    parser.add_argument("--seeds", help="comma-separated seeds (default: the config's, and the peer's 42)")
     args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
     if not os.path.exists(args.pipebd):
         sys.exit(f"{args.pipebd}: not found (cargo build --release first)")
 
     ours, theirs = [], []
     for r in range(args.rounds):
-        print(f"round {r + 1}/{args.rounds}: pipe-bd ...", file=sys.stderr, flush=True)
-        ours.append(run_pipebd(args))
-        print(f"round {r + 1}/{args.rounds}: pytorch ...", file=sys.stderr, flush=True)
-        theirs.append(run_peer(args))
+        for seed in seeds:
+            label = f"round {r + 1}/{args.rounds}" + ("" if seed is None else f", seed {seed}")
+            print(f"{label}: pipe-bd ...", file=sys.stderr, flush=True)
+            ours.append(dict(run_pipebd(args, seed), seed=seed))
+            print(f"{label}: pytorch ...", file=sys.stderr, flush=True)
+            theirs.append(dict(run_peer(args, seed), seed=seed))
 
     median = lambda runs, key: statistics.median(run[key] for run in runs)
     speed = median(ours, "samples_per_second") / median(theirs, "samples_per_second")
@@ -88,6 +112,14 @@ def main():
         a = statistics.median(run["final_losses"][k] for run in ours)
         b = statistics.median(run["final_losses"][k] for run in theirs)
         print(f"{f'block {k + 1} final loss':<24}{a:>12.4f}{b:>12.4f}{a / b:>9.2f}x")
+    if len(seeds) > 1:
+        print("stitched accuracy per seed (pipe-bd / pytorch):")
+        for a, b in zip(ours, theirs):
+            print(f"  seed {a['seed']:<6}{100 * a['student_accuracy']:>8.2f}%{100 * b['student_accuracy']:>8.2f}%")
+        for name, runs in (("pipe-bd", ours), ("pytorch", theirs)):
+            acc = [100 * run["student_accuracy"] for run in runs]
+            print(f"  {name:<10} mean {statistics.mean(acc):.2f}%  sd {statistics.stdev(acc):.2f}  "
+                  f"min {min(acc):.2f}%  max {max(acc):.2f}%")
     print("per block, median ms per step (pipe-bd: `pipebd profile`; pytorch: timed in its loop):")
     ours_ms = profile_pipebd(args)
     theirs_ms = theirs[0]["block_ms"]
@@ -98,7 +130,7 @@ def main():
         print(f"{f'block {k + 1}':<10}{tf:>34}{st:>34}")
     os.makedirs(os.path.join(ROOT, "runs/peers"), exist_ok=True)
     with open(os.path.join(ROOT, "runs/peers/compare.json"), "w") as f:
-        json.dump({"epochs": args.epochs, "threads": args.threads, "pipebd": ours, "pytorch": theirs,
+        json.dump({"epochs": args.epochs, "threads": args.threads, "seeds": seeds, "pipebd": ours, "pytorch": theirs,
                    "speed_ratio": speed, "pipebd_block_ms": ours_ms}, f, indent=1)
 
 

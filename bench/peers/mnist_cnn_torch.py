@@ -172,7 +172,6 @@ def main():
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     train_x, _ = load_split(args.data, "train", args.train_limit)
     test_x, test_y = load_split(args.data, "t10k", 0)
 
@@ -180,6 +179,10 @@ def main():
     teacher.load_state_dict(published_to_ours(torch.load(args.teacher, map_location="cpu")))
     teacher.eval().requires_grad_(False)
     teacher_blocks = teacher.blocks()
+    # Seeded after the teacher is built: the generator's first draws are the
+    # students' (pipe-bd's `generator = "torch"` draws the same students from
+    # the same seed), then one randperm per epoch.
+    torch.manual_seed(args.seed)
     students = [
         ConvStudent(1, 6, 32),
         BottleneckStudent(32, 16, 64),

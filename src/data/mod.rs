@@ -269,6 +269,51 @@ impl ImageDataset {
     }
 }
 
+/// Where a run's epoch orders come from; each depends only on the run's
+/// seed and the epoch, so every schedule (and a resumed run) sees the same
+/// batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataOrder {
+    /// pipe-bd's own seeded shuffle ([`epoch_order`]).
+    Seeded {
+        /// The run's seed.
+        seed: u64,
+    },
+    /// PyTorch's: epoch `e` is the `e+1`-th `torch.randperm(len)` after
+    /// `torch.manual_seed(seed)` and `draws_before` draws (the students'
+    /// initial weights; see [`crate::rng`]).
+    Torch {
+        /// The run's seed.
+        seed: u64,
+        /// Draws taken from the generator before the first epoch's order.
+        draws_before: u64,
+    },
+}
+
+impl DataOrder {
+    /// The order for `generator` in a run with `seed` whose students have
+    /// `student_params` parameters in all (each drawn once by PyTorch's
+    /// generator before the first epoch's order).
+    pub fn new(generator: crate::rng::Generator, seed: u64, student_params: usize) -> Self {
+        match generator {
+            crate::rng::Generator::Native => DataOrder::Seeded { seed },
+            crate::rng::Generator::Torch => DataOrder::Torch { seed, draws_before: student_params as u64 },
+        }
+    }
+
+    /// The order in which `epoch` visits `len` samples.
+    pub fn epoch(&self, len: usize, epoch: usize) -> Vec<usize> {
+        match *self {
+            DataOrder::Seeded { seed } => epoch_order(len, seed, epoch),
+            DataOrder::Torch { seed, draws_before } => {
+                let mut rng = crate::rng::TorchRng::new(seed);
+                rng.skip(draws_before + epoch as u64 * len.saturating_sub(1) as u64);
+                rng.randperm(len)
+            }
+        }
+    }
+}
+
 /// The order in which an epoch visits the samples: a seeded shuffle that
 /// depends only on `(seed, epoch)`, so every schedule sees the same batches.
 pub fn epoch_order(len: usize, seed: u64, epoch: usize) -> Vec<usize> {

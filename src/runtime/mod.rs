@@ -51,6 +51,7 @@ use pipebd_kernels::DistillBackend;
 use recovery::{recover, RecoveryContext, ResilienceLog};
 use resume::{block_identity, restore_newest};
 
+use crate::data::DataOrder;
 use crate::error::{Error, Result};
 use crate::fault::Fault;
 use crate::plan::Plan;
@@ -282,6 +283,7 @@ where
     }
     let total_steps = per_epoch * settings.epochs;
     let Students { blocks: modules, specs, .. } = students;
+    let order = DataOrder::new(settings.generator, settings.seed, specs.iter().map(|s| s.params).sum());
     let identities: Vec<BTreeMap<String, serde_json::Value>> =
         specs.iter().map(|spec| block_identity(options, settings, spec, total_steps)).collect();
     // Fresh copies, for blocks lost before their first checkpoint.
@@ -350,6 +352,7 @@ where
             devices,
             options,
             per_epoch,
+            order,
             total_steps,
             origin,
             first_worker: workers.len(),

@@ -31,6 +31,8 @@ pub(super) struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>>
     pub(super) devices: &'a [B::Device],
     pub(super) options: &'a RuntimeSettings,
     pub(super) per_epoch: usize,
+    /// Where each epoch's sample order comes from.
+    pub(super) order: crate::data::DataOrder,
     pub(super) total_steps: usize,
     pub(super) origin: Instant,
     pub(super) first_worker: usize,

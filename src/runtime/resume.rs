@@ -28,6 +28,9 @@ pub(super) fn block_identity(
     identity.insert("train.total_steps".into(), json!(total_steps));
     identity.insert("train.batch_size".into(), json!(settings.batch_size));
     identity.insert("seed".into(), json!(settings.seed));
+    if settings.generator != crate::rng::Generator::Native {
+        identity.insert("generator".into(), json!(settings.generator.name()));
+    }
     identity.insert("optimizer".into(), serde_json::to_value(&settings.optimizer).unwrap_or_default());
     identity
 }

@@ -15,7 +15,6 @@ use pipebd_kernels::DistillBackend;
 use super::phase::{PhaseContext, ProgressMsg};
 use super::sync::{receive, send, Flow, Halt, Heartbeat, StepBarrier, Stop, POLL};
 use super::topology::{ActivationMsg, GradientMsg, ModuleMsg, Role, Worker};
-use crate::data::epoch_order;
 use crate::error::{relabel, Error};
 use crate::fault::FaultKind;
 use crate::trace::{SpanKind, SpanRecorder};
@@ -95,7 +94,7 @@ where
         // 1. Input: data or the previous stage's activation.
         let mut x = if stage.loads_data {
             if epoch != order_epoch {
-                order = epoch_order(context.data.len(), settings.seed, epoch);
+                order = context.order.epoch(context.data.len(), epoch);
                 order_epoch = epoch;
             }
             let base = in_epoch * batch;

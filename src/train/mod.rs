@@ -34,6 +34,9 @@ pub struct TrainSettings {
     pub batch_size: usize,
     /// Seed of the data order.
     pub seed: u64,
+    /// The generator of the data order (and of the initial weights, drawn
+    /// before the run by the zoo).
+    pub generator: crate::rng::Generator,
     /// Metric row every this many steps.
     pub log_every: usize,
     /// Per-block optimizer.
@@ -51,6 +54,7 @@ impl Default for TrainSettings {
             epochs: 1,
             batch_size: 128,
             seed: 0,
+            generator: crate::rng::Generator::Native,
             log_every: 10,
             optimizer: OptimizerConfig::default(),
             temperature: 1.0,

@@ -240,6 +240,16 @@ fn build_students<B: DistillBackend>(
         <burn::backend::Flex as burn::tensor::backend::Backend>::seed(&cpu, seed);
         let (mut blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
         init_from_teacher(config, configs, &mut blocks)?;
+        if config.generator == crate::rng::Generator::Torch {
+            let mut rng = crate::rng::TorchRng::new(seed);
+            blocks = blocks
+                .into_iter()
+                .enumerate()
+                .map(|(k, block)| {
+                    crate::rng::init_like_torch(block, &mut rng).map_err(|e| Error::block(k + 1, e))
+                })
+                .collect::<Result<Vec<_>>>()?;
+        }
         // burn initialises parameters lazily, at first use: draw them now, in order.
         let records: Vec<_> = blocks.into_iter().map(|b| b.into_record()).collect();
         (records, specs)
