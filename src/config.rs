@@ -33,7 +33,8 @@ pub struct RunConfig {
     /// `native` (burn's, the default) or `torch` (PyTorch's CPU generator
     /// after `torch.manual_seed(seed)`, layer by layer as `torch.nn` draws:
     /// a PyTorch script with the same seed starts from the same students and
-    /// sees the same batches; students of `Conv2d` and `Linear` layers only).
+    /// sees the same batches; students of `Conv2d` and `Linear` layers only;
+    /// a stitched pass keeps pipe-bd's own shuffle).
     #[serde(default)]
     pub generator: crate::rng::Generator,
     /// Device: `cpu`, `cuda[:N]` or `wgpu[:N]` (one slot; see `devices`).

@@ -231,3 +231,9 @@ fn unknown_field_in_a_student_entry_names_the_entry() {
     assert!(shown.contains("students[1]"), "{shown}");
     assert!(shown.contains("widht"), "{shown}");
 }
+
+#[test]
+fn unknown_generator_names_line_and_field() {
+    let text = GOOD.replace("device = \"cpu\"", "device = \"cpu\"\ngenerator = \"numpy\"");
+    assert_config_error(&text, 3, "generator", "unknown variant");
+}

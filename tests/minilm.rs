@@ -273,3 +273,11 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     assert!((again.embedding_cosine - text.embedding_cosine).abs() < 1e-6);
     assert_eq!(eval.student_accuracy, report.student_accuracy);
 }
+
+#[test]
+fn the_torch_generator_is_refused_for_minilm_students() {
+    let mut config = config(None, 16);
+    config.generator = pipe_bd::rng::Generator::Torch;
+    let error = pipe_bd::zoo::Zoo::check(&pipe_bd::zoo::Builtin, &config).unwrap_err().to_string();
+    assert!(error.contains("generator") && error.contains("native"), "{error}");
+}

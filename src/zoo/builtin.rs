@@ -379,6 +379,15 @@ impl Zoo for Builtin {
                 ),
             ));
         }
+        if config.generator == crate::rng::Generator::Torch && data.is_text() {
+            return Err(ConfigIssue::new(
+                "",
+                "generator",
+                "`torch` draws students built of Conv2d and Linear layers only (the MNIST zoo); \
+                 MiniLM's students have embeddings and layer norms: use `native`"
+                    .into(),
+            ));
+        }
         if !config.custom.is_empty() {
             return Err(ConfigIssue::new(
                 "custom",
