@@ -228,24 +228,17 @@ pub fn eval_teacher<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(f64, usize)>
 /// parameter order and burn's layouts (linear weights `[in, out]`). Returns
 /// the files written.
 pub fn export_initial_weights<Z: Zoo>(zoo: &Z, config: &RunConfig, out_dir: &Path) -> Result<Vec<PathBuf>> {
-    struct Collect(Vec<serde_json::Value>);
-    impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<burn::tensor::Tensor<B, D>>) {
-            let tensor = param.val();
-            let shape = tensor.dims().to_vec();
-            let values: Vec<f32> = tensor.into_data().iter::<f32>().collect();
-            self.0.push(serde_json::json!({ "shape": shape, "values": values }));
-        }
-    }
     zoo.check(config)?;
     let teacher = zoo.teacher_specs(config)?;
     let students = zoo.students::<CpuTrain>(config, &teacher, &Default::default())?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
     let mut files = Vec::new();
     for (k, block) in students.blocks.iter().enumerate() {
-        let mut collect = Collect(Vec::new());
-        block.visit(&mut collect);
-        let json = serde_json::json!({ "block": k + 1, "name": students.specs[k].name, "params": collect.0 });
+        let params: Vec<serde_json::Value> = pipebd_core::parameter_tensors(block)
+            .into_iter()
+            .map(|(shape, values)| serde_json::json!({ "shape": shape, "values": values }))
+            .collect();
+        let json = serde_json::json!({ "block": k + 1, "name": students.specs[k].name, "params": params });
         let path = out_dir.join(format!("block-{}.json", k + 1));
         crate::fsio::write_atomic(&path, json.to_string().as_bytes())?;
         files.push(path);

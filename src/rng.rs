@@ -31,16 +31,6 @@ pub enum Generator {
     Torch,
 }
 
-impl Generator {
-    /// The name as written in configs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Generator::Native => "native",
-            Generator::Torch => "torch",
-        }
-    }
-}
-
 /// PyTorch's CPU generator: MT19937 seeded as `torch.manual_seed` seeds it
 /// (the seed's low 32 bits), with PyTorch's transforms of its 32-bit draws.
 pub struct TorchRng {

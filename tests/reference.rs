@@ -125,16 +125,6 @@ struct OrderDigest {
     last: Vec<usize>,
 }
 
-/// Collects every float parameter's shape and values, in visiting order.
-struct Collect(Vec<(Vec<usize>, Vec<f32>)>);
-
-impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Collect {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let tensor = param.val();
-        self.0.push((tensor.dims().to_vec(), tensor.into_data().iter::<f32>().collect()));
-    }
-}
-
 /// `generator = "torch"` (the quickstart's students, seed 42) draws exactly
 /// the weights `torch.nn` draws after `torch.manual_seed(42)`, and the epoch
 /// orders are the `torch.randperm` calls that follow
@@ -156,10 +146,9 @@ fn torch_generator_draws_what_pytorch_draws() {
     let students = Builtin.students::<Train>(&config, &teacher, &Default::default()).unwrap();
     assert_eq!(students.blocks.len(), reference.blocks.len());
     for (k, (block, expected)) in students.blocks.iter().zip(&reference.blocks).enumerate() {
-        let mut collect = Collect(Vec::new());
-        block.visit(&mut collect);
-        assert_eq!(collect.0.len(), expected.len(), "block {}: number of tensors", k + 1);
-        for (t, ((shape, values), want)) in collect.0.iter().zip(expected).enumerate() {
+        let tensors = pipe_bd::parameter_tensors::<Train, _>(block);
+        assert_eq!(tensors.len(), expected.len(), "block {}: number of tensors", k + 1);
+        for (t, ((shape, values), want)) in tensors.iter().zip(expected).enumerate() {
             let at = format!("block {} tensor {t}", k + 1);
             assert_eq!(shape, &want.shape, "{at}: shape");
             assert_eq!(&values[..want.first.len()], &want.first[..], "{at}: first values");

@@ -311,16 +311,22 @@ pub fn forward_chain<B: FusedBackend, M: Block<B>>(
     Ok(x)
 }
 
-/// Every float parameter of a module, flattened in visiting order (for
-/// comparing two trainings of the same architecture).
-pub fn flat_parameters<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
+/// Every float parameter of a module in visiting order, as (shape, values).
+pub fn parameter_tensors<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> Vec<(Vec<usize>, Vec<f32>)> {
+    struct Collect(Vec<(Vec<usize>, Vec<f32>)>);
     impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Collect {
         fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
-            self.0.extend(param.val().into_data().iter::<f32>());
+            let tensor = param.val();
+            self.0.push((tensor.dims().to_vec(), tensor.into_data().iter::<f32>().collect()));
         }
     }
     let mut collect = Collect(Vec::new());
     module.visit(&mut collect);
     collect.0
+}
+
+/// Every float parameter of a module, flattened in visiting order (for
+/// comparing two trainings of the same architecture).
+pub fn flat_parameters<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+    parameter_tensors(module).into_iter().flat_map(|(_, values)| values).collect()
 }

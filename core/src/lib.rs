@@ -33,7 +33,7 @@ pub mod plan;
 
 pub use activation::Activation;
 pub use block::{
-    check_against_teacher, check_block_count, flat_parameters, forward_chain, Block, BlockSpec,
+    check_against_teacher, check_block_count, flat_parameters, forward_chain, parameter_tensors, Block, BlockSpec,
     StudentModule, Students, Teacher,
 };
 pub use dataset::Dataset;

@@ -29,7 +29,7 @@ pub(super) fn block_identity(
     identity.insert("train.batch_size".into(), json!(settings.batch_size));
     identity.insert("seed".into(), json!(settings.seed));
     if settings.generator != crate::rng::Generator::Native {
-        identity.insert("generator".into(), json!(settings.generator.name()));
+        identity.insert("generator".into(), serde_json::to_value(settings.generator).unwrap_or_default());
     }
     identity.insert("optimizer".into(), serde_json::to_value(&settings.optimizer).unwrap_or_default());
     identity
