@@ -11,7 +11,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::{BiasAxis, Epilogue, FusedBackend, LossWithGrad};
@@ -156,6 +156,98 @@ where
     }
 }
 
+/// What the convolution backward needs: the operands, the output (for the
+/// activation's derivative) and the options.
+#[derive(Debug, Clone)]
+struct ConvState<B: FusedBackend> {
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    output: FloatTensor<B>,
+    options: ConvOptions<2>,
+    epilogue: Epilogue,
+}
+
+/// Backward of the fused convolution with `N` parents (x, weight[, bias]).
+#[derive(Debug)]
+struct ConvBackward;
+
+fn register_conv_grads<B: FusedBackend, const N: usize>(ops: Ops<ConvState<B>, N>, grads: &mut Gradients) {
+    let grad = grads.consume::<B>(&ops.node);
+    let ConvState { x, weight, output, options, epilogue } = ops.state;
+    let pre_grad = B::epilogue_backward(grad, output, epilogue);
+    let parents: Vec<_> = ops.parents.into_iter().collect();
+    let bias_grad = parents.get(2).and_then(Option::as_ref).map(|_| {
+        let [b, c, h, w] = pre_grad.shape().dims::<4>();
+        B::bias_grad(B::float_reshape(pre_grad.clone(), [b, c, h * w].into()), BiasAxis::Rows)
+    });
+    let (x_grad, weight_grad) = B::conv2d_backward(x, weight, pre_grad, options, parents[0].is_some());
+    if let (Some(node), Some(x_grad)) = (&parents[0], x_grad) {
+        grads.register::<B>(node.id, x_grad);
+    }
+    if let Some(node) = &parents[1] {
+        grads.register::<B>(node.id, weight_grad);
+    }
+    if let (Some(Some(node)), Some(bias_grad)) = (parents.get(2), bias_grad) {
+        grads.register::<B>(node.id, bias_grad);
+    }
+}
+
+impl<B: FusedBackend> Backward<B, 2> for ConvBackward {
+    type State = ConvState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        register_conv_grads(ops, grads);
+    }
+}
+
+impl<B: FusedBackend> Backward<B, 3> for ConvBackward {
+    type State = ConvState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        register_conv_grads(ops, grads);
+    }
+}
+
+/// Runs the convolution and, when tracked, records the backward state.
+fn finish_conv<B: FusedBackend, C: CheckpointStrategy, const N: usize>(
+    kind: OpsKind<ConvBackward, B, ConvState<B>, C, N>,
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    options: ConvOptions<2>,
+    epilogue: Epilogue,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    ConvBackward: Backward<B, N, State = ConvState<B>>,
+{
+    match kind {
+        OpsKind::Tracked(prep) => {
+            let output = B::conv2d_epilogue(x.clone(), weight.clone(), bias, options.clone(), epilogue);
+            let state = ConvState { x, weight, output: output.clone(), options, epilogue };
+            prep.finish(state, output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(B::conv2d_epilogue(x, weight, bias, options, epilogue)),
+    }
+}
+
+/// Backward of the 2x2 max-pool: the input (for its shape) and the indices of
+/// the maxima, in the inner backend's format.
+#[derive(Debug)]
+struct MaxPoolBackward;
+
+impl<B: FusedBackend> Backward<B, 1> for MaxPoolBackward {
+    type State = (FloatTensor<B>, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [parent] = ops.parents;
+        if let Some(parent) = parent {
+            let (x, indices) = ops.state;
+            grads.register::<B>(parent.id, B::max_pool2x2_backward(x, grad, indices));
+        }
+    }
+}
+
 impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
     fn mse_loss(
         student: FloatTensor<Self>,
@@ -202,6 +294,43 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
                     sum_batch,
                 )
             }
+        }
+    }
+
+    fn conv2d_epilogue(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        epilogue: Epilogue,
+    ) -> FloatTensor<Self> {
+        if epilogue == Epilogue::Gelu {
+            // Its derivative needs the pre-activation: burn's ops record it.
+            return crate::reference::conv2d_epilogue::<Self>(x, weight, bias, options, epilogue);
+        }
+        match bias {
+            None => {
+                let kind =
+                    ConvBackward.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful();
+                finish_conv(kind, x.primitive, weight.primitive, None, options, epilogue)
+            }
+            Some(bias) => {
+                let kind = ConvBackward
+                    .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+                    .compute_bound()
+                    .stateful();
+                finish_conv(kind, x.primitive, weight.primitive, Some(bias.primitive), options, epilogue)
+            }
+        }
+    }
+
+    fn max_pool2x2(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match MaxPoolBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (output, indices) = B::max_pool2x2_with_indices(x.primitive.clone());
+                prep.finish((x.primitive, indices), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::max_pool2x2(x.primitive)),
         }
     }
 }

@@ -13,7 +13,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::reference::unfused;
-use crate::{linear, loss, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue, MatmulVariant};
+use burn::tensor::ops::ConvOptions;
+
+use crate::{
+    conv2d, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue, MatmulVariant,
+};
 
 /// Relative error allowed for the losses (forward and gradient).
 pub const LOSS_TOLERANCE: f64 = 1e-4;
@@ -240,7 +244,119 @@ pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
         check_layers::<B>(&mut out, &mut rng, variant, device);
     }
     set_matmul_variant(MatmulVariant::Auto);
+    check_convolutions::<B>(&mut out, &mut rng, device);
+    check_max_pool::<B>(&mut out, &mut rng, device);
     out
+}
+
+/// A convolution's pre-activation `[batch, c_out, oh, ow]` in f64 on the host.
+fn conv_kxk_pre(inputs: &LayerInputs, x_shape: [usize; 4], w_shape: [usize; 4], options: &ConvOptions<2>) -> Vec<f64> {
+    let (x, w) = (floats(&inputs.x), floats(&inputs.weight));
+    let b = inputs.bias.as_ref().map(floats);
+    let ([batch, c_in, h, wd], [c_out, _, kh, kw]) = (x_shape, w_shape);
+    let ([sy, sx], [py, px]) = (options.stride, options.padding);
+    let (oh, ow) = ((h + 2 * py - kh) / sy + 1, (wd + 2 * px - kw) / sx + 1);
+    let mut pre = vec![0f64; batch * c_out * oh * ow];
+    for n in 0..batch {
+        for o in 0..c_out {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut sum = b.as_ref().map_or(0.0, |b| b[o] as f64);
+                    for c in 0..c_in {
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let (iy, ix) = ((oy * sy + ky) as isize - py as isize, (ox * sx + kx) as isize - px as isize);
+                                if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < wd {
+                                    let xv = x[((n * c_in + c) * h + iy as usize) * wd + ix as usize] as f64;
+                                    sum += xv * w[((o * c_in + c) * kh + ky) * kw + kx] as f64;
+                                }
+                            }
+                        }
+                    }
+                    pre[((n * c_out + o) * oh + oy) * ow + ox] = sum;
+                }
+            }
+        }
+    }
+    pre
+}
+
+/// The fused convolution (kernels 3x3 and 5x3, strides 1 and 2, with and
+/// without padding) against burn's `conv2d` and the activation.
+fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdRng, device: &B::Device) {
+    let cpu = burn::tensor::Device::<Reference>::default();
+    let cases = [
+        ([3, 1, 28, 28], [6, 1, 3, 3], [1, 1], [1, 1]),
+        ([4, 16, 14, 14], [16, 16, 3, 3], [1, 1], [1, 1]),
+        ([2, 5, 9, 8], [7, 5, 3, 3], [2, 2], [1, 1]),
+        ([1, 3, 7, 6], [4, 3, 5, 3], [1, 2], [0, 1]),
+    ];
+    for (i, (x_shape, w_shape, stride, padding)) in cases.into_iter().enumerate() {
+        for epilogue in [Epilogue::Identity, Epilogue::Relu, Epilogue::Relu6] {
+            let with_bias = (i + epilogue as usize) % 3 != 1;
+            let options = ConvOptions::new(stride, padding, [1, 1], 1);
+            let fan_in = (w_shape[1] * w_shape[2] * w_shape[3]) as f32;
+            let [batch, _, h, w] = x_shape;
+            let (oh, ow) = ((h + 2 * padding[0] - w_shape[2]) / stride[0] + 1, (w + 2 * padding[1] - w_shape[3]) / stride[1] + 1);
+            let mut inputs = LayerInputs {
+                x: random(rng, &x_shape, 1.0),
+                weight: random(rng, &w_shape, 1.0 / fan_in.sqrt()),
+                bias: with_bias.then(|| random(rng, &[w_shape[0]], 0.5)),
+                probe: random(rng, &[batch, w_shape[0], oh, ow], 1.0),
+            };
+            let pre = conv_kxk_pre(&inputs, x_shape, w_shape, &options);
+            avoid_kinks(&mut inputs.probe, &pre, epilogue);
+            let mut rows = Rows {
+                rows: vec![],
+                op: "conv2d",
+                case: format!(
+                    "x {x_shape:?} w {w_shape:?} s{stride:?} p{padding:?} {} bias={with_bias}",
+                    epilogue.name()
+                ),
+                tolerance: MATMUL_TOLERANCE,
+            };
+            let opts = options.clone();
+            let f = layer_on::<B, 4, 4>(&inputs, move |x, w, b| conv2d(x, w, b, opts.clone(), epilogue), device);
+            let r = layer_on::<Reference, 4, 4>(
+                &inputs,
+                move |x, w, b| crate::reference::activate(burn::tensor::module::conv2d(x, w, b, options.clone()), epilogue),
+                &cpu,
+            );
+            add_layer_rows(&mut rows, f, r);
+            out.extend(rows.rows);
+        }
+    }
+}
+
+/// The 2x2 max-pool (even and odd sizes) against burn's `max_pool2d`.
+fn check_max_pool<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdRng, device: &B::Device) {
+    let cpu = burn::tensor::Device::<Reference>::default();
+    for shape in [[2, 3, 28, 28], [5, 4, 7, 7], [1, 2, 6, 9]] {
+        let x = random(rng, &shape, 2.0);
+        let probe = random(rng, &[shape[0], shape[1], shape[2] / 2, shape[3] / 2], 1.0);
+        fn pooled<B: DistillBackend>(
+            x: &TensorData,
+            probe: &TensorData,
+            pool: impl Fn(Tensor<B, 4>) -> Tensor<B, 4>,
+            device: &B::Device,
+        ) -> (Vec<f32>, Vec<f32>) {
+            let x = tensor::<B, 4>(x, device).require_grad();
+            let y = pool(x.clone());
+            let grads = (y.clone() * tensor::<B, 4>(probe, device)).sum().backward();
+            (values(y), values(x.grad(&grads).expect("x gradient")))
+        }
+        let f = pooled::<B>(&x, &probe, max_pool2x2, device);
+        let r = pooled::<Reference>(
+            &x,
+            &probe,
+            |x| burn::tensor::module::max_pool2d(x, [2, 2], [2, 2], [0, 0], [1, 1], false),
+            &cpu,
+        );
+        let mut rows = Rows { rows: vec![], op: "max-pool-2x2", case: format!("x {shape:?}"), tolerance: LOSS_TOLERANCE };
+        rows.add("forward", &f.0, &r.0);
+        rows.add("d x", &f.1, &r.1);
+        out.extend(rows.rows);
+    }
 }
 
 /// The linear and pointwise-conv cases with the matmul `variant` in force.

@@ -31,11 +31,14 @@ pub mod check;
 #[cfg(feature = "cubecl")]
 mod cube;
 pub mod encoder;
+mod flex;
 pub mod loss;
 pub mod reference;
 
+use burn::nn::conv::Conv2d;
+use burn::nn::PaddingConfig2d;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 /// The activation applied in the epilogue of a fused matmul.
@@ -150,6 +153,53 @@ pub trait FusedBackend: Backend {
     ) -> FloatTensor<Self> {
         reference::matmul_epilogue::<Self>(lhs, rhs, bias, epilogue, sum_batch)
     }
+
+    /// `act(conv2d(x, weight) + bias)` for `x [batch, c_in, h, w]`, `weight
+    /// [c_out, c_in / groups, kh, kw]` and `bias [c_out]`.
+    fn conv2d_epilogue(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        epilogue: Epilogue,
+    ) -> FloatTensor<Self> {
+        reference::conv2d_epilogue::<Self>(x, weight, bias, options, epilogue)
+    }
+
+    /// The gradients of `conv2d(x, weight)` from the gradient of its output
+    /// (before any bias or activation): that of `x` when `x_grad`, and that
+    /// of `weight`.
+    fn conv2d_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        x_grad: bool,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
+        reference::conv2d_backward::<Self>(x, weight, grad, options, x_grad)
+    }
+
+    /// A 2x2, stride-2 max-pool of `[batch, channels, h, w]` (no padding; an
+    /// odd last row or column is dropped, as burn's `MaxPool2d` with kernel 2).
+    fn max_pool2x2(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::max_pool2x2_with_indices(x).0
+    }
+
+    /// [`max_pool2x2`](FusedBackend::max_pool2x2) and where each maximum came
+    /// from, for [`max_pool2x2_backward`](FusedBackend::max_pool2x2_backward)
+    /// (the index format is the backend's own).
+    fn max_pool2x2_with_indices(x: FloatTensor<Self>) -> (FloatTensor<Self>, IntTensor<Self>) {
+        reference::max_pool2x2_with_indices::<Self>(x)
+    }
+
+    /// The input gradient of the 2x2 max-pool: `grad` routed to the maxima.
+    fn max_pool2x2_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::max_pool2x2_backward::<Self>(x, grad, indices)
+    }
 }
 
 /// The backends the engine trains on: autodiff over a [`FusedBackend`], with
@@ -157,8 +207,6 @@ pub trait FusedBackend: Backend {
 pub trait DistillBackend: AutodiffBackend<InnerBackend: FusedBackend> + FusedBackend {}
 
 impl<B> DistillBackend for B where B: AutodiffBackend<InnerBackend: FusedBackend> + FusedBackend {}
-
-impl FusedBackend for burn::backend::Flex {}
 
 /// How [`FusedBackend::matmul_epilogue`] runs on CubeCL backends (other
 /// backends have one way: burn's ops).
@@ -235,6 +283,50 @@ pub fn pointwise_conv<B: FusedBackend>(
         false,
     );
     Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(output)).reshape([batch, out, h, w])
+}
+
+/// `act(conv2d(x, weight) + bias)`: one op (on the CPU, an im2col and one
+/// batched matmul with the bias and activation applied in the same pass;
+/// the backward reuses both).
+pub fn conv2d<B: FusedBackend>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    options: ConvOptions<2>,
+    epilogue: Epilogue,
+) -> Tensor<B, 4> {
+    let output = B::conv2d_epilogue(
+        x.into_primitive().tensor(),
+        weight.into_primitive().tensor(),
+        bias.map(|b| b.into_primitive().tensor()),
+        options,
+        epilogue,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(output))
+}
+
+/// A burn `Conv2d` layer followed by `epilogue`, through [`conv2d`] when its
+/// padding is symmetric (or none) and it has neither groups nor dilation;
+/// otherwise the layer's own forward and the activation as burn ops.
+pub fn conv2d_layer<B: FusedBackend>(layer: &Conv2d<B>, x: Tensor<B, 4>, epilogue: Epilogue) -> Tensor<B, 4> {
+    let padding = match layer.padding {
+        PaddingConfig2d::Valid => Some([0, 0]),
+        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => Some([top, left]),
+        _ => None,
+    };
+    match padding {
+        Some(padding) if layer.groups == 1 && layer.dilation == [1, 1] => {
+            let options = ConvOptions::new(layer.stride, padding, [1, 1], 1);
+            conv2d(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()), options, epilogue)
+        }
+        _ => reference::activate(layer.forward(x), epilogue),
+    }
+}
+
+/// A 2x2, stride-2 max-pool of `[batch, channels, h, w]`, as burn's
+/// `MaxPool2d` with kernel 2 (no padding, odd edges dropped).
+pub fn max_pool2x2<B: FusedBackend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::max_pool2x2(x.into_primitive().tensor())))
 }
 
 /// burn's wgpu backend without burn's op fusion, so that our [`FusedBackend`]

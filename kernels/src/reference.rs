@@ -6,7 +6,7 @@
 
 use burn::tensor::activation::{gelu, log_softmax, relu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::{BiasAxis, Epilogue, LossWithGrad};
@@ -89,6 +89,45 @@ pub fn bias_grad<B: Backend>(grad: FloatTensor<B>, axis: BiasAxis) -> FloatTenso
     };
     let n = summed.shape().num_elements();
     unwrap(summed.reshape([n]))
+}
+
+/// `act(conv2d(x, weight) + bias)` with burn's `conv2d` and the activation.
+pub fn conv2d_epilogue<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    options: ConvOptions<2>,
+    epilogue: Epilogue,
+) -> FloatTensor<B> {
+    unwrap(activate(wrap::<B, 4>(B::conv2d(x, weight, bias, options)), epilogue))
+}
+
+/// The input gradient (when asked for) and the weight gradient of `conv2d`
+/// from the gradient of its output, with burn's backward ops.
+pub fn conv2d_backward<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    options: ConvOptions<2>,
+    x_grad: bool,
+) -> (Option<FloatTensor<B>>, FloatTensor<B>) {
+    let dx = x_grad.then(|| B::conv2d_x_backward(x.clone(), weight.clone(), grad.clone(), options.clone()));
+    (dx, B::conv2d_weight_backward(x, weight, grad, options))
+}
+
+/// burn's 2x2, stride-2 max-pool (no padding, floor): output and indices.
+pub fn max_pool2x2_with_indices<B: Backend>(x: FloatTensor<B>) -> (FloatTensor<B>, IntTensor<B>) {
+    let pooled = B::max_pool2d_with_indices(x, [2, 2], [2, 2], [0, 0], [1, 1], false);
+    (pooled.output, pooled.indices)
+}
+
+/// The input gradient of [`max_pool2x2_with_indices`] with burn's op.
+pub fn max_pool2x2_backward<B: Backend>(
+    x: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    indices: IntTensor<B>,
+) -> FloatTensor<B> {
+    B::max_pool2d_with_indices_backward(x, [2, 2], [2, 2], [0, 0], [1, 1], false, grad, indices).x_grad
 }
 
 /// Applies an epilogue activation with burn ops.

@@ -9,9 +9,8 @@ use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::PaddingConfig2d;
-use burn::tensor::activation::relu;
 use burn::tensor::Tensor;
-use pipebd_kernels::{pointwise_conv, Epilogue, FusedBackend};
+use pipebd_kernels::{conv2d_layer, max_pool2x2, pointwise_conv, Epilogue, FusedBackend};
 
 use crate::Downsample;
 
@@ -58,17 +57,16 @@ fn fused_pointwise<B: FusedBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, relu: boo
     pointwise_conv(x, conv.weight.val(), conv.bias.as_ref().map(|b| b.val()), epilogue)
 }
 
-fn maybe_relu<B: FusedBackend>(x: Tensor<B, 4>, apply: bool) -> Tensor<B, 4> {
-    if apply {
-        relu(x)
-    } else {
-        x
-    }
+/// A 3x3 convolution through the fused op, with its activation.
+fn fused_spatial<B: FusedBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, relu: bool) -> Tensor<B, 4> {
+    conv2d_layer(conv, x, if relu { Epilogue::Relu } else { Epilogue::Identity })
 }
 
+/// The block's final 2x2 max-pool (always kernel 2, stride 2: [`final_pool`]),
+/// through the fused op.
 fn maybe_pool<B: FusedBackend>(x: Tensor<B, 4>, pool: &Option<MaxPool2d>) -> Tensor<B, 4> {
     match pool {
-        Some(pool) => pool.forward(x),
+        Some(_) => max_pool2x2(x),
         None => x,
     }
 }
@@ -104,7 +102,7 @@ impl<B: FusedBackend> ConvBlock<B> {
 
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        maybe_pool(fused_pointwise(&self.project, relu(self.spatial.forward(x)), true), &self.pool)
+        maybe_pool(fused_pointwise(&self.project, fused_spatial(&self.spatial, x, true), true), &self.pool)
     }
 }
 
@@ -144,7 +142,7 @@ impl<B: FusedBackend> SeparableBlock<B> {
 
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let x = maybe_relu(self.depthwise.forward(x), self.inner_relu);
+        let x = fused_spatial(&self.depthwise, x, self.inner_relu);
         maybe_pool(fused_pointwise(&self.pointwise, x, true), &self.pool)
     }
 }
@@ -188,7 +186,7 @@ impl<B: FusedBackend> BottleneckBlock<B> {
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let x = fused_pointwise(&self.reduce, x, self.inner_relu);
-        let x = maybe_relu(self.spatial.forward(x), self.inner_relu);
+        let x = fused_spatial(&self.spatial, x, self.inner_relu);
         maybe_pool(fused_pointwise(&self.expand, x, true), &self.pool)
     }
 }
