@@ -16,7 +16,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 
 use crate::reference::unfused;
-use crate::{linear, loss, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue, MatmulVariant};
+use burn::tensor::ops::ConvOptions;
+
+use crate::{
+    conv2d, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue, MatmulVariant,
+};
 
 /// One timed case: median milliseconds per call of each side.
 #[derive(Debug, Clone)]
@@ -169,6 +173,40 @@ pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRo
         layer_rows::<B>(&mut rows, variant, repeats, device);
     }
     set_matmul_variant(MatmulVariant::Auto);
+    // The teacher's and the quickstart students' 3x3 convolutions (padding 1).
+    for (c_in, hw, c_out) in [(1, 28, 32), (32, 14, 64), (64, 7, 128), (1, 28, 6), (16, 14, 16), (24, 7, 24)] {
+        let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
+        let reference_options = options.clone();
+        rows.push(layer_row::<B, 4, 4>(
+            "conv3x3",
+            format!("[256, {c_in}, {hw}, {hw}] -> {c_out} relu"),
+            [256, c_in, hw, hw],
+            [c_out, c_in, 3, 3],
+            c_out,
+            repeats,
+            device,
+            &move |x, w, b| conv2d(x, w, b, options.clone(), Epilogue::Relu),
+            &move |x, w, b| {
+                crate::reference::activate(
+                    burn::tensor::module::conv2d(x, w, b, reference_options.clone()),
+                    Epilogue::Relu,
+                )
+            },
+        ));
+    }
+    for (channels, hw) in [(32, 28), (64, 14), (128, 7)] {
+        rows.push(layer_row::<B, 4, 1>(
+            "max-pool-2x2",
+            format!("[256, {channels}, {hw}, {hw}]"),
+            [256, channels, hw, hw],
+            [1],
+            1,
+            repeats,
+            device,
+            &|x, w, _| max_pool2x2(x) * w.reshape([1, 1, 1, 1]),
+            &|x, w, _| burn::tensor::module::max_pool2d(x, [2, 2], [2, 2], [0, 0], [1, 1], false) * w.reshape([1, 1, 1, 1]),
+        ));
+    }
     rows
 }
 

@@ -15,7 +15,7 @@ use std::borrow::Cow;
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::Flex;
-use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, IntTensor};
+use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
@@ -24,6 +24,30 @@ use crate::{reference, BiasAxis, Epilogue, FusedBackend, LossWithGrad};
 /// Elements per parallel task of an elementwise pass (fixed, so the partition
 /// and any partial sums do not depend on the thread count).
 const CHUNK: usize = 16 * 1024;
+
+/// Sum of `values` in eight interleaved lanes (vectorised; a fixed order).
+fn lane_sum(values: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = values.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for chunk in chunks {
+        lanes.iter_mut().zip(chunk).for_each(|(lane, v)| *lane += v);
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// `sum((s - t)^2)` in eight interleaved lanes.
+fn lane_sum_squared_difference(s: &[f32], t: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (s_chunks, t_chunks) = (s.chunks_exact(8), t.chunks_exact(8));
+    let rest: f32 = s_chunks.remainder().iter().zip(t_chunks.remainder()).map(|(a, b)| (a - b) * (a - b)).sum();
+    for (sc, tc) in s_chunks.zip(t_chunks) {
+        for ((lane, a), b) in lanes.iter_mut().zip(sc).zip(tc) {
+            *lane += (a - b) * (a - b);
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
 
 fn is_f32(tensor: &FlexTensor) -> bool {
     tensor.dtype() == DType::F32
@@ -64,6 +88,10 @@ fn rows_per_task(row: usize) -> usize {
     (CHUNK / row.max(1)).max(1)
 }
 
+/// Batch entries per task of a batch-summed product (fixed, so the partial
+/// sums and their order do not depend on the thread count).
+const BATCH_PER_TASK: usize = 8;
+
 fn activate(x: f32, epilogue: Epilogue) -> f32 {
     match epilogue {
         Epilogue::Identity => x,
@@ -74,26 +102,187 @@ fn activate(x: f32, epilogue: Epilogue) -> f32 {
     }
 }
 
-/// `act(product + bias)` in place: one pass instead of a broadcast add and an
-/// activation.
-fn apply_epilogue(product: FlexTensor, bias: Option<(Vec<f32>, BiasAxis)>, epilogue: Epilogue) -> FlexTensor {
-    let [_, m, n] = product.shape().dims::<3>();
-    let mut out = owned(product);
-    write(&mut out, |data| {
-        data.par_chunks_mut(n.max(1)).with_min_len(rows_per_task(n)).enumerate().for_each(|(r, row)| {
-            match &bias {
-                None => row.iter_mut().for_each(|v| *v = activate(*v, epilogue)),
-                Some((bias, BiasAxis::Rows)) => {
-                    let b = bias[r % m];
-                    row.iter_mut().for_each(|v| *v = activate(*v + b, epilogue));
+/// `act(data + bias)` in place on `[z, m, n]` row-major values (bias along
+/// `m` or `n`), in parallel over rows when `parallel`.
+fn epilogue_in_place(
+    data: &mut [f32],
+    [m, n]: [usize; 2],
+    bias: Option<(&[f32], BiasAxis)>,
+    epilogue: Epilogue,
+    parallel: bool,
+) {
+    if bias.is_none() && epilogue == Epilogue::Identity {
+        return;
+    }
+    let row_op = |(r, row): (usize, &mut [f32])| match bias {
+        None => row.iter_mut().for_each(|v| *v = activate(*v, epilogue)),
+        Some((bias, BiasAxis::Rows)) => {
+            let b = bias[r % m];
+            row.iter_mut().for_each(|v| *v = activate(*v + b, epilogue));
+        }
+        Some((bias, BiasAxis::Cols)) => {
+            row.iter_mut().zip(bias).for_each(|(v, b)| *v = activate(*v + b, epilogue));
+        }
+    };
+    if parallel {
+        data.par_chunks_mut(n.max(1)).with_min_len(rows_per_task(n)).enumerate().for_each(row_op);
+    } else {
+        data.chunks_mut(n.max(1)).enumerate().for_each(row_op);
+    }
+}
+
+/// A strided matrix inside a buffer: element `(r, c)` at
+/// `data[offset + r * row_stride + c * col_stride]`.
+#[derive(Debug, Clone, Copy)]
+struct Matrix<'a> {
+    data: &'a [f32],
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> Matrix<'a> {
+    /// A contiguous row-major `rows x cols` matrix.
+    fn dense(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self { data, offset: 0, rows, cols, row_stride: cols, col_stride: 1 }
+    }
+
+    /// Batch entry `z` of a rank-3 `f32` tensor (a batch of one is shared by
+    /// every entry); `None` for negative strides.
+    fn batch_entry(tensor: &'a FlexTensor, z: usize) -> Option<Self> {
+        let [batch, rows, cols] = tensor.shape().dims::<3>();
+        let strides: Vec<usize> = tensor.layout().strides().iter().map(|s| usize::try_from(*s).ok()).collect::<Option<_>>()?;
+        let entry = if batch == 1 { 0 } else { z };
+        Some(Self {
+            data: tensor.storage::<f32>(),
+            offset: tensor.layout().start_offset() + entry * strides[0],
+            rows,
+            cols,
+            row_stride: strides[1],
+            col_stride: strides[2],
+        })
+    }
+
+    fn transposed(self) -> Self {
+        Self { rows: self.cols, cols: self.rows, row_stride: self.col_stride, col_stride: self.row_stride, ..self }
+    }
+
+    /// Whether every element lies inside `data`.
+    fn in_bounds(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || self.offset + (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride < self.data.len()
+    }
+}
+
+/// `dst = lhs @ rhs`, or `dst += lhs @ rhs` with `accumulate`, for a
+/// contiguous row-major `dst`, through the `gemm` crate.
+fn gemm_into(dst: &mut [f32], lhs: Matrix, rhs: Matrix, accumulate: bool, parallelism: gemm::Parallelism) {
+    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
+    assert!(
+        rhs.rows == k && dst.len() == m * n && lhs.in_bounds() && rhs.in_bounds(),
+        "gemm_into: [{m}, {k}] @ [{}, {n}] into {} values",
+        rhs.rows,
+        dst.len()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.fill(0.0);
+        }
+        return;
+    }
+    // SAFETY: the assertion keeps every element gemm reads (`lhs`, `rhs`:
+    // offset + (rows-1) * row_stride + (cols-1) * col_stride < len) and writes
+    // (`dst`: m * n contiguous values) inside those slices, and `dst` is
+    // borrowed mutably, so nothing else touches it meanwhile.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr().add(lhs.offset),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr().add(rhs.offset),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// Threads inside one product (flex's rule: only above 192^3 multiply-adds).
+fn parallelism(m: usize, k: usize, n: usize) -> gemm::Parallelism {
+    if m.saturating_mul(k).saturating_mul(n) >= 192 * 192 * 192 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
+/// [`FusedBackend::matmul_epilogue`] on `f32` tensors with non-negative
+/// strides: every batch entry's product is written straight into the output
+/// and its epilogue applied while it is in cache, entries in parallel; a
+/// batch-summed product accumulates fixed groups of entries and adds the
+/// groups in order. `None` when the operands do not qualify.
+fn matmul_native(
+    lhs: &FlexTensor,
+    rhs: &FlexTensor,
+    bias: Option<(&[f32], BiasAxis)>,
+    epilogue: Epilogue,
+    sum_batch: bool,
+) -> Option<FlexTensor> {
+    let [zl, m, k] = lhs.shape().dims::<3>();
+    let [zr, _, n] = rhs.shape().dims::<3>();
+    let z = zl.max(zr);
+    let (lhs_at, rhs_at) = (|e| Matrix::batch_entry(lhs, e), |e| Matrix::batch_entry(rhs, e));
+    lhs_at(0)?;
+    rhs_at(0)?;
+    let (lhs_at, rhs_at) = (|e| lhs_at(e).expect("checked"), |e| rhs_at(e).expect("checked"));
+    if z == 1 {
+        let mut out = vec![0f32; m * n];
+        gemm_into(&mut out, lhs_at(0), rhs_at(0), false, parallelism(m, k, n));
+        epilogue_in_place(&mut out, [m, n], bias, epilogue, true);
+        return Some(from_vec(out, [1, m, n]));
+    }
+    if sum_batch {
+        let partials: Vec<Vec<f32>> = (0..z.div_ceil(BATCH_PER_TASK))
+            .into_par_iter()
+            .map(|task| {
+                let mut sum = vec![0f32; m * n];
+                for e in task * BATCH_PER_TASK..((task + 1) * BATCH_PER_TASK).min(z) {
+                    gemm_into(&mut sum, lhs_at(e), rhs_at(e), true, gemm::Parallelism::None);
                 }
-                Some((bias, BiasAxis::Cols)) => {
-                    row.iter_mut().zip(bias).for_each(|(v, b)| *v = activate(*v + b, epilogue));
-                }
-            }
-        });
+                sum
+            })
+            .collect();
+        let mut out = vec![0f32; m * n];
+        for partial in partials {
+            out.iter_mut().zip(partial).for_each(|(o, p)| *o += p);
+        }
+        epilogue_in_place(&mut out, [m, n], bias, epilogue, false);
+        return Some(from_vec(out, [1, m, n]));
+    }
+    let mut out = vec![0f32; z * m * n];
+    out.par_chunks_mut((m * n).max(1)).enumerate().for_each(|(e, out)| {
+        gemm_into(out, lhs_at(e), rhs_at(e), false, gemm::Parallelism::None);
+        epilogue_in_place(out, [m, n], bias, epilogue, false);
     });
-    out
+    Some(from_vec(out, [z, m, n]))
 }
 
 /// A 2x2, stride-2 max-pool (no padding, odd edges dropped) of `[b, c, h, w]`:
@@ -109,18 +298,25 @@ fn max_pool2x2(x: &FlexTensor, with_indices: bool) -> (FlexTensor, Option<FlexTe
     let pool_plane = |p: usize, out: &mut [f32], idx: &mut [i32]| {
         let plane = &input[p * h * w..(p + 1) * h * w];
         for oy in 0..oh {
-            for ox in 0..ow {
-                let base = 2 * oy * w + 2 * ox;
-                let mut best = base;
-                for offset in [1, w, w + 1] {
-                    if plane[base + offset] > plane[best] {
-                        best = base + offset;
+            let top = &plane[2 * oy * w..2 * oy * w + 2 * ow];
+            let bottom = &plane[(2 * oy + 1) * w..(2 * oy + 1) * w + 2 * ow];
+            let windows = out[oy * ow..(oy + 1) * ow].iter_mut().zip(top.chunks_exact(2).zip(bottom.chunks_exact(2)));
+            if idx.is_empty() {
+                for (o, (t, b)) in windows {
+                    *o = t[0].max(t[1]).max(b[0].max(b[1]));
+                }
+                continue;
+            }
+            for ((o, (t, b)), (ox, slot)) in windows.zip(idx[oy * ow..(oy + 1) * ow].iter_mut().enumerate()) {
+                // The first maximum in window order wins ties.
+                let (mut best, mut at) = (t[0], 0);
+                for (value, offset) in [(t[1], 1), (b[0], w), (b[1], w + 1)] {
+                    if value > best {
+                        (best, at) = (value, offset);
                     }
                 }
-                out[oy * ow + ox] = plane[best];
-                if let Some(slot) = idx.get_mut(oy * ow + ox) {
-                    *slot = best as i32;
-                }
+                *o = best;
+                *slot = (2 * oy * w + 2 * ox + at) as i32;
             }
         }
     };
@@ -200,40 +396,31 @@ impl ConvGeometry {
     }
 }
 
-/// Unfolds `x [b, c, h, w]` into the columns of a convolution,
-/// `[b, c * kh * kw, oh * ow]` (row `c * kh * kw + ky * kw + kx`), zeros
-/// where the kernel reads the padding.
-fn im2col(x: &FlexTensor, geometry: ConvGeometry) -> FlexTensor {
-    let [b, c, h, w] = x.shape().dims::<4>();
+/// Unfolds one sample `x [c, h, w]` into the columns of a convolution,
+/// `cols [c * kh * kw, oh * ow]` (row `c * kh * kw + ky * kw + kx`). Only the
+/// elements the kernel reads inside the image are written: the padding's
+/// zeros are the same for every sample, so a scratch buffer zeroed once is
+/// reused across samples.
+fn im2col_sample(x: &[f32], geometry: ConvGeometry, cols: &mut [f32]) {
+    let [h, w] = geometry.input;
     let (taps, pixels, step) = (geometry.taps(), geometry.output_pixels(), geometry.stride[1]);
-    let input = values(x);
-    let mut cols = vec![0f32; b * c * taps * pixels];
-    let rows_per_plane = (taps * pixels).max(1);
-    cols.par_chunks_mut(rows_per_plane).with_min_len(rows_per_task(rows_per_plane)).enumerate().for_each(
-        |(p, rows)| {
-            let plane = &input[p * h * w..(p + 1) * h * w];
-            geometry.for_each_run(|tap, out, input, len| {
-                let row = &mut rows[tap * pixels + out..tap * pixels + out + len];
-                if step == 1 {
-                    row.copy_from_slice(&plane[input..input + len]);
-                } else {
-                    row.iter_mut().enumerate().for_each(|(j, v)| *v = plane[input + j * step]);
-                }
-            });
-        },
-    );
-    from_vec(cols, [b, c * taps, pixels])
+    for (plane, rows) in x.chunks(h * w).zip(cols.chunks_mut(taps * pixels)) {
+        geometry.for_each_run(|tap, out, input, len| {
+            let row = &mut rows[tap * pixels + out..tap * pixels + out + len];
+            if step == 1 {
+                row.copy_from_slice(&plane[input..input + len]);
+            } else {
+                row.iter_mut().enumerate().for_each(|(j, v)| *v = plane[input + j * step]);
+            }
+        });
+    }
 }
 
-/// The adjoint of [`im2col`]: sums the columns `[b, c * kh * kw, oh * ow]`
-/// back into `[b, c, h, w]`.
-fn col2im(cols: &FlexTensor, shape: [usize; 4], geometry: ConvGeometry) -> FlexTensor {
-    let [b, c, h, w] = shape;
+/// The adjoint of [`im2col_sample`]: adds the columns back into `x [c, h, w]`.
+fn col2im_sample(cols: &[f32], geometry: ConvGeometry, x: &mut [f32]) {
+    let [h, w] = geometry.input;
     let (taps, pixels, step) = (geometry.taps(), geometry.output_pixels(), geometry.stride[1]);
-    let cols = values(cols);
-    let mut image = vec![0f32; b * c * h * w];
-    image.par_chunks_mut((h * w).max(1)).with_min_len(rows_per_task(h * w)).enumerate().for_each(|(p, plane)| {
-        let rows = &cols[p * taps * pixels..(p + 1) * taps * pixels];
+    for (plane, rows) in x.chunks_mut(h * w).zip(cols.chunks(taps * pixels)) {
         geometry.for_each_run(|tap, out, input, len| {
             let row = &rows[tap * pixels + out..tap * pixels + out + len];
             if step == 1 {
@@ -242,8 +429,126 @@ fn col2im(cols: &FlexTensor, shape: [usize; 4], geometry: ConvGeometry) -> FlexT
                 row.iter().enumerate().for_each(|(j, g)| plane[input + j * step] += g);
             }
         });
-    });
-    from_vec(image, shape)
+    }
+}
+
+/// The sizes of a convolution: input `[batch, channels, h, w]` and
+/// `c_out` filters.
+#[derive(Debug, Clone, Copy)]
+struct ConvSizes {
+    batch: usize,
+    channels: usize,
+    c_out: usize,
+    geometry: ConvGeometry,
+}
+
+impl ConvSizes {
+    fn new(x: &FlexTensor, weight: &FlexTensor, options: &ConvOptions<2>) -> Self {
+        let [batch, channels, h, w] = x.shape().dims::<4>();
+        let [c_out, _, kh, kw] = weight.shape().dims::<4>();
+        Self { batch, channels, c_out, geometry: ConvGeometry::new([h, w], [kh, kw], options) }
+    }
+
+    /// Values of one input sample.
+    fn plane(&self) -> usize {
+        self.channels * self.geometry.input[0] * self.geometry.input[1]
+    }
+
+    /// Rows of the column matrix (the reduction length).
+    fn depth(&self) -> usize {
+        self.channels * self.geometry.taps()
+    }
+
+    /// A 1x1, stride-1, unpadded convolution: the sample is its own column matrix.
+    fn pointwise(&self) -> bool {
+        let g = &self.geometry;
+        g.kernel == [1, 1] && g.stride == [1, 1] && g.padding == [0, 0]
+    }
+
+    /// The column matrix of sample `x`: the sample itself for a pointwise
+    /// convolution, else unfolded into `scratch`.
+    fn columns<'a>(&self, x: &'a [f32], scratch: &'a mut [f32]) -> Matrix<'a> {
+        let (depth, pixels) = (self.depth(), self.geometry.output_pixels());
+        if self.pointwise() {
+            Matrix::dense(x, depth, pixels)
+        } else {
+            im2col_sample(x, self.geometry, scratch);
+            Matrix::dense(scratch, depth, pixels)
+        }
+    }
+
+    fn scratch(&self) -> Vec<f32> {
+        vec![0f32; if self.pointwise() { 0 } else { self.depth() * self.geometry.output_pixels() }]
+    }
+}
+
+/// `act(conv(x) + bias)`, per sample in parallel: unfold into a scratch
+/// buffer that stays in cache, one product straight into the output, the
+/// epilogue on it while it is hot.
+fn conv_forward(
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    sizes: ConvSizes,
+    epilogue: Epilogue,
+) -> Vec<f32> {
+    let pixels = sizes.geometry.output_pixels();
+    let weight = Matrix::dense(weight, sizes.c_out, sizes.depth());
+    let mut out = vec![0f32; sizes.batch * sizes.c_out * pixels];
+    out.par_chunks_mut((sizes.c_out * pixels).max(1)).enumerate().for_each_init(
+        || sizes.scratch(),
+        |scratch, (s, out)| {
+            let cols = sizes.columns(&x[s * sizes.plane()..(s + 1) * sizes.plane()], scratch);
+            gemm_into(out, weight, cols, false, gemm::Parallelism::None);
+            let bias = bias.map(|b| (b, BiasAxis::Rows));
+            epilogue_in_place(out, [sizes.c_out, pixels], bias, epilogue, false);
+        },
+    );
+    out
+}
+
+/// The input gradient (when `x_grad`) and the weight gradient of a
+/// convolution from the gradient of its output: per fixed group of samples,
+/// the weight gradient accumulated in one buffer (`grad_s @ cols_s^T`) and
+/// the input gradient as `col2im(weight^T @ grad_s)`; the groups' weight
+/// gradients added in order.
+fn conv_backward(x: &[f32], weight: &[f32], grad: &[f32], sizes: ConvSizes, x_grad: bool) -> (Option<Vec<f32>>, Vec<f32>) {
+    let (depth, pixels, plane) = (sizes.depth(), sizes.geometry.output_pixels(), sizes.plane());
+    let weight_t = Matrix::dense(weight, sizes.c_out, depth).transposed();
+    let group = |task: usize, x_grad_group: &mut [f32]| -> Vec<f32> {
+        let mut weight_grad = vec![0f32; sizes.c_out * depth];
+        let (mut scratch, mut cols_grad) = (sizes.scratch(), sizes.scratch());
+        let first = task * BATCH_PER_TASK;
+        for s in first..(first + BATCH_PER_TASK).min(sizes.batch) {
+            let grad_s = Matrix::dense(&grad[s * sizes.c_out * pixels..(s + 1) * sizes.c_out * pixels], sizes.c_out, pixels);
+            let cols = sizes.columns(&x[s * plane..(s + 1) * plane], &mut scratch);
+            gemm_into(&mut weight_grad, grad_s, cols.transposed(), true, gemm::Parallelism::None);
+            if let Some(x_grad_s) = x_grad_group.get_mut((s - first) * plane..(s - first + 1) * plane) {
+                if sizes.pointwise() {
+                    gemm_into(x_grad_s, weight_t, grad_s, false, gemm::Parallelism::None);
+                } else {
+                    gemm_into(&mut cols_grad, weight_t, grad_s, false, gemm::Parallelism::None);
+                    col2im_sample(&cols_grad, sizes.geometry, x_grad_s);
+                }
+            }
+        }
+        weight_grad
+    };
+    let mut input_grad = vec![0f32; if x_grad { sizes.batch * plane } else { 0 }];
+    let partials: Vec<Vec<f32>> = if x_grad {
+        input_grad
+            .par_chunks_mut((BATCH_PER_TASK * plane).max(1))
+            .enumerate()
+            .map(|(task, chunk)| group(task, chunk))
+            .collect()
+    } else {
+        (0..sizes.batch.div_ceil(BATCH_PER_TASK)).into_par_iter().map(|task| group(task, &mut [])).collect()
+    };
+    let mut weight_grad = vec![0f32; sizes.c_out * depth];
+    for partial in partials {
+        weight_grad.iter_mut().zip(partial).for_each(|(w, p)| *w += p);
+    }
+    (x_grad.then_some(input_grad), weight_grad)
 }
 
 impl FusedBackend for Flex {
@@ -260,20 +565,12 @@ impl FusedBackend for Flex {
             grad.par_chunks_mut(CHUNK)
                 .zip(s.par_chunks(CHUNK).zip(t.par_chunks(CHUNK)))
                 .map(|(g, (s, t))| {
-                    let mut sum = 0f64;
-                    for ((g, s), t) in g.iter_mut().zip(s).zip(t) {
-                        let d = s - t;
-                        sum += (d * d) as f64;
-                        *g = d * scale;
-                    }
-                    sum
+                    g.iter_mut().zip(s.iter().zip(t)).for_each(|(g, (s, t))| *g = (s - t) * scale);
+                    lane_sum_squared_difference(s, t) as f64
                 })
                 .collect()
         } else {
-            s.par_chunks(CHUNK)
-                .zip(t.par_chunks(CHUNK))
-                .map(|(s, t)| s.iter().zip(t).map(|(s, t)| ((s - t) * (s - t)) as f64).sum::<f64>())
-                .collect()
+            s.par_chunks(CHUNK).zip(t.par_chunks(CHUNK)).map(|(s, t)| lane_sum_squared_difference(s, t) as f64).collect()
         };
         let loss = (partial_sums.iter().sum::<f64>() / n.max(1) as f64) as f32;
         LossWithGrad { loss: from_vec(vec![loss], [1]), grad: with_grad.then(|| from_vec(grad, shape)) }
@@ -295,9 +592,7 @@ impl FusedBackend for Flex {
             data.par_chunks_mut(CHUNK).zip(saved.par_chunks(CHUNK)).for_each(|(g, s)| {
                 for (g, s) in g.iter_mut().zip(s) {
                     // As the reference: zero where the output sat at a bound.
-                    if *s <= low || *s >= high {
-                        *g = 0.0;
-                    }
+                    *g = if (*s > low) & (*s < high) { *g } else { 0.0 };
                 }
             });
         });
@@ -313,7 +608,7 @@ impl FusedBackend for Flex {
         let sums = match axis {
             BiasAxis::Rows => (0..m)
                 .into_par_iter()
-                .map(|i| (0..z).map(|k| g[(k * m + i) * n..(k * m + i + 1) * n].iter().sum::<f32>()).sum())
+                .map(|i| (0..z).map(|k| lane_sum(&g[(k * m + i) * n..(k * m + i + 1) * n])).sum())
                 .collect(),
             BiasAxis::Cols => {
                 let mut sums = vec![0f32; n];
@@ -341,17 +636,12 @@ impl FusedBackend for Flex {
         if generic {
             return reference::matmul_epilogue::<Self>(lhs, rhs, bias, epilogue, sum_batch);
         }
-        let [zl, _, _] = lhs.shape().dims::<3>();
-        let [zr, _, _] = rhs.shape().dims::<3>();
-        let mut product = Self::float_matmul(lhs, rhs);
-        if sum_batch && zl.max(zr) > 1 {
-            product = Self::float_sum_dim(product, 0);
+        let bias_values = bias.as_ref().map(|(b, axis)| (values(b).into_owned(), *axis));
+        let bias_view = bias_values.as_ref().map(|(b, axis)| (b.as_slice(), *axis));
+        match matmul_native(&lhs, &rhs, bias_view, epilogue, sum_batch) {
+            Some(out) => out,
+            None => reference::matmul_epilogue::<Self>(lhs, rhs, bias, epilogue, sum_batch),
         }
-        if bias.is_none() && epilogue == Epilogue::Identity {
-            return product;
-        }
-        let bias = bias.map(|(b, axis)| (values(&b).into_owned(), axis));
-        apply_epilogue(product, bias, epilogue)
     }
 
     fn conv2d_epilogue(
@@ -361,18 +651,17 @@ impl FusedBackend for Flex {
         options: ConvOptions<2>,
         epilogue: Epilogue,
     ) -> FloatTensor<Self> {
-        if !native_conv(&x, &weight, &options) || epilogue == Epilogue::Gelu {
+        if !native_conv(&x, &weight, &options)
+            || epilogue == Epilogue::Gelu
+            || bias.as_ref().is_some_and(|b| !is_f32(b))
+        {
             return reference::conv2d_epilogue::<Self>(x, weight, bias, options, epilogue);
         }
-        let [b, _, h, w] = x.shape().dims::<4>();
-        let [c_out, c_in, kh, kw] = weight.shape().dims::<4>();
-        let geometry = ConvGeometry::new([h, w], [kh, kw], &options);
-        let cols = im2col(&x, geometry);
-        let weight = Self::float_reshape(weight, [1, c_out, c_in * kh * kw].into());
-        let bias = bias.map(|b| (b, BiasAxis::Rows));
-        let out = Self::matmul_epilogue(weight, cols, bias, epilogue, false);
-        let [oh, ow] = geometry.output;
-        Self::float_reshape(out, [b, c_out, oh, ow].into())
+        let sizes = ConvSizes::new(&x, &weight, &options);
+        let bias = bias.as_ref().map(values);
+        let out = conv_forward(&values(&x), &values(&weight), bias.as_deref(), sizes, epilogue);
+        let [oh, ow] = sizes.geometry.output;
+        from_vec(out, [sizes.batch, sizes.c_out, oh, ow])
     }
 
     fn conv2d_backward(
@@ -385,19 +674,10 @@ impl FusedBackend for Flex {
         if !native_conv(&x, &weight, &options) || !is_f32(&grad) {
             return reference::conv2d_backward::<Self>(x, weight, grad, options, x_grad);
         }
-        let [b, c, h, w] = x.shape().dims::<4>();
-        let [c_out, c_in, kh, kw] = weight.shape().dims::<4>();
-        let geometry = ConvGeometry::new([h, w], [kh, kw], &options);
-        let grad = Self::float_reshape(grad, [b, c_out, geometry.output_pixels()].into());
-        let weight = Self::float_reshape(weight, [1, c_out, c_in * kh * kw].into());
-        let x_grad = x_grad.then(|| {
-            let cols_grad = Self::float_matmul(Self::float_swap_dims(weight, 1, 2), grad.clone());
-            col2im(&cols_grad, [b, c, h, w], geometry)
-        });
-        let cols = im2col(&x, geometry);
-        let per_sample = Self::float_matmul(grad, Self::float_swap_dims(cols, 1, 2));
-        let weight_grad = Self::float_sum_dim(per_sample, 0);
-        (x_grad, Self::float_reshape(weight_grad, [c_out, c_in, kh, kw].into()))
+        let sizes = ConvSizes::new(&x, &weight, &options);
+        let (x_grad, weight_grad) = conv_backward(&values(&x), &values(&weight), &values(&grad), sizes, x_grad);
+        let x_shape = x.shape();
+        (x_grad.map(|g| from_vec(g, x_shape)), from_vec(weight_grad, weight.shape()))
     }
 
     fn max_pool2x2(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -449,10 +729,11 @@ mod tests {
 
     #[test]
     fn owned_copies_a_shared_buffer_instead_of_writing_through_it() {
-        let a = from_vec(vec![1.0, -2.0, 3.0], [1, 1, 3]);
-        let shared = a.clone();
-        let out = apply_epilogue(a, None, Epilogue::Relu);
-        assert_eq!(values(&out).as_ref(), &[1.0, 0.0, 3.0]);
+        let grad = from_vec(vec![1.0, -2.0, 3.0], [1, 1, 3]);
+        let shared = grad.clone();
+        let saved = from_vec(vec![0.5, 1.0, 0.0], [1, 1, 3]);
+        let out = Flex::epilogue_backward(grad, saved, Epilogue::Relu);
+        assert_eq!(values(&out).as_ref(), &[1.0, -2.0, 0.0]);
         assert_eq!(values(&shared).as_ref(), &[1.0, -2.0, 3.0]);
     }
 
@@ -512,12 +793,15 @@ mod tests {
                     assert!((a - e).abs() < 1e-4, "{shape:?} {kernel:?} {stride:?} {padding:?}: {a} vs {e}");
                 }
             }
-            // <im2col(x), y> == <x, col2im(y)> for any y.
-            let cols = im2col(&from_vec(x.clone(), shape), geometry);
-            let y: Vec<f32> = (0..cols.layout().num_elements()).map(|i| ((i * 11 % 13) as f32) - 6.0).collect();
-            let back = col2im(&from_vec(y.clone(), cols.shape()), shape, geometry);
-            let lhs: f64 = values(&cols).iter().zip(&y).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
-            let rhs: f64 = x.iter().zip(values(&back).iter()).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
+            // <im2col(x), y> == <x, col2im(y)> for any y (one sample).
+            let x = &x[..c * h * w];
+            let mut cols = vec![0f32; c * geometry.taps() * geometry.output_pixels()];
+            im2col_sample(x, geometry, &mut cols);
+            let y: Vec<f32> = (0..cols.len()).map(|i| ((i * 11 % 13) as f32) - 6.0).collect();
+            let mut back = vec![0f32; x.len()];
+            col2im_sample(&y, geometry, &mut back);
+            let lhs: f64 = cols.iter().zip(&y).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
+            let rhs: f64 = x.iter().zip(&back).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
             assert!((lhs - rhs).abs() < 1e-6 * lhs.abs().max(1.0), "{lhs} vs {rhs}");
         }
     }

@@ -122,9 +122,9 @@ enum Command {
         /// The run config naming the teacher and the data.
         config: PathBuf,
     },
-    /// Check the fused kernels (losses, fused linear) against burn's ops, and time them.
+    /// Check the fused ops (losses, linear, convolutions, max-pool) against burn's ops, and time them
     Kernels {
-        /// Where to run: cpu (the burn-op fallback), wgpu[:N] or cuda[:N].
+        /// Where to run: cpu (flex: our native CPU paths, burn ops for the rest), wgpu[:N] or cuda[:N].
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Compare every fused op and its gradients with burn's unfused ops.
