@@ -230,6 +230,83 @@ where
     }
 }
 
+/// What the fused convolution-and-pool backward needs.
+#[derive(Debug, Clone)]
+struct ConvPoolState<B: FusedBackend> {
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    output: FloatTensor<B>,
+    indices: IntTensor<B>,
+    options: ConvOptions<2>,
+    epilogue: Epilogue,
+}
+
+/// Backward of the fused convolution and 2x2 max-pool with `N` parents.
+#[derive(Debug)]
+struct ConvPoolBackward;
+
+fn register_conv_pool_grads<B: FusedBackend, const N: usize>(ops: Ops<ConvPoolState<B>, N>, grads: &mut Gradients) {
+    let grad = grads.consume::<B>(&ops.node);
+    let ConvPoolState { x, weight, output, indices, options, epilogue } = ops.state;
+    // The pooled output is the activation's output at each window's maximum.
+    let pre_grad = B::epilogue_backward(grad, output, epilogue);
+    let parents: Vec<_> = ops.parents.into_iter().collect();
+    let bias_grad = parents.get(2).and_then(Option::as_ref).map(|_| {
+        let [b, c, h, w] = pre_grad.shape().dims::<4>();
+        B::bias_grad(B::float_reshape(pre_grad.clone(), [b, c, h * w].into()), BiasAxis::Rows)
+    });
+    let (x_grad, weight_grad) =
+        B::conv2d_pool_backward(x, weight, pre_grad, indices, options, parents[0].is_some());
+    if let (Some(node), Some(x_grad)) = (&parents[0], x_grad) {
+        grads.register::<B>(node.id, x_grad);
+    }
+    if let Some(node) = &parents[1] {
+        grads.register::<B>(node.id, weight_grad);
+    }
+    if let (Some(Some(node)), Some(bias_grad)) = (parents.get(2), bias_grad) {
+        grads.register::<B>(node.id, bias_grad);
+    }
+}
+
+impl<B: FusedBackend> Backward<B, 2> for ConvPoolBackward {
+    type State = ConvPoolState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        register_conv_pool_grads(ops, grads);
+    }
+}
+
+impl<B: FusedBackend> Backward<B, 3> for ConvPoolBackward {
+    type State = ConvPoolState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        register_conv_pool_grads(ops, grads);
+    }
+}
+
+/// Runs the fused convolution and pool and, when tracked, records the backward state.
+fn finish_conv_pool<B: FusedBackend, C: CheckpointStrategy, const N: usize>(
+    kind: OpsKind<ConvPoolBackward, B, ConvPoolState<B>, C, N>,
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    options: ConvOptions<2>,
+    epilogue: Epilogue,
+) -> (FloatTensor<Autodiff<B, C>>, IntTensor<B>)
+where
+    ConvPoolBackward: Backward<B, N, State = ConvPoolState<B>>,
+{
+    let (output, indices) = B::conv2d_pool(x.clone(), weight.clone(), bias, options.clone(), epilogue);
+    match kind {
+        OpsKind::Tracked(prep) => {
+            let state =
+                ConvPoolState { x, weight, output: output.clone(), indices: indices.clone(), options, epilogue };
+            (prep.finish(state, output), indices)
+        }
+        OpsKind::UnTracked(prep) => (prep.finish(output), indices),
+    }
+}
+
 /// Backward of the 2x2 max-pool: the input (for its shape) and the indices of
 /// the maxima, in the inner backend's format.
 #[derive(Debug)]
@@ -249,6 +326,8 @@ impl<B: FusedBackend> Backward<B, 1> for MaxPoolBackward {
 }
 
 impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
+    const FUSED_CONV_POOL: bool = B::FUSED_CONV_POOL;
+
     fn mse_loss(
         student: FloatTensor<Self>,
         teacher: FloatTensor<Self>,
@@ -320,6 +399,33 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
                     .compute_bound()
                     .stateful();
                 finish_conv(kind, x.primitive, weight.primitive, Some(bias.primitive), options, epilogue)
+            }
+        }
+    }
+
+    fn conv2d_pool(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        epilogue: Epilogue,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        if epilogue == Epilogue::Gelu {
+            let output = Self::conv2d_epilogue(x, weight, bias, options, epilogue);
+            return Self::max_pool2x2_with_indices(output);
+        }
+        match bias {
+            None => {
+                let kind =
+                    ConvPoolBackward.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful();
+                finish_conv_pool(kind, x.primitive, weight.primitive, None, options, epilogue)
+            }
+            Some(bias) => {
+                let kind = ConvPoolBackward
+                    .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+                    .compute_bound()
+                    .stateful();
+                finish_conv_pool(kind, x.primitive, weight.primitive, Some(bias.primitive), options, epilogue)
             }
         }
     }

@@ -16,7 +16,8 @@ use crate::reference::unfused;
 use burn::tensor::ops::ConvOptions;
 
 use crate::{
-    conv2d, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue, MatmulVariant,
+    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue,
+    MatmulVariant,
 };
 
 /// Relative error allowed for the losses (forward and gradient).
@@ -292,7 +293,13 @@ fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdR
         ([1, 3, 7, 6], [4, 3, 5, 3], [1, 2], [0, 1]),
     ];
     for (i, (x_shape, w_shape, stride, padding)) in cases.into_iter().enumerate() {
-        for epilogue in [Epilogue::Identity, Epilogue::Relu, Epilogue::Relu6] {
+        for (epilogue, pooled) in [
+            (Epilogue::Identity, false),
+            (Epilogue::Relu, false),
+            (Epilogue::Relu6, false),
+            (Epilogue::Identity, true),
+            (Epilogue::Relu, true),
+        ] {
             let with_bias = (i + epilogue as usize) % 3 != 1;
             let options = ConvOptions::new(stride, padding, [1, 1], 1);
             let fan_in = (w_shape[1] * w_shape[2] * w_shape[3]) as f32;
@@ -305,10 +312,15 @@ fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdR
                 probe: random(rng, &[batch, w_shape[0], oh, ow], 1.0),
             };
             let pre = conv_kxk_pre(&inputs, x_shape, w_shape, &options);
-            avoid_kinks(&mut inputs.probe, &pre, epilogue);
+            if pooled {
+                inputs.probe = random(rng, &[batch, w_shape[0], oh / 2, ow / 2], 1.0);
+                avoid_pool_ties(&mut inputs.probe, &pre, [oh, ow], epilogue);
+            } else {
+                avoid_kinks(&mut inputs.probe, &pre, epilogue);
+            }
             let mut rows = Rows {
                 rows: vec![],
-                op: "conv2d",
+                op: if pooled { "conv2d-pool" } else { "conv2d" },
                 case: format!(
                     "x {x_shape:?} w {w_shape:?} s{stride:?} p{padding:?} {} bias={with_bias}",
                     epilogue.name()
@@ -316,16 +328,48 @@ fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdR
                 tolerance: MATMUL_TOLERANCE,
             };
             let opts = options.clone();
-            let f = layer_on::<B, 4, 4>(&inputs, move |x, w, b| conv2d(x, w, b, opts.clone(), epilogue), device);
+            let f = layer_on::<B, 4, 4>(
+                &inputs,
+                move |x, w, b| match pooled {
+                    true => conv2d_pool(x, w, b, opts.clone(), epilogue),
+                    false => conv2d(x, w, b, opts.clone(), epilogue),
+                },
+                device,
+            );
             let r = layer_on::<Reference, 4, 4>(
                 &inputs,
-                move |x, w, b| crate::reference::activate(burn::tensor::module::conv2d(x, w, b, options.clone()), epilogue),
+                move |x, w, b| {
+                    let y = crate::reference::activate(burn::tensor::module::conv2d(x, w, b, options.clone()), epilogue);
+                    match pooled {
+                        true => burn::tensor::module::max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], false),
+                        false => y,
+                    }
+                },
                 &cpu,
             );
             add_layer_rows(&mut rows, f, r);
             out.extend(rows.rows);
         }
     }
+}
+
+/// Zeroes the probe of every pooled output whose window's maximum is not
+/// clear: two values within a hair of each other (rounding may pick either),
+/// or a maximum within a hair of an activation kink.
+fn avoid_pool_ties(probe: &mut TensorData, pre: &[f64], [h, w]: [usize; 2], epilogue: Epilogue) {
+    let mut values = floats(probe);
+    let (ph, pw) = (h / 2, w / 2);
+    for (o, v) in values.iter_mut().enumerate() {
+        let (plane, oy, ox) = (o / (ph * pw), o / pw % ph, o % pw);
+        let at = |dy: usize, dx: usize| pre[plane * h * w + (2 * oy + dy) * w + 2 * ox + dx];
+        let mut window = [at(0, 0), at(0, 1), at(1, 0), at(1, 1)];
+        window.sort_by(|a, b| b.total_cmp(a));
+        let kink = matches!(epilogue, Epilogue::Relu | Epilogue::Relu6) && window[0].abs() < 1e-3;
+        if window[0] - window[1] < 1e-3 || kink {
+            *v = 0.0;
+        }
+    }
+    *probe = TensorData::new(values, probe.shape.clone());
 }
 
 /// The 2x2 max-pool (even and odd sizes) against burn's `max_pool2d`.

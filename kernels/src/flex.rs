@@ -25,6 +25,14 @@ use crate::{reference, BiasAxis, Epilogue, FusedBackend, LossWithGrad};
 /// and any partial sums do not depend on the thread count).
 const CHUNK: usize = 16 * 1024;
 
+/// `n` zeros, written in parallel (a large buffer's first touch is the
+/// costly part; one thread would do it alone).
+fn zeros(n: usize) -> Vec<f32> {
+    let mut values = Vec::with_capacity(n);
+    values.par_extend(rayon::iter::repeat_n(0f32, n));
+    values
+}
+
 /// Sum of `values` in eight interleaved lanes (vectorised; a fixed order).
 fn lane_sum(values: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
@@ -277,12 +285,40 @@ fn matmul_native(
         epilogue_in_place(&mut out, [m, n], bias, epilogue, false);
         return Some(from_vec(out, [1, m, n]));
     }
-    let mut out = vec![0f32; z * m * n];
+    let mut out = zeros(z * m * n);
     out.par_chunks_mut((m * n).max(1)).enumerate().for_each(|(e, out)| {
         gemm_into(out, lhs_at(e), rhs_at(e), false, gemm::Parallelism::None);
         epilogue_in_place(out, [m, n], bias, epilogue, false);
     });
     Some(from_vec(out, [z, m, n]))
+}
+
+/// The 2x2, stride-2 max-pool of one `h x w` plane into `out` (`h/2 x w/2`)
+/// and, unless `idx` is empty, the flat index of each maximum in the plane
+/// (the first maximum in window order on ties).
+fn pool_plane(plane: &[f32], [h, w]: [usize; 2], out: &mut [f32], idx: &mut [i32]) {
+    let (oh, ow) = (h / 2, w / 2);
+    for oy in 0..oh {
+        let top = &plane[2 * oy * w..2 * oy * w + 2 * ow];
+        let bottom = &plane[(2 * oy + 1) * w..(2 * oy + 1) * w + 2 * ow];
+        let windows = out[oy * ow..(oy + 1) * ow].iter_mut().zip(top.chunks_exact(2).zip(bottom.chunks_exact(2)));
+        if idx.is_empty() {
+            for (o, (t, b)) in windows {
+                *o = t[0].max(t[1]).max(b[0].max(b[1]));
+            }
+            continue;
+        }
+        for ((o, (t, b)), (ox, slot)) in windows.zip(idx[oy * ow..(oy + 1) * ow].iter_mut().enumerate()) {
+            let (mut best, mut at) = (t[0], 0);
+            for (value, offset) in [(t[1], 1), (b[0], w), (b[1], w + 1)] {
+                if value > best {
+                    (best, at) = (value, offset);
+                }
+            }
+            *o = best;
+            *slot = (2 * oy * w + 2 * ox + at) as i32;
+        }
+    }
 }
 
 /// A 2x2, stride-2 max-pool (no padding, odd edges dropped) of `[b, c, h, w]`:
@@ -292,33 +328,11 @@ fn max_pool2x2(x: &FlexTensor, with_indices: bool) -> (FlexTensor, Option<FlexTe
     let [b, c, h, w] = x.shape().dims::<4>();
     let (oh, ow) = (h / 2, w / 2);
     let input = values(x);
-    let mut output = vec![0f32; b * c * oh * ow];
+    let mut output = zeros(b * c * oh * ow);
     let mut indices = vec![0i32; if with_indices { output.len() } else { 0 }];
     let plane_out = (oh * ow).max(1);
     let pool_plane = |p: usize, out: &mut [f32], idx: &mut [i32]| {
-        let plane = &input[p * h * w..(p + 1) * h * w];
-        for oy in 0..oh {
-            let top = &plane[2 * oy * w..2 * oy * w + 2 * ow];
-            let bottom = &plane[(2 * oy + 1) * w..(2 * oy + 1) * w + 2 * ow];
-            let windows = out[oy * ow..(oy + 1) * ow].iter_mut().zip(top.chunks_exact(2).zip(bottom.chunks_exact(2)));
-            if idx.is_empty() {
-                for (o, (t, b)) in windows {
-                    *o = t[0].max(t[1]).max(b[0].max(b[1]));
-                }
-                continue;
-            }
-            for ((o, (t, b)), (ox, slot)) in windows.zip(idx[oy * ow..(oy + 1) * ow].iter_mut().enumerate()) {
-                // The first maximum in window order wins ties.
-                let (mut best, mut at) = (t[0], 0);
-                for (value, offset) in [(t[1], 1), (b[0], w), (b[1], w + 1)] {
-                    if value > best {
-                        (best, at) = (value, offset);
-                    }
-                }
-                *o = best;
-                *slot = (2 * oy * w + 2 * ox + at) as i32;
-            }
-        }
+        pool_plane(&input[p * h * w..(p + 1) * h * w], [h, w], out, idx);
     };
     let planes_per_task = rows_per_task(h * w);
     if with_indices {
@@ -494,7 +508,7 @@ fn conv_forward(
 ) -> Vec<f32> {
     let pixels = sizes.geometry.output_pixels();
     let weight = Matrix::dense(weight, sizes.c_out, sizes.depth());
-    let mut out = vec![0f32; sizes.batch * sizes.c_out * pixels];
+    let mut out = zeros(sizes.batch * sizes.c_out * pixels);
     out.par_chunks_mut((sizes.c_out * pixels).max(1)).enumerate().for_each_init(
         || sizes.scratch(),
         |scratch, (s, out)| {
@@ -512,15 +526,36 @@ fn conv_forward(
 /// the weight gradient accumulated in one buffer (`grad_s @ cols_s^T`) and
 /// the input gradient as `col2im(weight^T @ grad_s)`; the groups' weight
 /// gradients added in order.
-fn conv_backward(x: &[f32], weight: &[f32], grad: &[f32], sizes: ConvSizes, x_grad: bool) -> (Option<Vec<f32>>, Vec<f32>) {
+fn conv_backward(
+    x: &[f32],
+    weight: &[f32],
+    grad: OutputGrad,
+    sizes: ConvSizes,
+    x_grad: bool,
+) -> (Option<Vec<f32>>, Vec<f32>) {
     let (depth, pixels, plane) = (sizes.depth(), sizes.geometry.output_pixels(), sizes.plane());
     let weight_t = Matrix::dense(weight, sizes.c_out, depth).transposed();
     let group = |task: usize, x_grad_group: &mut [f32]| -> Vec<f32> {
         let mut weight_grad = vec![0f32; sizes.c_out * depth];
         let (mut scratch, mut cols_grad) = (sizes.scratch(), sizes.scratch());
+        let mut unpooled = vec![0f32; if matches!(grad, OutputGrad::Pooled { .. }) { sizes.c_out * pixels } else { 0 }];
         let first = task * BATCH_PER_TASK;
         for s in first..(first + BATCH_PER_TASK).min(sizes.batch) {
-            let grad_s = Matrix::dense(&grad[s * sizes.c_out * pixels..(s + 1) * sizes.c_out * pixels], sizes.c_out, pixels);
+            let grad_s = match grad {
+                OutputGrad::Dense(grad) => {
+                    Matrix::dense(&grad[s * sizes.c_out * pixels..(s + 1) * sizes.c_out * pixels], sizes.c_out, pixels)
+                }
+                OutputGrad::Pooled { grad, indices } => {
+                    let pooled = grad.len() / (sizes.batch * sizes.c_out).max(1);
+                    unpooled.fill(0.0);
+                    let range = s * sizes.c_out * pooled..(s + 1) * sizes.c_out * pooled;
+                    let per_channel = grad[range.clone()].chunks(pooled.max(1)).zip(indices[range].chunks(pooled.max(1)));
+                    for ((g, i), plane) in per_channel.zip(unpooled.chunks_mut(pixels)) {
+                        g.iter().zip(i).for_each(|(g, i)| plane[*i as usize] += g);
+                    }
+                    Matrix::dense(&unpooled, sizes.c_out, pixels)
+                }
+            };
             let cols = sizes.columns(&x[s * plane..(s + 1) * plane], &mut scratch);
             gemm_into(&mut weight_grad, grad_s, cols.transposed(), true, gemm::Parallelism::None);
             if let Some(x_grad_s) = x_grad_group.get_mut((s - first) * plane..(s - first + 1) * plane) {
@@ -534,7 +569,7 @@ fn conv_backward(x: &[f32], weight: &[f32], grad: &[f32], sizes: ConvSizes, x_gr
         }
         weight_grad
     };
-    let mut input_grad = vec![0f32; if x_grad { sizes.batch * plane } else { 0 }];
+    let mut input_grad = zeros(if x_grad { sizes.batch * plane } else { 0 });
     let partials: Vec<Vec<f32>> = if x_grad {
         input_grad
             .par_chunks_mut((BATCH_PER_TASK * plane).max(1))
@@ -551,7 +586,49 @@ fn conv_backward(x: &[f32], weight: &[f32], grad: &[f32], sizes: ConvSizes, x_gr
     (x_grad.then_some(input_grad), weight_grad)
 }
 
+/// The gradient a convolution's backward starts from: of its full output,
+/// or of its 2x2-pooled output with the pool's indices (unpooled per sample
+/// into a cached scratch buffer).
+#[derive(Debug, Clone, Copy)]
+enum OutputGrad<'a> {
+    Dense(&'a [f32]),
+    Pooled { grad: &'a [f32], indices: &'a [i32] },
+}
+
+/// `max_pool2x2(act(conv(x) + bias))` per sample: the full-resolution output
+/// lives in a cached scratch buffer only; the pooled output and the indices
+/// of the maxima (within each full-resolution plane) are written.
+fn conv_pool_forward(
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    sizes: ConvSizes,
+    epilogue: Epilogue,
+) -> (Vec<f32>, Vec<i32>) {
+    let [oh, ow] = sizes.geometry.output;
+    let (pixels, pooled) = (oh * ow, (oh / 2) * (ow / 2));
+    let weight = Matrix::dense(weight, sizes.c_out, sizes.depth());
+    let mut output = zeros(sizes.batch * sizes.c_out * pooled);
+    let mut indices = vec![0i32; output.len()];
+    let per_sample = (sizes.c_out * pooled).max(1);
+    output.par_chunks_mut(per_sample).zip(indices.par_chunks_mut(per_sample)).enumerate().for_each_init(
+        || (sizes.scratch(), vec![0f32; sizes.c_out * pixels]),
+        |(scratch, full), (s, (out, idx))| {
+            let cols = sizes.columns(&x[s * sizes.plane()..(s + 1) * sizes.plane()], scratch);
+            gemm_into(full, weight, cols, false, gemm::Parallelism::None);
+            epilogue_in_place(full, [sizes.c_out, pixels], bias.map(|b| (b, BiasAxis::Rows)), epilogue, false);
+            let planes = full.chunks(pixels.max(1)).zip(out.chunks_mut(pooled.max(1)).zip(idx.chunks_mut(pooled.max(1))));
+            for (plane, (out, idx)) in planes {
+                pool_plane(plane, [oh, ow], out, idx);
+            }
+        },
+    );
+    (output, indices)
+}
+
 impl FusedBackend for Flex {
+    const FUSED_CONV_POOL: bool = true;
+
     fn mse_loss(student: FloatTensor<Self>, teacher: FloatTensor<Self>, with_grad: bool) -> LossWithGrad<Self> {
         if !is_f32(&student) || !is_f32(&teacher) {
             return reference::mse_with_grad::<Self>(student, teacher, with_grad);
@@ -560,7 +637,7 @@ impl FusedBackend for Flex {
         let (s, t) = (values(&student), values(&teacher));
         let n = s.len();
         let scale = 2.0 / n as f32;
-        let mut grad = if with_grad { vec![0f32; n] } else { Vec::new() };
+        let mut grad = if with_grad { zeros(n) } else { Vec::new() };
         let partial_sums: Vec<f64> = if with_grad {
             grad.par_chunks_mut(CHUNK)
                 .zip(s.par_chunks(CHUNK).zip(t.par_chunks(CHUNK)))
@@ -675,7 +752,48 @@ impl FusedBackend for Flex {
             return reference::conv2d_backward::<Self>(x, weight, grad, options, x_grad);
         }
         let sizes = ConvSizes::new(&x, &weight, &options);
-        let (x_grad, weight_grad) = conv_backward(&values(&x), &values(&weight), &values(&grad), sizes, x_grad);
+        let grad = values(&grad);
+        let (x_grad, weight_grad) = conv_backward(&values(&x), &values(&weight), OutputGrad::Dense(&grad), sizes, x_grad);
+        let x_shape = x.shape();
+        (x_grad.map(|g| from_vec(g, x_shape)), from_vec(weight_grad, weight.shape()))
+    }
+
+    fn conv2d_pool(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        epilogue: Epilogue,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        if !native_conv(&x, &weight, &options)
+            || epilogue == Epilogue::Gelu
+            || bias.as_ref().is_some_and(|b| !is_f32(b))
+        {
+            return Self::max_pool2x2_with_indices(reference::conv2d_epilogue::<Self>(x, weight, bias, options, epilogue));
+        }
+        let sizes = ConvSizes::new(&x, &weight, &options);
+        let bias = bias.as_ref().map(values);
+        let (output, indices) = conv_pool_forward(&values(&x), &values(&weight), bias.as_deref(), sizes, epilogue);
+        let [oh, ow] = sizes.geometry.output;
+        let shape = [sizes.batch, sizes.c_out, oh / 2, ow / 2];
+        (from_vec(output, shape), FlexTensor::from_data(TensorData::new(indices, shape)))
+    }
+
+    fn conv2d_pool_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        options: ConvOptions<2>,
+        x_grad: bool,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
+        if !native_conv(&x, &weight, &options) || !is_f32(&grad) || indices.dtype() != DType::I32 {
+            return reference::conv2d_pool_backward::<Self>(x, weight, grad, indices, options, x_grad);
+        }
+        let sizes = ConvSizes::new(&x, &weight, &options);
+        let (grad, indices) = (values(&grad), indices.to_contiguous());
+        let grad = OutputGrad::Pooled { grad: &grad, indices: indices.as_slice::<i32>().unwrap_or_default() };
+        let (x_grad, weight_grad) = conv_backward(&values(&x), &values(&weight), grad, sizes, x_grad);
         let x_shape = x.shape();
         (x_grad.map(|g| from_vec(g, x_shape)), from_vec(weight_grad, weight.shape()))
     }
@@ -708,7 +826,7 @@ impl FusedBackend for Flex {
         let grad = values(&grad);
         let indices = indices.to_contiguous();
         let indices = indices.as_slice::<i32>().unwrap_or_default();
-        let mut x_grad = vec![0f32; b * c * h * w];
+        let mut x_grad = zeros(b * c * h * w);
         x_grad
             .par_chunks_mut((h * w).max(1))
             .with_min_len(rows_per_task(h * w))

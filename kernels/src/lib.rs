@@ -95,6 +95,11 @@ pub struct LossWithGrad<B: Backend> {
 /// CubeCL backends override them with our kernels; `Autodiff<B>` overrides them
 /// to record a custom backward.
 pub trait FusedBackend: Backend {
+    /// Whether [`conv2d_pool`](FusedBackend::conv2d_pool) is one fused pass
+    /// on this backend; where it is not, [`conv2d_layer_pool`] composes the
+    /// layer's best unpooled path with [`max_pool2x2`] instead.
+    const FUSED_CONV_POOL: bool = false;
+
     /// `mean((student - teacher)^2)` over all elements; with `with_grad`, also
     /// `2 (student - teacher) / n`. Both tensors have the same shape.
     fn mse_loss(
@@ -177,6 +182,34 @@ pub trait FusedBackend: Backend {
         x_grad: bool,
     ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
         reference::conv2d_backward::<Self>(x, weight, grad, options, x_grad)
+    }
+
+    /// `max_pool2x2(act(conv2d(x, weight) + bias))` and where each maximum
+    /// came from (as [`max_pool2x2_with_indices`](FusedBackend::max_pool2x2_with_indices)):
+    /// on the CPU the full-resolution output never leaves the cache.
+    fn conv2d_pool(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        epilogue: Epilogue,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        Self::max_pool2x2_with_indices(Self::conv2d_epilogue(x, weight, bias, options, epilogue))
+    }
+
+    /// The gradients of [`conv2d_pool`](FusedBackend::conv2d_pool) from the
+    /// gradient of its pooled output before the activation (the activation's
+    /// derivative at a window's maximum is the same at either resolution):
+    /// that of `x` when `x_grad`, and that of `weight`.
+    fn conv2d_pool_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        options: ConvOptions<2>,
+        x_grad: bool,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
+        reference::conv2d_pool_backward::<Self>(x, weight, grad, indices, options, x_grad)
     }
 
     /// A 2x2, stride-2 max-pool of `[batch, channels, h, w]` (no padding; an
@@ -305,21 +338,60 @@ pub fn conv2d<B: FusedBackend>(
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
+/// `max_pool2x2(act(conv2d(x, weight) + bias))`: one op (see
+/// [`FusedBackend::conv2d_pool`]).
+pub fn conv2d_pool<B: FusedBackend>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    options: ConvOptions<2>,
+    epilogue: Epilogue,
+) -> Tensor<B, 4> {
+    let (output, _) = B::conv2d_pool(
+        x.into_primitive().tensor(),
+        weight.into_primitive().tensor(),
+        bias.map(|b| b.into_primitive().tensor()),
+        options,
+        epilogue,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(output))
+}
+
+/// The options of a burn `Conv2d` layer for the fused ops: `None` when its
+/// padding is asymmetric (or `Same`), or it has groups or dilation.
+fn fused_options<B: Backend>(layer: &Conv2d<B>) -> Option<ConvOptions<2>> {
+    let padding = match layer.padding {
+        PaddingConfig2d::Valid => [0, 0],
+        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => [top, left],
+        _ => return None,
+    };
+    (layer.groups == 1 && layer.dilation == [1, 1]).then(|| ConvOptions::new(layer.stride, padding, [1, 1], 1))
+}
+
 /// A burn `Conv2d` layer followed by `epilogue`, through [`conv2d`] when its
 /// padding is symmetric (or none) and it has neither groups nor dilation;
 /// otherwise the layer's own forward and the activation as burn ops.
+/// A 1x1 layer (stride 1, no padding) goes through [`pointwise_conv`].
 pub fn conv2d_layer<B: FusedBackend>(layer: &Conv2d<B>, x: Tensor<B, 4>, epilogue: Epilogue) -> Tensor<B, 4> {
-    let padding = match layer.padding {
-        PaddingConfig2d::Valid => Some([0, 0]),
-        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => Some([top, left]),
-        _ => None,
-    };
-    match padding {
-        Some(padding) if layer.groups == 1 && layer.dilation == [1, 1] => {
-            let options = ConvOptions::new(layer.stride, padding, [1, 1], 1);
-            conv2d(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()), options, epilogue)
+    let bias = layer.bias.as_ref().map(|b| b.val());
+    match fused_options(layer) {
+        Some(options) if layer.kernel_size == [1, 1] && options.stride == [1, 1] && options.padding == [0, 0] => {
+            pointwise_conv(x, layer.weight.val(), bias, epilogue)
         }
-        _ => reference::activate(layer.forward(x), epilogue),
+        Some(options) => conv2d(x, layer.weight.val(), bias, options, epilogue),
+        None => reference::activate(layer.forward(x), epilogue),
+    }
+}
+
+/// [`conv2d_layer`] followed by a 2x2 max-pool, as one op ([`conv2d_pool`])
+/// where the backend fuses them ([`FusedBackend::FUSED_CONV_POOL`]) and the
+/// layer qualifies.
+pub fn conv2d_layer_pool<B: FusedBackend>(layer: &Conv2d<B>, x: Tensor<B, 4>, epilogue: Epilogue) -> Tensor<B, 4> {
+    match fused_options(layer) {
+        Some(options) if B::FUSED_CONV_POOL && epilogue != Epilogue::Gelu => {
+            conv2d_pool(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()), options, epilogue)
+        }
+        _ => max_pool2x2(conv2d_layer(layer, x, epilogue)),
     }
 }
 

@@ -10,7 +10,7 @@ fn fallback_ops_and_their_custom_backward_match_burns_autodiff() {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
     let rows = check::run::<Autodiff<Flex>>(&Default::default(), seed);
     let ops: std::collections::BTreeSet<_> = rows.iter().map(|r| r.op.as_str()).collect();
-    assert_eq!(ops.len(), 6, "every op is checked: {ops:?}");
+    assert_eq!(ops.len(), 7, "every op is checked: {ops:?}");
     assert!(rows.iter().any(|r| r.quantity == "d bias"), "bias gradients are checked");
     assert!(rows.iter().all(|r| r.passed()), "seed {seed}:\n{}", check::table(&rows));
 }

@@ -10,7 +10,7 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::PaddingConfig2d;
 use burn::tensor::Tensor;
-use pipebd_kernels::{conv2d_layer, max_pool2x2, pointwise_conv, Epilogue, FusedBackend};
+use pipebd_kernels::{conv2d_layer, conv2d_layer_pool, pointwise_conv, Epilogue, FusedBackend};
 
 use crate::Downsample;
 
@@ -62,12 +62,13 @@ fn fused_spatial<B: FusedBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, relu: bool)
     conv2d_layer(conv, x, if relu { Epilogue::Relu } else { Epilogue::Identity })
 }
 
-/// The block's final 2x2 max-pool (always kernel 2, stride 2: [`final_pool`]),
-/// through the fused op.
-fn maybe_pool<B: FusedBackend>(x: Tensor<B, 4>, pool: &Option<MaxPool2d>) -> Tensor<B, 4> {
+/// The block's last 1x1 convolution with its ReLU and, when the block pools,
+/// the final 2x2 max-pool (always kernel 2, stride 2: [`final_pool`]), as one
+/// fused op where the backend has it.
+fn project_and_pool<B: FusedBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, pool: &Option<MaxPool2d>) -> Tensor<B, 4> {
     match pool {
-        Some(_) => max_pool2x2(x),
-        None => x,
+        Some(_) => conv2d_layer_pool(conv, x, Epilogue::Relu),
+        None => fused_pointwise(conv, x, true),
     }
 }
 
@@ -102,7 +103,7 @@ impl<B: FusedBackend> ConvBlock<B> {
 
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        maybe_pool(fused_pointwise(&self.project, fused_spatial(&self.spatial, x, true), true), &self.pool)
+        project_and_pool(&self.project, fused_spatial(&self.spatial, x, true), &self.pool)
     }
 }
 
@@ -143,7 +144,7 @@ impl<B: FusedBackend> SeparableBlock<B> {
     /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let x = fused_spatial(&self.depthwise, x, self.inner_relu);
-        maybe_pool(fused_pointwise(&self.pointwise, x, true), &self.pool)
+        project_and_pool(&self.pointwise, x, &self.pool)
     }
 }
 
@@ -187,6 +188,6 @@ impl<B: FusedBackend> BottleneckBlock<B> {
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let x = fused_pointwise(&self.reduce, x, self.inner_relu);
         let x = fused_spatial(&self.spatial, x, self.inner_relu);
-        maybe_pool(fused_pointwise(&self.expand, x, true), &self.pool)
+        project_and_pool(&self.expand, x, &self.pool)
     }
 }

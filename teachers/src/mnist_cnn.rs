@@ -18,7 +18,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use burn_store::{ModuleSnapshot, PytorchStore, PytorchStoreError};
-use pipebd_kernels::{conv2d_layer, max_pool2x2, Epilogue, FusedBackend};
+use pipebd_kernels::{conv2d_layer_pool, Epilogue, FusedBackend};
 
 use crate::TeacherError;
 
@@ -55,7 +55,7 @@ impl<B: FusedBackend> ConvStage<B> {
     /// `[batch, c_in, h, w] -> [batch, c_out, h/2, w/2]` (the convolution, its
     /// ReLU and the 2x2 pool through the fused ops).
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        max_pool2x2(conv2d_layer(&self.conv, x, Epilogue::Relu))
+        conv2d_layer_pool(&self.conv, x, Epilogue::Relu)
     }
 }
 
