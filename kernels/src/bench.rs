@@ -19,7 +19,8 @@ use crate::reference::unfused;
 use burn::tensor::ops::ConvOptions;
 
 use crate::{
-    conv2d, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue, MatmulVariant,
+    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue,
+    MatmulVariant,
 };
 
 /// One timed case: median milliseconds per call of each side.
@@ -191,6 +192,26 @@ pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRo
                     burn::tensor::module::conv2d(x, w, b, reference_options.clone()),
                     Epilogue::Relu,
                 )
+            },
+        ));
+    }
+    // With the 2x2 max-pool fused in: the teacher's stages and the
+    // quickstart's pooled 1x1 projections.
+    for (c_in, hw, c_out, k) in [(1, 28, 32, 3), (32, 14, 64, 3), (64, 7, 128, 3), (6, 28, 32, 1), (16, 14, 64, 1)] {
+        let options = ConvOptions::new([1, 1], [k / 2, k / 2], [1, 1], 1);
+        let reference_options = options.clone();
+        rows.push(layer_row::<B, 4, 4>(
+            "conv-relu-pool",
+            format!("[256, {c_in}, {hw}, {hw}] -> {c_out} {k}x{k}"),
+            [256, c_in, hw, hw],
+            [c_out, c_in, k, k],
+            c_out,
+            repeats,
+            device,
+            &move |x, w, b| conv2d_pool(x, w, b, options.clone(), Epilogue::Relu),
+            &move |x, w, b| {
+                let y = burn::tensor::activation::relu(burn::tensor::module::conv2d(x, w, b, reference_options.clone()));
+                burn::tensor::module::max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], false)
             },
         ));
     }
