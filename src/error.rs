@@ -18,6 +18,13 @@ pub enum Error {
         /// What is wrong and what was expected.
         message: String,
     },
+    /// A search's candidates cannot be chosen from (no candidates for a
+    /// block, a loss or cost that is not a number).
+    #[error("search: {message}")]
+    Search {
+        /// What is wrong, naming the block and candidate.
+        message: String,
+    },
     /// A data file is missing, truncated or not what its name says.
     #[error("data file {path}: {message}")]
     Data {

@@ -18,7 +18,8 @@
 //! - [`train`]: one block's optimizer step, its settings, the stitched pass,
 //! - [`runtime`]: the one interpreter of plans,
 //! - [`run`]: a whole job from a [`config::RunConfig`],
-//! - [`report`]: `report.json` and `metrics.csv`.
+//! - [`report`]: `report.json` and `metrics.csv`,
+//! - [`search`]: choosing one candidate student per block under a budget.
 //!
 //! The `pipebd` binary is [`cli::run_with`]`(`[`zoo::Builtin`]`)`; a crate
 //! with its own zoo gets the same command line for its blocks.
@@ -49,6 +50,7 @@ pub mod report;
 pub mod rng;
 pub mod run;
 pub mod runtime;
+pub mod search;
 pub mod sweep;
 pub mod trace;
 pub mod train;

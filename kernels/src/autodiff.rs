@@ -167,6 +167,19 @@ struct ConvState<B: FusedBackend> {
     epilogue: Epilogue,
 }
 
+/// [`FusedBackend::epilogue_backward`] (which takes `[z, m, n]`) for a
+/// convolution's `[b, c, h, w]` output and its gradient, as `[b, c, h * w]`.
+fn conv_epilogue_backward<B: FusedBackend>(
+    grad: FloatTensor<B>,
+    saved: FloatTensor<B>,
+    epilogue: Epilogue,
+) -> FloatTensor<B> {
+    let shape = grad.shape();
+    let [b, c, h, w] = shape.dims::<4>();
+    let flat = |t: FloatTensor<B>| B::float_reshape(t, [b, c, h * w].into());
+    B::float_reshape(B::epilogue_backward(flat(grad), flat(saved), epilogue), shape)
+}
+
 /// Backward of the fused convolution with `N` parents (x, weight[, bias]).
 #[derive(Debug)]
 struct ConvBackward;
@@ -174,7 +187,7 @@ struct ConvBackward;
 fn register_conv_grads<B: FusedBackend, const N: usize>(ops: Ops<ConvState<B>, N>, grads: &mut Gradients) {
     let grad = grads.consume::<B>(&ops.node);
     let ConvState { x, weight, output, options, epilogue } = ops.state;
-    let pre_grad = B::epilogue_backward(grad, output, epilogue);
+    let pre_grad = conv_epilogue_backward::<B>(grad, output, epilogue);
     let parents: Vec<_> = ops.parents.into_iter().collect();
     let bias_grad = parents.get(2).and_then(Option::as_ref).map(|_| {
         let [b, c, h, w] = pre_grad.shape().dims::<4>();
@@ -249,7 +262,7 @@ fn register_conv_pool_grads<B: FusedBackend, const N: usize>(ops: Ops<ConvPoolSt
     let grad = grads.consume::<B>(&ops.node);
     let ConvPoolState { x, weight, output, indices, options, epilogue } = ops.state;
     // The pooled output is the activation's output at each window's maximum.
-    let pre_grad = B::epilogue_backward(grad, output, epilogue);
+    let pre_grad = conv_epilogue_backward::<B>(grad, output, epilogue);
     let parents: Vec<_> = ops.parents.into_iter().collect();
     let bias_grad = parents.get(2).and_then(Option::as_ref).map(|_| {
         let [b, c, h, w] = pre_grad.shape().dims::<4>();

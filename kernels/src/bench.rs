@@ -195,6 +195,24 @@ pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRo
             },
         ));
     }
+    // The separable students' depthwise 3x3 (one filter per channel).
+    for (channels, hw) in [(32, 14), (64, 7)] {
+        let options = ConvOptions::new([1, 1], [1, 1], [1, 1], channels);
+        let reference_options = options.clone();
+        rows.push(layer_row::<B, 4, 4>(
+            "depthwise3x3",
+            format!("[256, {channels}, {hw}, {hw}] relu"),
+            [256, channels, hw, hw],
+            [channels, 1, 3, 3],
+            channels,
+            repeats,
+            device,
+            &move |x, w, b| conv2d(x, w, b, options.clone(), Epilogue::Relu),
+            &move |x, w, b| {
+                burn::tensor::activation::relu(burn::tensor::module::conv2d(x, w, b, reference_options.clone()))
+            },
+        ));
+    }
     // With the 2x2 max-pool fused in: the teacher's stages and the
     // quickstart's pooled 1x1 projections.
     for (c_in, hw, c_out, k) in [(1, 28, 32, 3), (32, 14, 64, 3), (64, 7, 128, 3), (6, 28, 32, 1), (16, 14, 64, 1)] {

@@ -254,7 +254,8 @@ pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
 fn conv_kxk_pre(inputs: &LayerInputs, x_shape: [usize; 4], w_shape: [usize; 4], options: &ConvOptions<2>) -> Vec<f64> {
     let (x, w) = (floats(&inputs.x), floats(&inputs.weight));
     let b = inputs.bias.as_ref().map(floats);
-    let ([batch, c_in, h, wd], [c_out, _, kh, kw]) = (x_shape, w_shape);
+    let ([batch, c_in, h, wd], [c_out, per_group, kh, kw]) = (x_shape, w_shape);
+    let filters_per_group = c_out / (c_in / per_group);
     let ([sy, sx], [py, px]) = (options.stride, options.padding);
     let (oh, ow) = ((h + 2 * py - kh) / sy + 1, (wd + 2 * px - kw) / sx + 1);
     let mut pre = vec![0f64; batch * c_out * oh * ow];
@@ -263,13 +264,15 @@ fn conv_kxk_pre(inputs: &LayerInputs, x_shape: [usize; 4], w_shape: [usize; 4], 
             for oy in 0..oh {
                 for ox in 0..ow {
                     let mut sum = b.as_ref().map_or(0.0, |b| b[o] as f64);
-                    for c in 0..c_in {
+                    for g in 0..per_group {
+                        // The input channel of this filter's group.
+                        let c = o / filters_per_group * per_group + g;
                         for ky in 0..kh {
                             for kx in 0..kw {
                                 let (iy, ix) = ((oy * sy + ky) as isize - py as isize, (ox * sx + kx) as isize - px as isize);
                                 if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < wd {
                                     let xv = x[((n * c_in + c) * h + iy as usize) * wd + ix as usize] as f64;
-                                    sum += xv * w[((o * c_in + c) * kh + ky) * kw + kx] as f64;
+                                    sum += xv * w[((o * per_group + g) * kh + ky) * kw + kx] as f64;
                                 }
                             }
                         }
@@ -291,6 +294,9 @@ fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdR
         ([4, 16, 14, 14], [16, 16, 3, 3], [1, 1], [1, 1]),
         ([2, 5, 9, 8], [7, 5, 3, 3], [2, 2], [1, 1]),
         ([1, 3, 7, 6], [4, 3, 5, 3], [1, 2], [0, 1]),
+        // Depthwise (groups = input channels; the weight's second axis is 1).
+        ([3, 4, 9, 9], [8, 1, 3, 3], [1, 1], [1, 1]),
+        ([2, 6, 8, 7], [6, 1, 3, 3], [2, 2], [1, 1]),
     ];
     for (i, (x_shape, w_shape, stride, padding)) in cases.into_iter().enumerate() {
         for (epilogue, pooled) in [
@@ -301,7 +307,8 @@ fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdR
             (Epilogue::Relu, true),
         ] {
             let with_bias = (i + epilogue as usize) % 3 != 1;
-            let options = ConvOptions::new(stride, padding, [1, 1], 1);
+            let groups = x_shape[1] / w_shape[1];
+            let options = ConvOptions::new(stride, padding, [1, 1], groups);
             let fan_in = (w_shape[1] * w_shape[2] * w_shape[3]) as f32;
             let [batch, _, h, w] = x_shape;
             let (oh, ow) = ((h + 2 * padding[0] - w_shape[2]) / stride[0] + 1, (w + 2 * padding[1] - w_shape[3]) / stride[1] + 1);

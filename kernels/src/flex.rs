@@ -57,6 +57,19 @@ fn lane_sum_squared_difference(s: &[f32], t: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + rest
 }
 
+/// `sum(a * b)` in eight interleaved lanes.
+fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (a_chunks, b_chunks) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f32 = a_chunks.remainder().iter().zip(b_chunks.remainder()).map(|(x, y)| x * y).sum();
+    for (ac, bc) in a_chunks.zip(b_chunks) {
+        for ((lane, x), y) in lanes.iter_mut().zip(ac).zip(bc) {
+            *lane += x * y;
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
 fn is_f32(tensor: &FlexTensor) -> bool {
     tensor.dtype() == DType::F32
 }
@@ -278,10 +291,7 @@ fn matmul_native(
                 sum
             })
             .collect();
-        let mut out = vec![0f32; m * n];
-        for partial in partials {
-            out.iter_mut().zip(partial).for_each(|(o, p)| *o += p);
-        }
+        let mut out = add_in_order(partials, m * n);
         epilogue_in_place(&mut out, [m, n], bias, epilogue, false);
         return Some(from_vec(out, [1, m, n]));
     }
@@ -354,8 +364,8 @@ fn max_pool2x2(x: &FlexTensor, with_indices: bool) -> (FlexTensor, Option<FlexTe
     (output, indices)
 }
 
-/// Whether [`im2col`] and [`col2im`] serve this convolution: `f32`, no
-/// groups, no dilation.
+/// Whether the im2col path serves this convolution: `f32`, no groups, no
+/// dilation.
 fn native_conv(x: &FlexTensor, weight: &FlexTensor, options: &ConvOptions<2>) -> bool {
     is_f32(x) && is_f32(weight) && options.groups == 1 && options.dilation == [1, 1]
 }
@@ -569,7 +579,21 @@ fn conv_backward(
         }
         weight_grad
     };
-    let mut input_grad = zeros(if x_grad { sizes.batch * plane } else { 0 });
+    per_sample_groups(sizes.batch, plane, sizes.c_out * depth, x_grad, group)
+}
+
+/// Runs `group(task, x_grad_of_its_samples)` over fixed groups of
+/// [`BATCH_PER_TASK`] samples in parallel (the input gradient, when asked
+/// for, split among them; `plane` values per sample) and adds the groups'
+/// weight gradients (`len` values each) in order.
+fn per_sample_groups(
+    batch: usize,
+    plane: usize,
+    len: usize,
+    x_grad: bool,
+    group: impl Fn(usize, &mut [f32]) -> Vec<f32> + Sync,
+) -> (Option<Vec<f32>>, Vec<f32>) {
+    let mut input_grad = zeros(if x_grad { batch * plane } else { 0 });
     let partials: Vec<Vec<f32>> = if x_grad {
         input_grad
             .par_chunks_mut((BATCH_PER_TASK * plane).max(1))
@@ -577,13 +601,99 @@ fn conv_backward(
             .map(|(task, chunk)| group(task, chunk))
             .collect()
     } else {
-        (0..sizes.batch.div_ceil(BATCH_PER_TASK)).into_par_iter().map(|task| group(task, &mut [])).collect()
+        (0..batch.div_ceil(BATCH_PER_TASK)).into_par_iter().map(|task| group(task, &mut [])).collect()
     };
-    let mut weight_grad = vec![0f32; sizes.c_out * depth];
+    (x_grad.then_some(input_grad), add_in_order(partials, len))
+}
+
+/// The element-wise sum of `partials` (`len` values each), added in order.
+fn add_in_order(partials: Vec<Vec<f32>>, len: usize) -> Vec<f32> {
+    let mut sum = vec![0f32; len];
     for partial in partials {
-        weight_grad.iter_mut().zip(partial).for_each(|(w, p)| *w += p);
+        sum.iter_mut().zip(partial).for_each(|(s, p)| *s += p);
     }
-    (x_grad.then_some(input_grad), weight_grad)
+    sum
+}
+
+/// Whether a convolution is depthwise: one group per input channel, each
+/// filter reading one channel (`c_out` a multiple of `c_in`).
+fn depthwise(x: &FlexTensor, weight: &FlexTensor, options: &ConvOptions<2>) -> bool {
+    let [_, c_in, _, _] = x.shape().dims::<4>();
+    let [c_out, per_group, _, _] = weight.shape().dims::<4>();
+    is_f32(x)
+        && is_f32(weight)
+        && options.dilation == [1, 1]
+        && c_in > 1
+        && options.groups == c_in
+        && per_group == 1
+        && c_out.is_multiple_of(c_in)
+}
+
+/// The input channel filter `o` of a depthwise convolution reads.
+fn depthwise_channel(sizes: &ConvSizes, o: usize) -> usize {
+    o / (sizes.c_out / sizes.channels).max(1)
+}
+
+/// `act(depthwise_conv(x) + bias)`: per output plane, one multiply-add pass
+/// per kernel tap over the input rows it reads.
+fn depthwise_forward(x: &[f32], weight: &[f32], bias: Option<&[f32]>, sizes: ConvSizes, epilogue: Epilogue) -> Vec<f32> {
+    let ([h, w], taps, pixels, step) =
+        (sizes.geometry.input, sizes.geometry.taps(), sizes.geometry.output_pixels(), sizes.geometry.stride[1]);
+    let mut out = zeros(sizes.batch * sizes.c_out * pixels);
+    out.par_chunks_mut(pixels.max(1)).with_min_len(rows_per_task(pixels)).enumerate().for_each(|(p, out)| {
+        let (s, o) = (p / sizes.c_out, p % sizes.c_out);
+        let source = &x[(s * sizes.channels + depthwise_channel(&sizes, o)) * h * w..][..h * w];
+        let filter = &weight[o * taps..(o + 1) * taps];
+        out.fill(bias.map_or(0.0, |b| b[o]));
+        sizes.geometry.for_each_run(|tap, start, input, len| {
+            let (weight, run) = (filter[tap], &mut out[start..start + len]);
+            if step == 1 {
+                run.iter_mut().zip(&source[input..input + len]).for_each(|(v, x)| *v += weight * x);
+            } else {
+                run.iter_mut().enumerate().for_each(|(j, v)| *v += weight * source[input + j * step]);
+            }
+        });
+        out.iter_mut().for_each(|v| *v = activate(*v, epilogue));
+    });
+    out
+}
+
+/// The input gradient (when `x_grad`) and the weight gradient of a
+/// depthwise convolution, per fixed group of samples.
+fn depthwise_backward(x: &[f32], weight: &[f32], grad: &[f32], sizes: ConvSizes, x_grad: bool) -> (Option<Vec<f32>>, Vec<f32>) {
+    let ([h, w], taps, pixels, step) =
+        (sizes.geometry.input, sizes.geometry.taps(), sizes.geometry.output_pixels(), sizes.geometry.stride[1]);
+    let plane = sizes.plane();
+    let group = |task: usize, x_grad_group: &mut [f32]| -> Vec<f32> {
+        let mut weight_grad = vec![0f32; sizes.c_out * taps];
+        let first = task * BATCH_PER_TASK;
+        for s in first..(first + BATCH_PER_TASK).min(sizes.batch) {
+            for o in 0..sizes.c_out {
+                let c = depthwise_channel(&sizes, o);
+                let source = &x[(s * sizes.channels + c) * h * w..][..h * w];
+                let g = &grad[(s * sizes.c_out + o) * pixels..][..pixels];
+                let filter = &weight[o * taps..(o + 1) * taps];
+                let filter_grad = &mut weight_grad[o * taps..(o + 1) * taps];
+                let mut source_grad = x_grad_group.get_mut((s - first) * plane + c * h * w..(s - first) * plane + (c + 1) * h * w);
+                sizes.geometry.for_each_run(|tap, start, input, len| {
+                    let run = &g[start..start + len];
+                    if step == 1 {
+                        filter_grad[tap] += lane_dot(run, &source[input..input + len]);
+                        if let Some(dx) = source_grad.as_deref_mut() {
+                            dx[input..input + len].iter_mut().zip(run).for_each(|(d, g)| *d += filter[tap] * g);
+                        }
+                    } else {
+                        filter_grad[tap] += run.iter().enumerate().map(|(j, g)| g * source[input + j * step]).sum::<f32>();
+                        if let Some(dx) = source_grad.as_deref_mut() {
+                            run.iter().enumerate().for_each(|(j, g)| dx[input + j * step] += filter[tap] * g);
+                        }
+                    }
+                });
+            }
+        }
+        weight_grad
+    };
+    per_sample_groups(sizes.batch, plane, sizes.c_out * taps, x_grad, group)
 }
 
 /// The gradient a convolution's backward starts from: of its full output,
@@ -728,7 +838,8 @@ impl FusedBackend for Flex {
         options: ConvOptions<2>,
         epilogue: Epilogue,
     ) -> FloatTensor<Self> {
-        if !native_conv(&x, &weight, &options)
+        let dense = native_conv(&x, &weight, &options);
+        if !(dense || depthwise(&x, &weight, &options))
             || epilogue == Epilogue::Gelu
             || bias.as_ref().is_some_and(|b| !is_f32(b))
         {
@@ -736,7 +847,8 @@ impl FusedBackend for Flex {
         }
         let sizes = ConvSizes::new(&x, &weight, &options);
         let bias = bias.as_ref().map(values);
-        let out = conv_forward(&values(&x), &values(&weight), bias.as_deref(), sizes, epilogue);
+        let run = if dense { conv_forward } else { depthwise_forward };
+        let out = run(&values(&x), &values(&weight), bias.as_deref(), sizes, epilogue);
         let [oh, ow] = sizes.geometry.output;
         from_vec(out, [sizes.batch, sizes.c_out, oh, ow])
     }
@@ -748,12 +860,16 @@ impl FusedBackend for Flex {
         options: ConvOptions<2>,
         x_grad: bool,
     ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
-        if !native_conv(&x, &weight, &options) || !is_f32(&grad) {
+        let dense = native_conv(&x, &weight, &options);
+        if !(dense || depthwise(&x, &weight, &options)) || !is_f32(&grad) {
             return reference::conv2d_backward::<Self>(x, weight, grad, options, x_grad);
         }
         let sizes = ConvSizes::new(&x, &weight, &options);
         let grad = values(&grad);
-        let (x_grad, weight_grad) = conv_backward(&values(&x), &values(&weight), OutputGrad::Dense(&grad), sizes, x_grad);
+        let (x_grad, weight_grad) = match dense {
+            true => conv_backward(&values(&x), &values(&weight), OutputGrad::Dense(&grad), sizes, x_grad),
+            false => depthwise_backward(&values(&x), &values(&weight), &grad, sizes, x_grad),
+        };
         let x_shape = x.shape();
         (x_grad.map(|g| from_vec(g, x_shape)), from_vec(weight_grad, weight.shape()))
     }
@@ -788,7 +904,7 @@ impl FusedBackend for Flex {
         x_grad: bool,
     ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
         if !native_conv(&x, &weight, &options) || !is_f32(&grad) || indices.dtype() != DType::I32 {
-            return reference::conv2d_pool_backward::<Self>(x, weight, grad, indices, options, x_grad);
+            return crate::unpool_then_conv_backward::<Self>(x, weight, grad, indices, options, x_grad);
         }
         let sizes = ConvSizes::new(&x, &weight, &options);
         let (grad, indices) = (values(&grad), indices.to_contiguous());

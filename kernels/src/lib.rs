@@ -209,7 +209,7 @@ pub trait FusedBackend: Backend {
         options: ConvOptions<2>,
         x_grad: bool,
     ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
-        reference::conv2d_pool_backward::<Self>(x, weight, grad, indices, options, x_grad)
+        unpool_then_conv_backward::<Self>(x, weight, grad, indices, options, x_grad)
     }
 
     /// A 2x2, stride-2 max-pool of `[batch, channels, h, w]` (no padding; an
@@ -233,6 +233,22 @@ pub trait FusedBackend: Backend {
     ) -> FloatTensor<Self> {
         reference::max_pool2x2_backward::<Self>(x, grad, indices)
     }
+}
+
+/// [`FusedBackend::conv2d_pool_backward`] as two of the backend's own ops:
+/// the pool's backward into the convolution's output shape, then
+/// [`FusedBackend::conv2d_backward`].
+fn unpool_then_conv_backward<B: FusedBackend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    indices: IntTensor<B>,
+    options: ConvOptions<2>,
+    x_grad: bool,
+) -> (Option<FloatTensor<B>>, FloatTensor<B>) {
+    let like = reference::conv_output_zeros::<B>(&x, &weight, &options);
+    let unpooled = B::max_pool2x2_backward(like, grad, indices);
+    B::conv2d_backward(x, weight, unpooled, options, x_grad)
 }
 
 /// The backends the engine trains on: autodiff over a [`FusedBackend`], with
@@ -358,18 +374,23 @@ pub fn conv2d_pool<B: FusedBackend>(
 }
 
 /// The options of a burn `Conv2d` layer for the fused ops: `None` when its
-/// padding is asymmetric (or `Same`), or it has groups or dilation.
+/// padding is asymmetric (or `Same`), it has dilation, or groups other than
+/// depthwise ones.
 fn fused_options<B: Backend>(layer: &Conv2d<B>) -> Option<ConvOptions<2>> {
     let padding = match layer.padding {
         PaddingConfig2d::Valid => [0, 0],
         PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => [top, left],
         _ => return None,
     };
-    (layer.groups == 1 && layer.dilation == [1, 1]).then(|| ConvOptions::new(layer.stride, padding, [1, 1], 1))
+    // No groups, or depthwise (one input channel per filter).
+    let [_, per_group, _, _] = layer.weight.dims();
+    let grouping = layer.groups == 1 || per_group == 1;
+    (grouping && layer.dilation == [1, 1]).then(|| ConvOptions::new(layer.stride, padding, [1, 1], layer.groups))
 }
 
 /// A burn `Conv2d` layer followed by `epilogue`, through [`conv2d`] when its
-/// padding is symmetric (or none) and it has neither groups nor dilation;
+/// padding is symmetric (or none) and it has no dilation and no groups other
+/// than depthwise;
 /// otherwise the layer's own forward and the activation as burn ops.
 /// A 1x1 layer (stride 1, no padding) goes through [`pointwise_conv`].
 pub fn conv2d_layer<B: FusedBackend>(layer: &Conv2d<B>, x: Tensor<B, 4>, epilogue: Epilogue) -> Tensor<B, 4> {

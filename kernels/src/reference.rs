@@ -115,26 +115,20 @@ pub fn conv2d_backward<B: Backend>(
     (dx, B::conv2d_weight_backward(x, weight, grad, options))
 }
 
-/// The gradients of `max_pool2x2(act(conv2d(x, weight) + bias))` from the
-/// pooled pre-activation gradient: unpooled with burn's max-pool backward,
-/// then [`conv2d_backward`].
-pub fn conv2d_pool_backward<B: Backend>(
-    x: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    grad: FloatTensor<B>,
-    indices: IntTensor<B>,
-    options: ConvOptions<2>,
-    x_grad: bool,
-) -> (Option<FloatTensor<B>>, FloatTensor<B>) {
+/// Zeros of the shape of `conv2d(x, weight)`'s output (for ops that need a
+/// tensor of that shape, such as burn's max-pool backward).
+pub fn conv_output_zeros<B: Backend>(
+    x: &FloatTensor<B>,
+    weight: &FloatTensor<B>,
+    options: &ConvOptions<2>,
+) -> FloatTensor<B> {
     let [batch, _, h, w] = x.shape().dims::<4>();
     let [c_out, _, kh, kw] = weight.shape().dims::<4>();
     let size = |i: usize, input: usize, kernel: usize| {
         (input + 2 * options.padding[i]).saturating_sub(options.dilation[i] * (kernel - 1) + 1) / options.stride[i] + 1
     };
-    let conv_shape = [batch, c_out, size(0, h, kh), size(1, w, kw)];
-    let like = B::float_zeros(conv_shape.into(), &B::float_device(&x), x.dtype().into());
-    let unpooled = max_pool2x2_backward::<B>(like, grad, indices);
-    conv2d_backward::<B>(x, weight, unpooled, options, x_grad)
+    let shape = [batch, c_out, size(0, h, kh), size(1, w, kw)];
+    B::float_zeros(shape.into(), &B::float_device(x), x.dtype().into())
 }
 
 /// burn's 2x2, stride-2 max-pool (no padding, floor): output and indices.

@@ -38,6 +38,23 @@ fn spatial(
     }
 }
 
+/// A depthwise `k x k` convolution (`channels -> channels`), keeping the
+/// resolution (padding `k/2`) or, with stride 2, giving `floor(h/2) x
+/// floor(w/2)` (the padding the stride needs, the odd one at the top/left).
+fn depthwise(channels: usize, kernel: usize, h: usize, w: usize, downsample: Downsample) -> Conv2dConfig {
+    let config = Conv2dConfig::new([channels, channels], [kernel, kernel]).with_groups(channels);
+    if downsample == Downsample::Stride {
+        // (size + padding - kernel) / 2 + 1 = floor(size / 2).
+        let total = |size: usize| (2 * (size / 2).max(1) + kernel).saturating_sub(size + 2);
+        let (ph, pw) = (total(h), total(w));
+        let padding = PaddingConfig2d::Explicit(ph - ph / 2, pw - pw / 2, ph / 2, pw / 2);
+        config.with_stride([2, 2]).with_padding(padding)
+    } else {
+        let p = kernel / 2;
+        config.with_padding(PaddingConfig2d::Explicit(p, p, p, p))
+    }
+}
+
 fn final_pool(downsample: Downsample) -> Option<MaxPool2d> {
     (downsample == Downsample::Pool).then(|| MaxPool2dConfig::new([2, 2]).init())
 }
@@ -189,5 +206,61 @@ impl<B: FusedBackend> BottleneckBlock<B> {
         let x = fused_pointwise(&self.reduce, x, self.inner_relu);
         let x = fused_spatial(&self.spatial, x, self.inner_relu);
         project_and_pool(&self.expand, x, &self.pool)
+    }
+}
+
+/// MobileNetV2's inverted residual: `1x1 expand (c_in -> c_in * expansion)
+/// -> ReLU6 -> depthwise k x k -> ReLU6 -> 1x1 project (-> out)`, linear at
+/// the end (no activation) [-> max-pool 2], plus the input when the shapes
+/// allow it (no downsampling, `c_in == out`).
+#[derive(Module, Debug)]
+pub struct InvertedResidualBlock<B: FusedBackend> {
+    expand: Conv2d<B>,
+    depthwise: Conv2d<B>,
+    project: Conv2d<B>,
+    residual: bool,
+    pool: Option<MaxPool2d>,
+}
+
+impl<B: FusedBackend> InvertedResidualBlock<B> {
+    /// Builds the block for `c_in x h x w` inputs; returns it with its forward FLOPs per sample.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        c_in: usize,
+        expansion: usize,
+        kernel: usize,
+        c_out: usize,
+        h: usize,
+        w: usize,
+        downsample: Downsample,
+        device: &B::Device,
+    ) -> (Self, u64) {
+        let mid = c_in * expansion;
+        let after = pixels_after_spatial(h, w, downsample);
+        let (ci, m, co, k) = (c_in as u64, mid as u64, c_out as u64, kernel as u64);
+        let flops = 2 * ((h * w) as u64 * ci * m + after * (m * k * k + m * co));
+        let block = Self {
+            expand: pointwise(c_in, mid).init(device),
+            depthwise: depthwise(mid, kernel, h, w, downsample).init(device),
+            project: pointwise(mid, c_out).init(device),
+            residual: downsample == Downsample::None && c_in == c_out,
+            pool: final_pool(downsample),
+        };
+        (block, flops)
+    }
+
+    /// `[batch, c_in, h, w] -> [batch, c_out, h', w']`.
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let hidden = conv2d_layer(&self.expand, x.clone(), Epilogue::Relu6);
+        let hidden = conv2d_layer(&self.depthwise, hidden, Epilogue::Relu6);
+        let out = match self.pool {
+            Some(_) => conv2d_layer_pool(&self.project, hidden, Epilogue::Identity),
+            None => conv2d_layer(&self.project, hidden, Epilogue::Identity),
+        };
+        if self.residual {
+            out + x
+        } else {
+            out
+        }
     }
 }

@@ -11,6 +11,8 @@
 //! - `conv`: a plain conv block of configurable width,
 //! - `separable`: a depthwise-separable conv block (MobileNet style),
 //! - `bottleneck`: a Tucker-style 1x1 -> 3x3 -> 1x1 conv block,
+//! - `inverted`: MobileNetV2's inverted residual (1x1 expand, depthwise 3x3
+//!   or 5x5, linear 1x1 project),
 //! - `head`: a small classifier head (flatten, hidden layer, logits),
 //! - `encoder`: a post-LN transformer encoder layer of configurable width
 //!   (heads, head width, feed-forward width) for `[tokens, hidden]` inputs;
@@ -23,7 +25,7 @@
 mod conv;
 mod head;
 
-pub use conv::{BottleneckBlock, ConvBlock, SeparableBlock};
+pub use conv::{BottleneckBlock, ConvBlock, InvertedResidualBlock, SeparableBlock};
 
 pub use head::HeadBlock;
 
@@ -94,6 +96,25 @@ pub enum StudentBlockConfig {
         /// How height and width are halved: `pool` (2x2 max-pool at the end,
         /// default), `stride` (the 3x3 convolution has stride 2: about 4x
         /// cheaper) or `none` (keep the resolution).
+        #[serde(default)]
+        downsample: Downsample,
+    },
+    /// MobileNetV2's inverted residual: `1x1 (c_in -> c_in * expansion) ->
+    /// ReLU6 -> depthwise k x k -> ReLU6 -> 1x1 (-> out)` with no activation
+    /// after the projection [-> max-pool 2], plus the input when no
+    /// downsampling and `c_in == out`.
+    Inverted {
+        /// Width of the hidden layer as a multiple of the input channels
+        /// (MobileNetV2: 6; 3 is cheaper).
+        expansion: usize,
+        /// Side of the depthwise kernel: 3 (default) or 5.
+        #[serde(default = "default_kernel")]
+        kernel: usize,
+        /// Output channels (must equal the teacher block's).
+        out_channels: usize,
+        /// How height and width are halved: `pool` (2x2 max-pool at the end,
+        /// default), `stride` (the depthwise convolution has stride 2) or
+        /// `none` (keep the resolution).
         #[serde(default)]
         downsample: Downsample,
     },
@@ -170,6 +191,10 @@ fn default_one() -> usize {
     1
 }
 
+fn default_kernel() -> usize {
+    3
+}
+
 /// A built student block: its module and what it declares about itself.
 #[derive(Debug)]
 pub struct BuiltStudent<B: FusedBackend> {
@@ -193,6 +218,8 @@ pub enum StudentBlock<B: FusedBackend> {
     Separable(SeparableBlock<B>),
     /// See [`StudentBlockConfig::Bottleneck`].
     Bottleneck(BottleneckBlock<B>),
+    /// See [`StudentBlockConfig::Inverted`].
+    Inverted(InvertedResidualBlock<B>),
     /// See [`StudentBlockConfig::Head`].
     Head(HeadBlock<B>),
     /// See [`StudentBlockConfig::Encoder`].
@@ -200,7 +227,7 @@ pub enum StudentBlock<B: FusedBackend> {
 }
 
 impl<B: FusedBackend> Block<B> for StudentBlock<B> {
-    /// Conv, separable and bottleneck blocks map feature maps to feature
+    /// Conv, separable, bottleneck and inverted blocks map feature maps to feature
     /// maps, the head maps them to logits, the encoder maps token states to
     /// token states (the mask travels on). Any other input is an error.
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
@@ -208,6 +235,7 @@ impl<B: FusedBackend> Block<B> for StudentBlock<B> {
             (Self::Conv(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
             (Self::Separable(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
             (Self::Bottleneck(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
+            (Self::Inverted(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
             (Self::Head(block), Activation::Maps(x)) => Activation::Flat(block.forward(x)),
             (Self::Encoder(layer), Activation::Tokens { hidden, mask }) => {
                 Activation::Tokens { hidden: layer.forward(hidden, mask.clone()), mask }
@@ -230,6 +258,7 @@ impl<B: FusedBackend> StudentBlock<B> {
             Self::Conv(_) => "conv",
             Self::Separable(_) => "separable",
             Self::Bottleneck(_) => "bottleneck",
+            Self::Inverted(_) => "inverted",
             Self::Head(_) => "head",
             Self::Encoder(_) => "encoder",
         }
@@ -243,6 +272,7 @@ impl StudentBlockConfig {
             Self::Conv { .. } => "conv",
             Self::Separable { .. } => "separable",
             Self::Bottleneck { .. } => "bottleneck",
+            Self::Inverted { .. } => "inverted",
             Self::Head { .. } => "head",
             Self::Encoder { .. } => "encoder",
         }
@@ -312,6 +342,22 @@ impl StudentBlockConfig {
                 let (oh, ow) = downsample.output(h, w);
                 Ok(BuiltStudent {
                     module: StudentBlock::Bottleneck(module),
+                    output_shape: vec![out_channels, oh, ow],
+                    flops,
+                })
+            }
+            Self::Inverted { expansion, kernel, out_channels, downsample } => {
+                positive("expansion", expansion)?;
+                positive("out_channels", out_channels)?;
+                if kernel != 3 && kernel != 5 {
+                    return Err(invalid(format!("`kernel` must be 3 or 5, got {kernel}")));
+                }
+                let [c, h, w] = image()?;
+                let (module, flops) =
+                    InvertedResidualBlock::new(c, expansion, kernel, out_channels, h, w, downsample, device);
+                let (oh, ow) = downsample.output(h, w);
+                Ok(BuiltStudent {
+                    module: StudentBlock::Inverted(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
                 })
@@ -386,6 +432,9 @@ mod tests {
                         inner_relu: false,
                         downsample,
                     },
+                    StudentBlockConfig::Inverted { expansion: 3, kernel: 3, out_channels: 8, downsample },
+                    StudentBlockConfig::Inverted { expansion: 6, kernel: 5, out_channels: 8, downsample },
+                    StudentBlockConfig::Inverted { expansion: 2, kernel: 5, out_channels: c, downsample },
                 ];
                 for config in &configs {
                     let (declared, actual) = forward_shape(config, [c, hw, hw]);
@@ -417,6 +466,39 @@ mod tests {
         assert!(refused.unwrap_err().to_string().contains("`encoder` student block"));
         let err = config.init::<Flex>(2, &[1, 28, 28], &device).unwrap_err();
         assert!(err.to_string().contains("token states"), "{err}");
+    }
+
+    #[test]
+    fn an_inverted_block_adds_its_input_only_when_the_shapes_allow() {
+        let device = Default::default();
+        let same = StudentBlockConfig::Inverted { expansion: 2, kernel: 3, out_channels: 4, downsample: Downsample::None };
+        let built = same.init::<Flex>(1, &[4, 6, 6], &device).unwrap();
+        // With every weight zero the block is the identity when residual, zero otherwise.
+        let zeroed = built.module.map(&mut Zero);
+        let x = Tensor::<Flex, 4>::ones([1, 4, 6, 6], &device);
+        let out = Block::forward(&zeroed, Activation::Maps(x.clone())).unwrap();
+        assert_eq!(out.dims(), [1, 4, 6, 6]);
+        let Activation::Maps(out) = out else { panic!("feature maps expected") };
+        assert_eq!(out.sum().into_scalar(), 144.0, "the input comes through");
+        let pooled = StudentBlockConfig::Inverted { expansion: 2, kernel: 3, out_channels: 4, downsample: Downsample::Pool };
+        let zeroed = pooled.init::<Flex>(1, &[4, 6, 6], &device).unwrap().module.map(&mut Zero);
+        let Activation::Maps(out) = Block::forward(&zeroed, Activation::Maps(x)).unwrap() else { panic!() };
+        assert_eq!(out.sum().into_scalar(), 0.0, "no residual across a downsampling");
+        let bad = StudentBlockConfig::Inverted { expansion: 2, kernel: 4, out_channels: 4, downsample: Downsample::Pool };
+        let err = bad.init::<Flex>(2, &[4, 6, 6], &device).unwrap_err();
+        assert_eq!(err.to_string(), "student block 2 (inverted): `kernel` must be 3 or 5, got 4");
+    }
+
+    /// Sets every parameter to zero.
+    struct Zero;
+
+    impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for Zero {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<B, D>>,
+        ) -> burn::module::Param<Tensor<B, D>> {
+            param.map(|t| t.zeros_like())
+        }
     }
 
     #[test]
