@@ -157,7 +157,8 @@ where
 }
 
 /// What the convolution backward needs: the operands, the output (for the
-/// activation's derivative) and the options.
+/// activation's derivative), the options and, for a convolution followed by
+/// the 2x2 max-pool, where each maximum came from.
 #[derive(Debug, Clone)]
 struct ConvState<B: FusedBackend> {
     x: FloatTensor<B>,
@@ -165,6 +166,7 @@ struct ConvState<B: FusedBackend> {
     output: FloatTensor<B>,
     options: ConvOptions<2>,
     epilogue: Epilogue,
+    pool_indices: Option<IntTensor<B>>,
 }
 
 /// [`FusedBackend::epilogue_backward`] (which takes `[z, m, n]`) for a
@@ -180,20 +182,26 @@ fn conv_epilogue_backward<B: FusedBackend>(
     B::float_reshape(B::epilogue_backward(flat(grad), flat(saved), epilogue), shape)
 }
 
-/// Backward of the fused convolution with `N` parents (x, weight[, bias]).
+/// Backward of the fused convolution (pooled or not) with `N` parents (x,
+/// weight[, bias]).
 #[derive(Debug)]
 struct ConvBackward;
 
 fn register_conv_grads<B: FusedBackend, const N: usize>(ops: Ops<ConvState<B>, N>, grads: &mut Gradients) {
     let grad = grads.consume::<B>(&ops.node);
-    let ConvState { x, weight, output, options, epilogue } = ops.state;
+    let ConvState { x, weight, output, options, epilogue, pool_indices } = ops.state;
+    // A pooled output is the activation's output at each window's maximum.
     let pre_grad = conv_epilogue_backward::<B>(grad, output, epilogue);
     let parents: Vec<_> = ops.parents.into_iter().collect();
     let bias_grad = parents.get(2).and_then(Option::as_ref).map(|_| {
         let [b, c, h, w] = pre_grad.shape().dims::<4>();
         B::bias_grad(B::float_reshape(pre_grad.clone(), [b, c, h * w].into()), BiasAxis::Rows)
     });
-    let (x_grad, weight_grad) = B::conv2d_backward(x, weight, pre_grad, options, parents[0].is_some());
+    let x_tracked = parents[0].is_some();
+    let (x_grad, weight_grad) = match pool_indices {
+        Some(indices) => B::conv2d_pool_backward(x, weight, pre_grad, indices, options, x_tracked),
+        None => B::conv2d_backward(x, weight, pre_grad, options, x_tracked),
+    };
     if let (Some(node), Some(x_grad)) = (&parents[0], x_grad) {
         grads.register::<B>(node.id, x_grad);
     }
@@ -221,7 +229,9 @@ impl<B: FusedBackend> Backward<B, 3> for ConvBackward {
     }
 }
 
-/// Runs the convolution and, when tracked, records the backward state.
+/// Runs the convolution (followed by the 2x2 max-pool when `pool`: then with
+/// the indices of the maxima) and, when tracked, records the backward state.
+#[allow(clippy::too_many_arguments)]
 fn finish_conv<B: FusedBackend, C: CheckpointStrategy, const N: usize>(
     kind: OpsKind<ConvBackward, B, ConvState<B>, C, N>,
     x: FloatTensor<B>,
@@ -229,94 +239,54 @@ fn finish_conv<B: FusedBackend, C: CheckpointStrategy, const N: usize>(
     bias: Option<FloatTensor<B>>,
     options: ConvOptions<2>,
     epilogue: Epilogue,
-) -> FloatTensor<Autodiff<B, C>>
+    pool: bool,
+) -> (FloatTensor<Autodiff<B, C>>, Option<IntTensor<B>>)
 where
     ConvBackward: Backward<B, N, State = ConvState<B>>,
 {
-    match kind {
-        OpsKind::Tracked(prep) => {
-            let output = B::conv2d_epilogue(x.clone(), weight.clone(), bias, options.clone(), epilogue);
-            let state = ConvState { x, weight, output: output.clone(), options, epilogue };
-            prep.finish(state, output)
+    let forward = |x, weight| match pool {
+        true => {
+            let (output, indices) = B::conv2d_pool(x, weight, bias, options.clone(), epilogue);
+            (output, Some(indices))
         }
-        OpsKind::UnTracked(prep) => prep.finish(B::conv2d_epilogue(x, weight, bias, options, epilogue)),
-    }
-}
-
-/// What the fused convolution-and-pool backward needs.
-#[derive(Debug, Clone)]
-struct ConvPoolState<B: FusedBackend> {
-    x: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    output: FloatTensor<B>,
-    indices: IntTensor<B>,
-    options: ConvOptions<2>,
-    epilogue: Epilogue,
-}
-
-/// Backward of the fused convolution and 2x2 max-pool with `N` parents.
-#[derive(Debug)]
-struct ConvPoolBackward;
-
-fn register_conv_pool_grads<B: FusedBackend, const N: usize>(ops: Ops<ConvPoolState<B>, N>, grads: &mut Gradients) {
-    let grad = grads.consume::<B>(&ops.node);
-    let ConvPoolState { x, weight, output, indices, options, epilogue } = ops.state;
-    // The pooled output is the activation's output at each window's maximum.
-    let pre_grad = conv_epilogue_backward::<B>(grad, output, epilogue);
-    let parents: Vec<_> = ops.parents.into_iter().collect();
-    let bias_grad = parents.get(2).and_then(Option::as_ref).map(|_| {
-        let [b, c, h, w] = pre_grad.shape().dims::<4>();
-        B::bias_grad(B::float_reshape(pre_grad.clone(), [b, c, h * w].into()), BiasAxis::Rows)
-    });
-    let (x_grad, weight_grad) =
-        B::conv2d_pool_backward(x, weight, pre_grad, indices, options, parents[0].is_some());
-    if let (Some(node), Some(x_grad)) = (&parents[0], x_grad) {
-        grads.register::<B>(node.id, x_grad);
-    }
-    if let Some(node) = &parents[1] {
-        grads.register::<B>(node.id, weight_grad);
-    }
-    if let (Some(Some(node)), Some(bias_grad)) = (parents.get(2), bias_grad) {
-        grads.register::<B>(node.id, bias_grad);
-    }
-}
-
-impl<B: FusedBackend> Backward<B, 2> for ConvPoolBackward {
-    type State = ConvPoolState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        register_conv_pool_grads(ops, grads);
-    }
-}
-
-impl<B: FusedBackend> Backward<B, 3> for ConvPoolBackward {
-    type State = ConvPoolState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        register_conv_pool_grads(ops, grads);
-    }
-}
-
-/// Runs the fused convolution and pool and, when tracked, records the backward state.
-fn finish_conv_pool<B: FusedBackend, C: CheckpointStrategy, const N: usize>(
-    kind: OpsKind<ConvPoolBackward, B, ConvPoolState<B>, C, N>,
-    x: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    bias: Option<FloatTensor<B>>,
-    options: ConvOptions<2>,
-    epilogue: Epilogue,
-) -> (FloatTensor<Autodiff<B, C>>, IntTensor<B>)
-where
-    ConvPoolBackward: Backward<B, N, State = ConvPoolState<B>>,
-{
-    let (output, indices) = B::conv2d_pool(x.clone(), weight.clone(), bias, options.clone(), epilogue);
+        false => (B::conv2d_epilogue(x, weight, bias, options.clone(), epilogue), None),
+    };
     match kind {
         OpsKind::Tracked(prep) => {
-            let state =
-                ConvPoolState { x, weight, output: output.clone(), indices: indices.clone(), options, epilogue };
+            let (output, indices) = forward(x.clone(), weight.clone());
+            let pool_indices = indices.clone();
+            let state = ConvState { x, weight, output: output.clone(), options, epilogue, pool_indices };
             (prep.finish(state, output), indices)
         }
-        OpsKind::UnTracked(prep) => (prep.finish(output), indices),
+        OpsKind::UnTracked(prep) => {
+            let (output, indices) = forward(x, weight);
+            (prep.finish(output), indices)
+        }
+    }
+}
+
+/// The fused convolution (pooled when `pool`) under autodiff: with two or
+/// three parents depending on the bias.
+fn tracked_conv<B: FusedBackend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    weight: FloatTensor<Autodiff<B, C>>,
+    bias: Option<FloatTensor<Autodiff<B, C>>>,
+    options: ConvOptions<2>,
+    epilogue: Epilogue,
+    pool: bool,
+) -> (FloatTensor<Autodiff<B, C>>, Option<IntTensor<B>>) {
+    match bias {
+        None => {
+            let kind = ConvBackward.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful();
+            finish_conv(kind, x.primitive, weight.primitive, None, options, epilogue, pool)
+        }
+        Some(bias) => {
+            let kind = ConvBackward
+                .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+                .compute_bound()
+                .stateful();
+            finish_conv(kind, x.primitive, weight.primitive, Some(bias.primitive), options, epilogue, pool)
+        }
     }
 }
 
@@ -400,20 +370,7 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
             // Its derivative needs the pre-activation: burn's ops record it.
             return crate::reference::conv2d_epilogue::<Self>(x, weight, bias, options, epilogue);
         }
-        match bias {
-            None => {
-                let kind =
-                    ConvBackward.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful();
-                finish_conv(kind, x.primitive, weight.primitive, None, options, epilogue)
-            }
-            Some(bias) => {
-                let kind = ConvBackward
-                    .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
-                    .compute_bound()
-                    .stateful();
-                finish_conv(kind, x.primitive, weight.primitive, Some(bias.primitive), options, epilogue)
-            }
-        }
+        tracked_conv::<B, C>(x, weight, bias, options, epilogue, false).0
     }
 
     fn conv2d_pool(
@@ -427,19 +384,9 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
             let output = Self::conv2d_epilogue(x, weight, bias, options, epilogue);
             return Self::max_pool2x2_with_indices(output);
         }
-        match bias {
-            None => {
-                let kind =
-                    ConvPoolBackward.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful();
-                finish_conv_pool(kind, x.primitive, weight.primitive, None, options, epilogue)
-            }
-            Some(bias) => {
-                let kind = ConvPoolBackward
-                    .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
-                    .compute_bound()
-                    .stateful();
-                finish_conv_pool(kind, x.primitive, weight.primitive, Some(bias.primitive), options, epilogue)
-            }
+        match tracked_conv::<B, C>(x, weight, bias, options, epilogue, true) {
+            (output, Some(indices)) => (output, indices),
+            (_, None) => unreachable!("a pooled convolution returns the indices of its maxima"),
         }
     }
 
