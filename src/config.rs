@@ -59,7 +59,10 @@ pub struct RunConfig {
     /// The teacher.
     pub teacher: TeacherConfig,
     /// One `[[students]]` table per teacher block, in order, as written:
-    /// the zoo parses them (e.g. `kind = "conv"` for the built-in zoo).
+    /// the zoo parses them (e.g. `kind = "conv"` for the built-in zoo). The
+    /// engine reads two keys itself: `weights` (a file of trained weights
+    /// for the block, e.g. a candidate saved by a search run; see
+    /// [`RunConfig::student_weights`]) and a candidate set's `candidates`.
     pub students: Vec<toml::Table>,
     /// Epochs, batch size and logging.
     pub train: TrainConfig,
@@ -68,6 +71,10 @@ pub struct RunConfig {
     /// Per-block checkpoints (in `<out>/checkpoints`).
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    /// How the candidates of a search run are scored (`[search]`; used
+    /// only when some block lists `candidates`).
+    #[serde(default)]
+    pub search: SearchConfig,
     /// Injected faults, for testing recovery (`[[faults]]`; see also `PIPEBD_FAULTS`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub faults: Vec<crate::fault::Fault>,
@@ -306,6 +313,27 @@ impl TeacherConfig {
     }
 }
 
+/// Blockwise architecture search settings (`[search]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SearchConfig {
+    /// Fraction of the training samples held out from training to score
+    /// the candidates on (the last ones; default 0.1). Only a run with
+    /// candidates holds samples out.
+    #[serde(default = "default_held_out")]
+    pub held_out: f64,
+}
+
+impl Default for SearchConfig {
+    fn default() -> Self {
+        Self { held_out: default_held_out() }
+    }
+}
+
+fn default_held_out() -> f64 {
+    0.1
+}
+
 /// Epochs, batch size and logging.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -449,6 +477,25 @@ impl RunConfig {
         if self.students.is_empty() {
             return fail("", "students", "at least one [[students]] block is required".into());
         }
+        for (k, table) in self.students.iter().enumerate() {
+            if let Some(value) = table.get("weights") {
+                if !value.is_str() {
+                    let message = format!(
+                        "`weights` of block {} must be a file path (a string), got {value}",
+                        k + 1
+                    );
+                    return Err(Error::Config {
+                        path: path.to_path_buf(),
+                        line: find_key_line(text, "students", "weights"),
+                        field: Some(format!("students[{k}].weights")),
+                        message,
+                    });
+                }
+            }
+        }
+        if !(self.search.held_out > 0.0 && self.search.held_out < 1.0) {
+            return fail("search", "held_out", format!("must be in (0, 1), got {}", self.search.held_out));
+        }
         if let Some(lr) = self.train.stitched_lr {
             if !(lr > 0.0 && lr.is_finite()) {
                 return fail("train", "stitched_lr", format!("must be a positive number, got {lr}"));
@@ -470,6 +517,17 @@ impl RunConfig {
             }
         }
         Ok(())
+    }
+
+    /// The trained weights each student block starts from: its table's
+    /// `weights` path, or `None` (the zoo's initialisation).
+    pub fn student_weights(&self) -> Vec<Option<PathBuf>> {
+        self.students.iter().map(|table| table.get("weights")?.as_str().map(PathBuf::from)).collect()
+    }
+
+    /// True when some student block lists `candidates` (a search run).
+    pub fn has_candidates(&self) -> bool {
+        self.students.iter().any(|table| table.contains_key("candidates"))
     }
 
     /// The device slots: `devices`, or `[device]`.

@@ -124,6 +124,68 @@ pub fn save_students<B: DistillBackend, S: StudentModule<B>>(
     Ok(())
 }
 
+/// Where a search run saves candidate `c` of block `k` (both zero-based),
+/// relative to the run folder.
+pub fn candidate_record_path(k: usize, c: usize) -> PathBuf {
+    Path::new("candidates").join(format!("block-{}", k + 1)).join(format!("candidate-{}.mpk", c + 1))
+}
+
+/// Saves each candidate of every block that has candidates (inference
+/// copies) as `candidates/block-K/candidate-C.mpk` in `run_dir`.
+pub fn save_candidates<B: DistillBackend, S: StudentModule<B>>(
+    run_dir: &Path,
+    students: &Students<B, S>,
+) -> Result<()> {
+    for (k, block) in students.blocks.iter().enumerate() {
+        let inference = block.valid();
+        for (c, candidate) in inference.candidates().iter().enumerate() {
+            let path = run_dir.join(candidate_record_path(k, c));
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(|e| Error::io("creating directory", dir, e))?;
+            }
+            candidate
+                .clone()
+                .save_file(path.with_extension(""), &recorder())
+                .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+        }
+    }
+    Ok(())
+}
+
+/// Loads the trained weights a config's `[[students]]` entries name
+/// (`weights = "..."`, [`RunConfig::student_weights`]) into `students`.
+pub fn load_student_weights<B: DistillBackend, S: StudentModule<B>>(
+    config: &RunConfig,
+    mut students: Students<B, S>,
+    device: &B::Device,
+) -> Result<Students<B, S>> {
+    let weights = config.student_weights();
+    if weights.iter().all(Option::is_none) {
+        return Ok(students);
+    }
+    let blocks = std::mem::take(&mut students.blocks);
+    let mut loaded = Vec::with_capacity(blocks.len());
+    for (k, block) in blocks.into_iter().enumerate() {
+        let Some(path) = weights.get(k).cloned().flatten() else {
+            loaded.push(block);
+            continue;
+        };
+        if !path.is_file() {
+            return Err(Error::Record {
+                path,
+                message: format!("not found (the `weights` of block {})", k + 1),
+            });
+        }
+        let block = block.load_file(path.with_extension(""), &recorder(), device).map_err(|e| Error::Record {
+            path: path.clone(),
+            message: format!("cannot load into block {}: {e}", k + 1),
+        })?;
+        loaded.push(block);
+    }
+    students.blocks = loaded;
+    Ok(students)
+}
+
 /// The CPU training backend the saved students are rebuilt on.
 type CpuTrain = burn::backend::Autodiff<burn::backend::Flex>;
 
@@ -244,4 +306,30 @@ pub fn export_initial_weights<Z: Zoo>(zoo: &Z, config: &RunConfig, out_dir: &Pat
         files.push(path);
     }
     Ok(files)
+}
+
+/// Scores the stitched student of each config (built by `zoo`, starting
+/// from the `weights` its blocks name) on the evaluation data of the first
+/// config, loaded once (on the CPU): the accuracy, or for text the probe's
+/// (the mean embedding cosine without a probe). The configs must share
+/// data and teacher (the choices of one search run do).
+pub fn score_configs<Z: Zoo>(zoo: &Z, configs: &[RunConfig]) -> Result<Vec<f64>> {
+    type B = burn::backend::Flex;
+    let Some(first) = configs.first() else { return Ok(Vec::new()) };
+    let device = Default::default();
+    let workload = zoo.workload::<B>(first, &device, true)?;
+    let teacher = &workload.teacher.specs;
+    let mut scores = Vec::with_capacity(configs.len());
+    for config in configs {
+        zoo.check(config)?;
+        let students = zoo.students::<CpuTrain>(config, teacher, &device)?;
+        let students = load_student_weights(config, students, &device)?;
+        let blocks: Vec<_> = students.blocks.iter().map(|b| b.valid()).collect();
+        let scored = score(&workload.evaluation, &workload.teacher.blocks, &blocks, &device, teacher, &students.specs)?;
+        scores.push(match (&scored.text, scored.test_samples) {
+            (Some(text), 0) => text.embedding_cosine,
+            _ => scored.student_accuracy,
+        });
+    }
+    Ok(scores)
 }

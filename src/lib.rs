@@ -33,6 +33,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod choose;
 pub mod cli;
 pub mod config;
 pub mod data;

@@ -7,13 +7,16 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use pipebd_core::BlockSpec;
+use pipebd_core::{Block, BlockSpec, Dataset, Loss, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 
 use crate::config::RunConfig;
 use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
-use crate::eval::{save_students, score};
+use crate::data::DatasetSlice;
+use crate::eval::{candidate_record_path, load_student_weights, save_candidates, save_students, score};
+use crate::choose::SearchScores;
+use crate::search::score::{block_scores, measure_candidates};
 use crate::plan::Plan;
 use crate::planning::planner::CostTable;
 use crate::planning::simulate::simulate_shared;
@@ -127,10 +130,23 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let Workload { teacher, train, evaluation } =
             self.zoo.workload::<B::InnerBackend>(config, device, true)?;
         let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
+        let students = load_student_weights(config, students, device)?;
+        // A search run holds the last samples out to score its candidates on.
+        let held_out = if config.has_candidates() {
+            let n = train.len();
+            let held = ((n as f64 * config.search.held_out).round() as usize).clamp(1, n.saturating_sub(1));
+            Some(DatasetSlice::new(train.as_ref(), n - held, held))
+        } else {
+            None
+        };
+        let trained_on = match &held_out {
+            Some(held) => DatasetSlice::new(train.as_ref(), 0, train.len() - held.len()),
+            None => DatasetSlice::new(train.as_ref(), 0, train.len()),
+        };
 
         let runtime = runtime_settings_for(config, self.out_dir, self.options, self.costs)?;
         let settings = config.train_settings();
-        let output = Distillation::new(&teacher, students, train.as_ref())
+        let output = Distillation::new(&teacher, students, &trained_on)
             .settings(settings.clone())
             .devices(devices.to_vec())
             .runtime(runtime)
@@ -152,7 +168,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
                 let (students, pass) = crate::train::stitch::stitched_pass(
                     &teacher,
                     output.students,
-                    train.as_ref(),
+                    &trained_on,
                     &settings,
                     &pass,
                     device,
@@ -188,6 +204,11 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let trained = inference_blocks(&students);
         let score = score(&evaluation, &teacher.blocks, &trained, device, &teacher.specs, &students.specs)?;
         save_students(self.out_dir, &students)?;
+        if let Some(held_out) = &held_out {
+            let scores = score_search(self.zoo, config, &teacher, &students, &trained, held_out, device)?;
+            scores.write(self.out_dir)?;
+            save_candidates(self.out_dir, &students)?;
+        }
         write_metrics(self.out_dir, &log.rows)?;
         if self.options.trace {
             let roles: Vec<String> = output.workers.iter().map(|w| w.role.clone()).collect();
@@ -212,7 +233,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             student_accuracy: score.student_accuracy,
             test_samples: score.test_samples,
             text: score.text,
-            train_samples: train.len(),
+            train_samples: trained_on.len(),
             steps: log.steps,
             steps_run: log.steps_run,
             wall_seconds: start.elapsed().as_secs_f64(),
@@ -230,6 +251,66 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         };
         report.write(self.out_dir)?;
         Ok(report)
+    }
+}
+
+/// Scores every block's candidates on the held-out samples (an ordinary
+/// block as its own single candidate) for `search.json`.
+fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
+    zoo: &Z,
+    config: &RunConfig,
+    teacher: &pipebd_core::Teacher<B::InnerBackend, T>,
+    students: &Students<B, S>,
+    trained: &[S::InnerModule],
+    held_out: &dyn Dataset<B::InnerBackend>,
+    device: &B::Device,
+) -> Result<SearchScores> {
+    let losses: Vec<Loss> = teacher
+        .specs
+        .iter()
+        .map(|t| Loss::new(t.loss).with_temperature(config.train.temperature))
+        .collect();
+    let measured =
+        measure_candidates(&teacher.blocks, trained, &losses, held_out, config.train.batch_size, device)?;
+    let candidate_specs = zoo.candidate_specs(config, &teacher.specs)?;
+    let mut tables = Vec::new();
+    let mut specs = Vec::new();
+    let mut weights = Vec::new();
+    for (k, table) in config.students.iter().enumerate() {
+        let listed = candidate_tables(table);
+        if listed.is_empty() {
+            let mut own = table.clone();
+            own.remove("weights");
+            tables.push(vec![own]);
+            specs.push(vec![students.specs[k].clone()]);
+            weights.push(vec![PathBuf::from("student").join(format!("block-{}.mpk", k + 1))]);
+        } else {
+            let count = listed.len();
+            tables.push(listed);
+            let block_specs = candidate_specs.get(k).cloned().unwrap_or_default();
+            if block_specs.len() != count {
+                return Err(Error::block(
+                    k + 1,
+                    format!("{count} candidates configured but the zoo describes {}", block_specs.len()),
+                ));
+            }
+            specs.push(block_specs);
+            weights.push((0..count).map(|c| candidate_record_path(k, c)).collect());
+        }
+    }
+    Ok(SearchScores {
+        config: config.clone(),
+        held_out_samples: held_out.len(),
+        batch_size: config.train.batch_size,
+        blocks: block_scores(&teacher.specs, &measured, &tables, &specs, &weights),
+    })
+}
+
+/// The candidate tables a `[[students]]` entry lists (`candidates = [...]`).
+pub fn candidate_tables(table: &toml::Table) -> Vec<toml::Table> {
+    match table.get("candidates") {
+        Some(toml::Value::Array(items)) => items.iter().filter_map(|v| v.as_table().cloned()).collect(),
+        _ => Vec::new(),
     }
 }
 

@@ -30,6 +30,30 @@ pub trait Block<B: FusedBackend>: Module<B> {
     fn loss(&self, student: Activation<B>, teacher: Activation<B>, loss: &Loss) -> Result<Tensor<B, 1>> {
         loss.compute(student, teacher)
     }
+
+    /// The training loss of this (student) block for one batch: the
+    /// teacher block's `input` in, its output `target` to match. The default
+    /// is [`Block::loss`] of [`Block::forward`]; a block that trains several
+    /// candidates at once (blockwise architecture search) sums its
+    /// candidates' losses here, so that one backward pass gives each
+    /// candidate exactly the gradient of its own loss.
+    fn distill_loss(&self, input: Activation<B>, target: Activation<B>, loss: &Loss) -> Result<Tensor<B, 1>> {
+        let output = self.forward(input)?;
+        self.loss(output, target, loss)
+    }
+
+    /// The candidate students this block trains at once (blockwise
+    /// architecture search), in the order they were configured, as blocks
+    /// of this type sharing the candidates' parameters; empty for an
+    /// ordinary block (the default). The engine scores each candidate on
+    /// held-out data and saves it on its own (a saved candidate loads into
+    /// an ordinary block of its kind).
+    fn candidates(&self) -> Vec<Self>
+    where
+        Self: Sized,
+    {
+        Vec::new()
+    }
 }
 
 /// A trainable student block: a [`Block`] on the autodiff backend whose

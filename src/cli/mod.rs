@@ -112,6 +112,28 @@ enum Command {
         /// The sweep file (`base`, `out`, `x` and a `[grid]` of dotted config fields).
         sweep: PathBuf,
     },
+    /// Choose one trained candidate per block of a search run (a config
+    /// whose blocks list `candidates`) under a budget, writing the chosen
+    /// student as a run config; or, with --pareto, every budget's optimum.
+    Search {
+        /// The search run's folder (`pipebd run --out`), holding search.json.
+        run_dir: PathBuf,
+        /// The budget: flops=N (forward FLOPs per sample), params=N, or
+        /// latency=MS (forward ms per batch, as measured by the run).
+        #[arg(long)]
+        budget: Option<String>,
+        /// Where to write the chosen config (default: <run_dir>/chosen.toml).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Write pareto.csv and pareto.png into the run folder: the optimum
+        /// of every budget on this cost (flops, params or latency).
+        #[arg(long)]
+        pareto: Option<String>,
+        /// With --pareto: score each point's stitched student (the trained
+        /// candidates, not finetuned) on the test set.
+        #[arg(long)]
+        evaluate: bool,
+    },
     /// Reload the student saved by `pipebd run` and score it on the test set.
     Eval {
         /// The run folder given to `pipebd run --out`.
@@ -327,6 +349,9 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             }
             Ok(())
         }
+        Command::Search { run_dir, budget, out, pareto, evaluate } => {
+            search_command(zoo, &run_dir, budget.as_deref(), out, pareto.as_deref(), evaluate)
+        }
         Command::Eval { run_dir } => {
             let result = crate::eval::eval_run(zoo, &run_dir)?;
             if let Some(text) = &result.text {
@@ -447,4 +472,79 @@ impl ProgressView {
             bar.finish_and_clear();
         }
     }
+}
+
+/// `pipebd search`: the budget's choice into chosen.toml and/or the Pareto
+/// front into pareto.csv and pareto.png.
+fn search_command<Z: Zoo>(
+    zoo: &Z,
+    run_dir: &std::path::Path,
+    budget: Option<&str>,
+    out: Option<PathBuf>,
+    pareto: Option<&str>,
+    evaluate: bool,
+) -> crate::error::Result<()> {
+    use crate::choose::{self, Budget, CostKind, SearchScores};
+    if budget.is_none() && pareto.is_none() {
+        return Err(crate::error::Error::Search {
+            message: "give --budget flops=N|params=N|latency=MS, or --pareto flops|params|latency".into(),
+        });
+    }
+    if let Some(budget) = budget {
+        let budget: Budget = budget.parse()?;
+        let chosen = choose::choose(run_dir, budget)?;
+        let path = out.unwrap_or_else(|| run_dir.join("chosen.toml"));
+        choose::write_chosen(&path, &chosen, budget, run_dir)?;
+        let picks: Vec<String> = chosen.selection.choice.iter().map(|c| (c + 1).to_string()).collect();
+        println!(
+            "chosen candidates {} (one per block): summed normalised loss {:.4}, {} FLOPs/sample, {} params, {:.2} ms/batch",
+            picks.join("-"),
+            chosen.selection.loss,
+            chosen.totals.0,
+            chosen.totals.1,
+            chosen.totals.2
+        );
+        println!("wrote {} (finetune and evaluate it with `pipebd run {}`)", path.display(), path.display());
+    }
+    if let Some(kind) = pareto {
+        let kind = CostKind::parse(kind)?;
+        let scores = SearchScores::read(run_dir)?;
+        let front = choose::pareto(&scores, kind)?;
+        let first = vec![0; scores.blocks.len()];
+        let (reference_flops, reference_params, reference_latency) = scores.totals(&first);
+        let reference_loss: f64 = scores.blocks.iter().map(|b| b.candidates[0].normalised_loss).sum();
+        let mut points: Vec<choose::ParetoPoint> = front.iter().map(|(_, p)| p.clone()).collect();
+        let mut reference_accuracy = None;
+        if evaluate {
+            let mut configs: Vec<_> = front.iter().map(|(s, _)| scores.chosen_config(run_dir, &s.choice)).collect();
+            configs.push(scores.chosen_config(run_dir, &first));
+            eprintln!("scoring {} stitched students on the test set...", configs.len());
+            let accuracies = crate::eval::score_configs(zoo, &configs)?;
+            for (point, accuracy) in points.iter_mut().zip(&accuracies) {
+                point.accuracy = Some(*accuracy);
+            }
+            reference_accuracy = accuracies.last().copied();
+        }
+        let cost = |flops: u64, params: usize, latency: f64| match kind {
+            CostKind::Flops => flops as f64,
+            CostKind::Params => params as f64,
+            CostKind::Latency => latency,
+        };
+        println!("{:>14} {:>10} {:>12} {:>10} {:>12} {:>9}", "choice", "loss", "flops", "params", "latency_ms", "accuracy");
+        for p in &points {
+            let accuracy = p.accuracy.map(|a| format!("{:.2}%", 100.0 * a)).unwrap_or_default();
+            println!(
+                "{:>14} {:>10.4} {:>12} {:>10} {:>12.3} {:>9}",
+                p.choice, p.loss, p.flops, p.params, p.latency_ms, accuracy
+            );
+        }
+        let csv = choose::write_pareto_csv(run_dir, &points)?;
+        let png = run_dir.join("pareto.png");
+        let front_xy: Vec<_> =
+            points.iter().map(|p| (cost(p.flops, p.params, p.latency_ms), p.loss, p.accuracy)).collect();
+        let reference = (cost(reference_flops, reference_params, reference_latency), reference_loss, reference_accuracy);
+        crate::sweep::plot::draw_pareto(&png, kind.name(), &front_xy, Some(reference))?;
+        println!("wrote {} and {}", csv.display(), png.display());
+    }
+    Ok(())
 }

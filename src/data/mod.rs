@@ -322,3 +322,35 @@ pub fn epoch_order(len: usize, seed: u64, epoch: usize) -> Vec<usize> {
     order.shuffle(&mut rng);
     order
 }
+
+/// A contiguous range of another dataset's samples (a search run trains on
+/// the first ones and scores its candidates on the rest).
+pub struct DatasetSlice<'a, B: burn::tensor::backend::Backend> {
+    inner: &'a dyn Dataset<B>,
+    start: usize,
+    len: usize,
+}
+
+impl<'a, B: burn::tensor::backend::Backend> DatasetSlice<'a, B> {
+    /// Samples `start..start + len` of `inner` (clamped to its length).
+    pub fn new(inner: &'a dyn Dataset<B>, start: usize, len: usize) -> Self {
+        let start = start.min(inner.len());
+        Self { inner, start, len: len.min(inner.len() - start) }
+    }
+}
+
+impl<B: burn::tensor::backend::Backend> Dataset<B> for DatasetSlice<'_, B> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn batch(&self, indices: &[usize], device: &B::Device) -> pipebd_core::Result<Activation<B>> {
+        if let Some(&outside) = indices.iter().find(|&&i| i >= self.len) {
+            return Err(pipebd_core::Error::Data {
+                message: format!("sample {outside} requested of a slice of {} samples", self.len),
+            });
+        }
+        let shifted: Vec<usize> = indices.iter().map(|i| i + self.start).collect();
+        self.inner.batch(&shifted, device)
+    }
+}

@@ -10,6 +10,8 @@
 //! partial choices (no kept partial choice is both costlier and worse than
 //! another); [`pareto_front`] gives the optimum of every budget at once.
 
+pub mod score;
+
 use crate::error::{Error, Result};
 
 /// One candidate of one block, as the selection sees it.

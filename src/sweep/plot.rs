@@ -141,3 +141,44 @@ fn panel(
         .draw()
         .map_err(|e| e.to_string())
 }
+
+/// Draws `pareto.png` of a search: left, the summed normalised held-out
+/// loss of every budget's optimum against its cost; right, the stitched
+/// accuracy of those students (when scored). `reference` is a student drawn
+/// as its own series (the first candidates: the hand-written config).
+pub fn draw_pareto(
+    path: &Path,
+    cost: &str,
+    front: &[(f64, f64, Option<f64>)],
+    reference: Option<(f64, f64, Option<f64>)>,
+) -> Result<()> {
+    let fail = |message: String| Error::Data { path: path.to_path_buf(), message };
+    register_font().map_err(fail)?;
+    let mut loss: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    let mut accuracy: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    let front_name = "optimum of each budget".to_string();
+    loss.insert(front_name.clone(), front.iter().map(|p| (p.0, p.1)).collect());
+    let scored: Vec<(f64, f64)> = front.iter().filter_map(|p| Some((p.0, 100.0 * p.2?))).collect();
+    if !scored.is_empty() {
+        accuracy.insert(front_name, scored);
+    }
+    if let Some((c, l, a)) = reference {
+        let name = "first candidates (the hand-written student)".to_string();
+        loss.insert(name.clone(), vec![(c, l)]);
+        if let Some(a) = a {
+            accuracy.insert(name, vec![(c, 100.0 * a)]);
+        }
+    }
+    let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
+    let (left, right) = root.split_horizontally(640);
+    panel(&left, &loss, cost, "summed normalised loss", "held-out block losses").map_err(fail)?;
+    if accuracy.is_empty() {
+        right
+            .titled("(not evaluated: pipebd search --evaluate)", ("sans-serif", 18))
+            .map_err(|e| fail(e.to_string()))?;
+    } else {
+        panel(&right, &accuracy, cost, "stitched accuracy (%)", "stitched, not finetuned").map_err(fail)?;
+    }
+    root.present().map_err(|e| fail(e.to_string()))
+}

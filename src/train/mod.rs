@@ -162,9 +162,9 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     ) -> Result<(f32, GradientsParams)> {
         let block = self.index + 1;
         let module = self.module.as_ref().ok_or_else(|| self.lost())?;
-        let output = module.forward(Activation::from_inner(input)).map_err(|e| relabel(e, block))?;
-        let loss =
-            module.loss(output, Activation::from_inner(target), &self.loss).map_err(|e| relabel(e, block))?;
+        let loss = module
+            .distill_loss(Activation::from_inner(input), Activation::from_inner(target), &self.loss)
+            .map_err(|e| relabel(e, block))?;
         let value: f32 = loss.clone().into_scalar().elem();
         if !value.is_finite() {
             return Err(Error::Training { block, step: self.step, message: format!("loss is {value}") });

@@ -466,6 +466,34 @@ impl Zoo for Builtin {
         specs_of(&configs, teacher)
     }
 
+    fn candidate_specs(&self, config: &RunConfig, teacher: &[BlockSpec]) -> Result<Vec<Vec<BlockSpec>>> {
+        let configs = student_configs(config)?;
+        check_block_count(configs.len(), teacher.len())?;
+        let device = Default::default();
+        configs
+            .iter()
+            .zip(teacher)
+            .enumerate()
+            .map(|(k, (student, t))| {
+                student
+                    .candidates()
+                    .iter()
+                    .map(|candidate| {
+                        let built = candidate.init::<burn::backend::Flex>(k + 1, &t.input_shape, &device)?;
+                        Ok(BlockSpec {
+                            name: candidate.kind().to_string(),
+                            input_shape: t.input_shape.clone(),
+                            output_shape: built.output_shape,
+                            flops: built.flops,
+                            params: built.module.num_params(),
+                            loss: t.loss,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect()
+    }
+
     fn check_inputs(&self, config: &RunConfig) -> Result<()> {
         check_builtin_inputs(config)
     }

@@ -58,6 +58,32 @@ pub trait Zoo: Sync {
         Ok(self.students::<Cpu>(config, teacher, &Default::default())?.specs)
     }
 
+    /// The specs of every block's candidates (blockwise architecture
+    /// search): for block k, one spec per candidate its student trains
+    /// ([`Block::candidates`], in order), empty for an ordinary block. By
+    /// default the students are built on the CPU and each candidate's spec
+    /// inferred (FLOPs unknown: 0); override it to give their FLOPs.
+    fn candidate_specs(&self, config: &RunConfig, teacher: &[BlockSpec]) -> Result<Vec<Vec<BlockSpec>>> {
+        type Cpu = burn::backend::Autodiff<burn::backend::Flex>;
+        let device = Default::default();
+        let students = self.students::<Cpu>(config, teacher, &device)?;
+        let mut specs = Vec::with_capacity(students.blocks.len());
+        for (k, (block, t)) in students.blocks.iter().zip(teacher).enumerate() {
+            let candidates = block
+                .candidates()
+                .iter()
+                .enumerate()
+                .map(|(c, candidate)| {
+                    BlockSpec::infer(format!("candidate{}", c + 1), candidate, &t.input_shape, &device)
+                        .map(|spec| spec.with_loss(t.loss))
+                        .map_err(|e| Error::from(e).at_block(k + 1))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            specs.push(candidates);
+        }
+        Ok(specs)
+    }
+
     /// Checks that the files `config` names (data, weights) are there and
     /// readable, without reading what training reads; every error should
     /// name the file. By default nothing is checked.
@@ -150,7 +176,10 @@ pub fn parse_students<C: DeserializeOwned>(config: &RunConfig) -> std::result::R
         .iter()
         .enumerate()
         .map(|(k, table)| {
-            C::deserialize(toml::Value::Table(table.clone())).map_err(|e| {
+            // `weights` is the engine's (see `RunConfig::student_weights`).
+            let mut table = table.clone();
+            table.remove("weights");
+            C::deserialize(toml::Value::Table(table)).map_err(|e| {
                 ConfigIssue::in_entry("students", k, format!("block {}: {}", k + 1, e.message().trim()))
             })
         })

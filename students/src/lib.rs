@@ -16,7 +16,10 @@
 //! - `head`: a small classifier head (flatten, hidden layer, logits),
 //! - `encoder`: a post-LN transformer encoder layer of configurable width
 //!   (heads, head width, feed-forward width) for `[tokens, hidden]` inputs;
-//!   one such block may replace several teacher layers.
+//!   one such block may replace several teacher layers;
+//! - `candidates`: several blocks of the kinds above for one teacher block,
+//!   all trained at once on the same teacher input and target (blockwise
+//!   architecture search; [`CandidateSet`]).
 //!
 //! # Feature flags
 //! None.
@@ -125,6 +128,16 @@ pub enum StudentBlockConfig {
         /// Number of output logits (must equal the teacher's).
         classes: usize,
     },
+    /// Several candidate students for this teacher block, trained at once on
+    /// every batch (blockwise architecture search, the `all` mode): each
+    /// candidate's own loss against the teacher block, summed for one
+    /// backward pass, so every candidate gets exactly its own gradient and
+    /// its own optimizer state. The block's output (stitching, evaluation) is
+    /// its first candidate's; `pipebd search` picks one afterwards.
+    Candidates {
+        /// The candidates, in order: ordinary student tables (not `candidates`).
+        candidates: Vec<StudentBlockConfig>,
+    },
     /// A post-LN transformer encoder layer: multi-head attention over the
     /// real tokens, then `GELU` feed-forward, each with a residual and a
     /// layer norm. Input and output are `[tokens, hidden]`.
@@ -202,8 +215,68 @@ pub struct BuiltStudent<B: FusedBackend> {
     pub module: StudentBlock<B>,
     /// Per-sample output shape for the given input shape.
     pub output_shape: Vec<usize>,
-    /// Forward FLOPs per sample (two per multiply-accumulate).
+    /// Forward FLOPs per sample (two per multiply-accumulate); for a
+    /// candidate set, the sum of its candidates' (what training it costs).
     pub flops: u64,
+    /// Forward FLOPs per sample of each candidate of a candidate set, in
+    /// order; empty for an ordinary block.
+    pub candidate_flops: Vec<u64>,
+}
+
+/// The candidates of a `candidates` block ([`StudentBlockConfig::Candidates`]):
+/// ordinary student blocks for the same teacher block, trained at once.
+#[derive(Module, Debug)]
+pub struct CandidateSet<B: FusedBackend> {
+    /// The candidates, in configured order.
+    pub candidates: Vec<Candidate<B>>,
+}
+
+/// One candidate of a [`CandidateSet`]: a student block of any kind but
+/// `candidates` (a separate type: burn's records cannot nest a type in itself).
+// As `StudentBlock`: built once per run, moved rarely.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum Candidate<B: FusedBackend> {
+    /// See [`StudentBlockConfig::Conv`].
+    Conv(ConvBlock<B>),
+    /// See [`StudentBlockConfig::Separable`].
+    Separable(SeparableBlock<B>),
+    /// See [`StudentBlockConfig::Bottleneck`].
+    Bottleneck(BottleneckBlock<B>),
+    /// See [`StudentBlockConfig::Inverted`].
+    Inverted(InvertedResidualBlock<B>),
+    /// See [`StudentBlockConfig::Head`].
+    Head(HeadBlock<B>),
+    /// See [`StudentBlockConfig::Encoder`].
+    Encoder(EncoderLayer<B>),
+}
+
+impl<B: FusedBackend> Candidate<B> {
+    /// The candidate as an ordinary student block (sharing its parameters:
+    /// gradients through the copy reach them).
+    pub fn to_block(&self) -> StudentBlock<B> {
+        match self.clone() {
+            Self::Conv(b) => StudentBlock::Conv(b),
+            Self::Separable(b) => StudentBlock::Separable(b),
+            Self::Bottleneck(b) => StudentBlock::Bottleneck(b),
+            Self::Inverted(b) => StudentBlock::Inverted(b),
+            Self::Head(b) => StudentBlock::Head(b),
+            Self::Encoder(b) => StudentBlock::Encoder(b),
+        }
+    }
+
+    /// An ordinary student block as a candidate; `None` for a candidate set.
+    pub fn from_block(block: StudentBlock<B>) -> Option<Self> {
+        Some(match block {
+            StudentBlock::Conv(b) => Self::Conv(b),
+            StudentBlock::Separable(b) => Self::Separable(b),
+            StudentBlock::Bottleneck(b) => Self::Bottleneck(b),
+            StudentBlock::Inverted(b) => Self::Inverted(b),
+            StudentBlock::Head(b) => Self::Head(b),
+            StudentBlock::Encoder(b) => Self::Encoder(b),
+            StudentBlock::Candidates(_) => return None,
+        })
+    }
 }
 
 /// One student block of any zoo kind.
@@ -224,20 +297,24 @@ pub enum StudentBlock<B: FusedBackend> {
     Head(HeadBlock<B>),
     /// See [`StudentBlockConfig::Encoder`].
     Encoder(EncoderLayer<B>),
+    /// See [`StudentBlockConfig::Candidates`].
+    Candidates(CandidateSet<B>),
 }
 
-impl<B: FusedBackend> Block<B> for StudentBlock<B> {
-    /// Conv, separable, bottleneck and inverted blocks map feature maps to feature
-    /// maps, the head maps them to logits, the encoder maps token states to
-    /// token states (the mask travels on). Any other input is an error.
-    fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
-        Ok(match (self, input) {
-            (Self::Conv(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
-            (Self::Separable(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
-            (Self::Bottleneck(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
-            (Self::Inverted(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
-            (Self::Head(block), Activation::Maps(x)) => Activation::Flat(block.forward(x)),
-            (Self::Encoder(layer), Activation::Tokens { hidden, mask }) => {
+/// Runs `$block` (a `StudentBlock` or a `Candidate`: the variants they
+/// share) on `$input`: conv, separable, bottleneck and inverted blocks map
+/// feature maps to feature maps, the head maps them to logits, the encoder
+/// maps token states to token states (the mask travels on). Any other input
+/// (or a candidate set) is an error.
+macro_rules! forward_one {
+    ($kind:ident, $block:expr, $input:expr) => {
+        Ok(match ($block, $input) {
+            ($kind::Conv(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
+            ($kind::Separable(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
+            ($kind::Bottleneck(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
+            ($kind::Inverted(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
+            ($kind::Head(block), Activation::Maps(x)) => Activation::Flat(block.forward(x)),
+            ($kind::Encoder(layer), Activation::Tokens { hidden, mask }) => {
                 Activation::Tokens { hidden: layer.forward(hidden, mask.clone()), mask }
             }
             (block, input) => {
@@ -248,6 +325,71 @@ impl<B: FusedBackend> Block<B> for StudentBlock<B> {
                 )))
             }
         })
+    };
+}
+
+impl<B: FusedBackend> Block<B> for Candidate<B> {
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
+        forward_one!(Self, self, input)
+    }
+}
+
+impl<B: FusedBackend> Candidate<B> {
+    /// The kind name as written in TOML.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Conv(_) => "conv",
+            Self::Separable(_) => "separable",
+            Self::Bottleneck(_) => "bottleneck",
+            Self::Inverted(_) => "inverted",
+            Self::Head(_) => "head",
+            Self::Encoder(_) => "encoder",
+        }
+    }
+}
+
+impl<B: FusedBackend> Block<B> for StudentBlock<B> {
+    /// See the kinds of [`StudentBlockConfig`]; a candidate set gives its
+    /// first candidate's output.
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
+        if let Self::Candidates(set) = self {
+            return match set.candidates.first() {
+                Some(first) => first.forward(input),
+                None => Err(CoreError::block("a `candidates` student block has no candidates")),
+            };
+        }
+        forward_one!(Self, self, input)
+    }
+
+    /// A candidate set sums its candidates' losses (each on its own
+    /// output); any other block takes the loss of its output.
+    fn distill_loss(
+        &self,
+        input: Activation<B>,
+        target: Activation<B>,
+        loss: &pipebd_core::Loss,
+    ) -> Result<burn::tensor::Tensor<B, 1>, CoreError> {
+        let Self::Candidates(set) = self else {
+            let output = self.forward(input)?;
+            return self.loss(output, target, loss);
+        };
+        let mut total: Option<burn::tensor::Tensor<B, 1>> = None;
+        for candidate in &set.candidates {
+            let output = candidate.forward(input.clone())?;
+            let own = candidate.loss(output, target.clone(), loss)?;
+            total = Some(match total {
+                None => own,
+                Some(sum) => sum.add(own),
+            });
+        }
+        total.ok_or_else(|| CoreError::block("a `candidates` student block has no candidates"))
+    }
+
+    fn candidates(&self) -> Vec<Self> {
+        match self {
+            Self::Candidates(set) => set.candidates.iter().map(Candidate::to_block).collect(),
+            _ => Vec::new(),
+        }
     }
 }
 
@@ -261,6 +403,7 @@ impl<B: FusedBackend> StudentBlock<B> {
             Self::Inverted(_) => "inverted",
             Self::Head(_) => "head",
             Self::Encoder(_) => "encoder",
+            Self::Candidates(_) => "candidates",
         }
     }
 }
@@ -275,6 +418,15 @@ impl StudentBlockConfig {
             Self::Inverted { .. } => "inverted",
             Self::Head { .. } => "head",
             Self::Encoder { .. } => "encoder",
+            Self::Candidates { .. } => "candidates",
+        }
+    }
+
+    /// The candidates of a `candidates` block; empty for any other kind.
+    pub fn candidates(&self) -> &[StudentBlockConfig] {
+        match self {
+            Self::Candidates { candidates } => candidates,
+            _ => &[],
         }
     }
 
@@ -310,6 +462,7 @@ impl StudentBlockConfig {
                     module: StudentBlock::Conv(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
+                    candidate_flops: Vec::new(),
                 })
             }
             Self::Separable { out_channels, depth_multiplier, inner_relu, downsample } => {
@@ -331,6 +484,7 @@ impl StudentBlockConfig {
                     module: StudentBlock::Separable(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
+                    candidate_flops: Vec::new(),
                 })
             }
             Self::Bottleneck { rank, out_channels, inner_relu, downsample } => {
@@ -344,6 +498,7 @@ impl StudentBlockConfig {
                     module: StudentBlock::Bottleneck(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
+                    candidate_flops: Vec::new(),
                 })
             }
             Self::Inverted { expansion, kernel, out_channels, downsample } => {
@@ -360,6 +515,7 @@ impl StudentBlockConfig {
                     module: StudentBlock::Inverted(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
+                    candidate_flops: Vec::new(),
                 })
             }
             Self::Head { hidden, classes } => {
@@ -368,7 +524,12 @@ impl StudentBlockConfig {
                 let [c, h, w] = image()?;
                 let features = c * h * w;
                 let (module, flops) = HeadBlock::new(features, hidden, classes, device);
-                Ok(BuiltStudent { module: StudentBlock::Head(module), output_shape: vec![classes], flops })
+                Ok(BuiltStudent {
+                    module: StudentBlock::Head(module),
+                    output_shape: vec![classes],
+                    flops,
+                    candidate_flops: Vec::new(),
+                })
             }
             Self::Encoder { heads, head_dim, ffn, .. } => {
                 positive("heads", heads)?;
@@ -387,6 +548,45 @@ impl StudentBlockConfig {
                     module: StudentBlock::Encoder(config.init(device)),
                     output_shape: vec![tokens, hidden],
                     flops: config.flops(tokens),
+                    candidate_flops: Vec::new(),
+                })
+            }
+            Self::Candidates { ref candidates } => {
+                if candidates.is_empty() {
+                    return Err(invalid("`candidates` must list at least one student block".into()));
+                }
+                let mut modules = Vec::with_capacity(candidates.len());
+                let mut candidate_flops = Vec::with_capacity(candidates.len());
+                let mut output_shape: Option<Vec<usize>> = None;
+                for (c, candidate) in candidates.iter().enumerate() {
+                    if let Self::Candidates { .. } = candidate {
+                        return Err(invalid(format!("candidate {}: candidate sets cannot nest", c + 1)));
+                    }
+                    let built = candidate.init::<B>(block, input_shape, device).map_err(|e| {
+                        let StudentError::Invalid { message, kind, .. } = e;
+                        invalid(format!("candidate {} ({kind}): {message}", c + 1))
+                    })?;
+                    match &output_shape {
+                        Some(first) if *first != built.output_shape => {
+                            return Err(invalid(format!(
+                                "candidate {} ({}) outputs {:?} but candidate 1 outputs {first:?}: \
+                                 every candidate must produce the teacher block's shape",
+                                c + 1,
+                                candidate.kind(),
+                                built.output_shape
+                            )))
+                        }
+                        Some(_) => {}
+                        None => output_shape = Some(built.output_shape.clone()),
+                    }
+                    candidate_flops.push(built.flops);
+                    modules.extend(Candidate::from_block(built.module));
+                }
+                Ok(BuiltStudent {
+                    module: StudentBlock::Candidates(CandidateSet { candidates: modules }),
+                    output_shape: output_shape.unwrap_or_default(),
+                    flops: candidate_flops.iter().sum(),
+                    candidate_flops,
                 })
             }
         }
@@ -499,6 +699,86 @@ mod tests {
         ) -> burn::module::Param<Tensor<B, D>> {
             param.map(|t| t.zeros_like())
         }
+    }
+
+    #[test]
+    fn a_candidate_set_gives_each_candidate_the_gradient_of_its_own_loss() {
+        type Train = burn::backend::Autodiff<Flex>;
+        let device = Default::default();
+        let first = StudentBlockConfig::Conv { width: 3, out_channels: 4, downsample: Downsample::Pool };
+        let second = StudentBlockConfig::Inverted { expansion: 2, kernel: 3, out_channels: 4, downsample: Downsample::Pool };
+        let set = StudentBlockConfig::Candidates { candidates: vec![first, second] };
+        let built = set.init::<Train>(1, &[2, 6, 6], &device).unwrap();
+        assert_eq!(built.output_shape, vec![4, 3, 3]);
+        assert_eq!(built.candidate_flops.len(), 2);
+        assert_eq!(built.flops, built.candidate_flops.iter().sum::<u64>());
+        // burn draws parameters at first use: draw them now, once, so that
+        // the candidates' copies below share them.
+        let module = built.module.clone().load_record(built.module.into_record());
+        assert_eq!(module.candidates().len(), 2);
+        let x = Tensor::<Train, 4>::random([3, 2, 6, 6], burn::tensor::Distribution::Default, &device);
+        let target = Tensor::<Train, 4>::random([3, 4, 3, 3], burn::tensor::Distribution::Default, &device);
+        let loss = pipebd_core::Loss::new(pipebd_core::LossKind::Mse);
+        let total = module
+            .distill_loss(Activation::Maps(x.clone()), Activation::Maps(target.clone()), &loss)
+            .unwrap();
+        let total_grads = total.clone().backward();
+        let mut sum = 0.0;
+        for candidate in module.candidates() {
+            // Alone: the candidate's loss and gradients, as if it were the only student.
+            let own = candidate.distill_loss(Activation::Maps(x.clone()), Activation::Maps(target.clone()), &loss).unwrap();
+            sum += own.clone().into_scalar();
+            let own_grads = own.backward();
+            let mut checked = 0;
+            candidate.visit(&mut CompareGrads { a: &own_grads, b: &total_grads, checked: &mut checked });
+            assert!(checked > 0, "the candidate has parameters with gradients");
+        }
+        let total = total.into_scalar();
+        assert!((total - sum).abs() <= 1e-5 * sum.abs(), "set loss {total} vs summed {sum}");
+        // Stitching and evaluation see the first candidate's output.
+        let out = Block::forward(&module, Activation::Maps(x.clone())).unwrap();
+        let first_out = Block::forward(&module.candidates()[0], Activation::Maps(x)).unwrap();
+        let (Activation::Maps(out), Activation::Maps(first_out)) = (out, first_out) else { panic!() };
+        assert_eq!(out.into_data(), first_out.into_data());
+    }
+
+    /// Asserts that every float parameter has the same gradient in `a` and `b`.
+    struct CompareGrads<'a, B: burn::tensor::backend::AutodiffBackend> {
+        a: &'a B::Gradients,
+        b: &'a B::Gradients,
+        checked: &'a mut usize,
+    }
+
+    impl<B: burn::tensor::backend::AutodiffBackend> burn::module::ModuleVisitor<B> for CompareGrads<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            let (Some(a), Some(b)) = (param.val().grad(self.a), param.val().grad(self.b)) else {
+                panic!("a parameter without a gradient")
+            };
+            a.into_data().assert_approx_eq::<f32>(&b.into_data(), burn::tensor::Tolerance::default());
+            *self.checked += 1;
+        }
+    }
+
+    #[test]
+    fn candidate_sets_refuse_nesting_mismatched_shapes_and_emptiness() {
+        let device = Default::default();
+        let conv = |out_channels| StudentBlockConfig::Conv { width: 3, out_channels, downsample: Downsample::Pool };
+        let err = |config: StudentBlockConfig| config.init::<Flex>(2, &[2, 6, 6], &device).unwrap_err().to_string();
+        assert_eq!(
+            err(StudentBlockConfig::Candidates { candidates: vec![] }),
+            "student block 2 (candidates): `candidates` must list at least one student block"
+        );
+        let nested = StudentBlockConfig::Candidates { candidates: vec![conv(4)] };
+        assert!(err(StudentBlockConfig::Candidates { candidates: vec![conv(4), nested] }).contains("candidate 2: candidate sets cannot nest"));
+        let mismatched = err(StudentBlockConfig::Candidates { candidates: vec![conv(4), conv(5)] });
+        assert!(mismatched.contains("candidate 2 (conv) outputs [5, 3, 3] but candidate 1 outputs [4, 3, 3]"), "{mismatched}");
+        let inner = err(StudentBlockConfig::Candidates { candidates: vec![conv(4), conv(0)] });
+        assert!(inner.contains("candidate 2 (conv): `out_channels` must be at least 1"), "{inner}");
+        let parsed: StudentBlockConfig = toml::from_str(
+            "kind = \"candidates\"\ncandidates = [{ kind = \"conv\", width = 3, out_channels = 4 }, { kind = \"head\", hidden = 4, classes = 2 }]",
+        )
+        .unwrap();
+        assert_eq!(parsed.candidates().len(), 2);
     }
 
     #[test]

@@ -1,0 +1,280 @@
+//! The last step of blockwise architecture search (`pipebd search`): the
+//! scores a search run wrote (`search.json`), one candidate per block chosen
+//! under a budget (`chosen.toml`, an ordinary run config that starts from
+//! the trained candidates), and the optimum of every budget (`pareto.csv`,
+//! `pareto.png`), optionally scored as stitched students.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::RunConfig;
+use crate::error::{Error, Result};
+use crate::search::score::BlockScores;
+use crate::search::{pareto_front, select, Candidate, Selection};
+
+/// What a search run writes as `search.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SearchScores {
+    /// The run's config (the base of `chosen.toml`).
+    pub config: RunConfig,
+    /// Held-out samples the losses are means over.
+    pub held_out_samples: usize,
+    /// Batch size of the latency measurements.
+    pub batch_size: usize,
+    /// Per block.
+    pub blocks: Vec<BlockScores>,
+}
+
+/// File name of the scores in a run folder.
+pub const SCORES_FILE: &str = "search.json";
+
+impl SearchScores {
+    /// Writes `search.json` and `search.csv` into `run_dir`.
+    pub fn write(&self, run_dir: &Path) -> Result<()> {
+        let json = serde_json::to_string_pretty(self).map_err(|e| Error::Search {
+            message: format!("cannot write the scores as JSON: {e}"),
+        })?;
+        crate::fsio::write_atomic(&run_dir.join(SCORES_FILE), json.as_bytes())?;
+        let mut csv = String::from("block,candidate,name,loss,normalised_loss,flops,params,latency_ms\n");
+        for block in &self.blocks {
+            for c in &block.candidates {
+                csv.push_str(&format!(
+                    "{},{},{},{},{},{},{},{}\n",
+                    block.block, c.candidate, c.name, c.loss, c.normalised_loss, c.flops, c.params, c.latency_ms
+                ));
+            }
+        }
+        crate::fsio::write_atomic(&run_dir.join("search.csv"), csv.as_bytes())
+    }
+
+    /// Reads `search.json` from a run folder (or the file itself).
+    pub fn read(path: &Path) -> Result<Self> {
+        let file = if path.is_dir() { path.join(SCORES_FILE) } else { path.to_path_buf() };
+        let text = std::fs::read_to_string(&file).map_err(|e| {
+            Error::io("reading the search scores (written by `pipebd run` of a config with candidates)", &file, e)
+        })?;
+        serde_json::from_str(&text).map_err(|e| Error::Search {
+            message: format!("{}: not the scores of a search run: {e}", file.display()),
+        })
+    }
+}
+
+
+/// What a budget bounds: the chosen student's summed forward FLOPs per
+/// sample, its parameters, or its summed forward latency per batch (ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CostKind {
+    /// Forward FLOPs per sample.
+    Flops,
+    /// Trainable parameters.
+    Params,
+    /// Forward milliseconds per batch, as measured by the search run.
+    Latency,
+}
+
+impl CostKind {
+    /// The name as written in `--budget` and `--by`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Flops => "flops",
+            Self::Params => "params",
+            Self::Latency => "latency",
+        }
+    }
+
+    /// Parses `flops`, `params` or `latency`.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.trim() {
+            "flops" => Ok(Self::Flops),
+            "params" => Ok(Self::Params),
+            "latency" => Ok(Self::Latency),
+            other => Err(Error::Search {
+                message: format!("unknown cost `{other}`: expected flops, params or latency"),
+            }),
+        }
+    }
+
+    fn of(self, c: &crate::search::score::CandidateScore) -> f64 {
+        match self {
+            Self::Flops => c.flops as f64,
+            Self::Params => c.params as f64,
+            Self::Latency => c.latency_ms,
+        }
+    }
+}
+
+/// A bound on one cost: `flops=2.5e6`, `params=40000`, `latency=3.5`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Budget {
+    /// What is bounded.
+    pub kind: CostKind,
+    /// The largest allowed sum over blocks.
+    pub limit: f64,
+}
+
+impl std::str::FromStr for Budget {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let bad = |why: &str| Error::Search {
+            message: format!(
+                "budget `{text}`: {why}; expected flops=N, params=N or latency=MS (e.g. flops=2.5e6)"
+            ),
+        };
+        let (kind, limit) = text.split_once('=').ok_or_else(|| bad("no `=`"))?;
+        let kind = CostKind::parse(kind).map_err(|_| bad("unknown cost"))?;
+        let limit: f64 = limit.trim().parse().map_err(|_| bad("the limit is not a number"))?;
+        if !(limit >= 0.0 && limit.is_finite()) {
+            return Err(bad("the limit must be a finite number >= 0"));
+        }
+        Ok(Self { kind, limit })
+    }
+}
+
+impl SearchScores {
+    /// Every block's candidates as the selection sees them: the normalised
+    /// held-out loss, and the cost `kind`.
+    pub fn candidates(&self, kind: CostKind) -> Vec<Vec<Candidate>> {
+        self.blocks
+            .iter()
+            .map(|b| {
+                b.candidates.iter().map(|c| Candidate { loss: c.normalised_loss, cost: kind.of(c) }).collect()
+            })
+            .collect()
+    }
+
+    /// The summed FLOPs, parameters and latency of one choice.
+    pub fn totals(&self, choice: &[usize]) -> (u64, usize, f64) {
+        let mut totals = (0, 0, 0.0);
+        for (block, &c) in self.blocks.iter().zip(choice) {
+            let candidate = &block.candidates[c];
+            totals.0 += candidate.flops;
+            totals.1 += candidate.params;
+            totals.2 += candidate.latency_ms;
+        }
+        totals
+    }
+
+    /// The run config of one choice: the search run's, with each block's
+    /// student the chosen candidate, starting from its trained weights in
+    /// `run_dir`, and named `<name>-chosen`.
+    pub fn chosen_config(&self, run_dir: &Path, choice: &[usize]) -> RunConfig {
+        let mut config = self.config.clone();
+        config.name = format!("{}-chosen", self.config.name);
+        config.students = self
+            .blocks
+            .iter()
+            .zip(choice)
+            .map(|(block, &c)| {
+                let candidate = &block.candidates[c];
+                let mut table = candidate.table.clone();
+                let weights = run_dir.join(&candidate.weights);
+                table.insert("weights".into(), toml::Value::String(weights.display().to_string()));
+                table
+            })
+            .collect();
+        config.search = Default::default();
+        config
+    }
+}
+
+/// The optimum of one budget, and the config that trains it.
+#[derive(Debug, Clone)]
+pub struct Chosen {
+    /// The choice (zero-based candidate per block), its summed normalised
+    /// loss and its summed cost.
+    pub selection: Selection,
+    /// FLOPs, parameters and latency of the choice.
+    pub totals: (u64, usize, f64),
+    /// The run config of the choice.
+    pub config: RunConfig,
+}
+
+/// Picks one candidate per block of the search run in `run_dir`,
+/// minimising the summed normalised held-out loss within `budget`.
+pub fn choose(run_dir: &Path, budget: Budget) -> Result<Chosen> {
+    let scores = SearchScores::read(run_dir)?;
+    let blocks = scores.candidates(budget.kind);
+    let selection = select(&blocks, budget.limit)?.ok_or_else(|| {
+        let cheapest: f64 =
+            blocks.iter().map(|b| b.iter().map(|c| c.cost).fold(f64::INFINITY, f64::min)).sum();
+        Error::Search {
+            message: format!(
+                "no student fits {}={}: the cheapest choice needs {}",
+                budget.kind.name(),
+                budget.limit,
+                cheapest
+            ),
+        }
+    })?;
+    let totals = scores.totals(&selection.choice);
+    let config = scores.chosen_config(run_dir, &selection.choice);
+    Ok(Chosen { selection, totals, config })
+}
+
+/// One point of the Pareto front.
+#[derive(Debug, Clone, Serialize)]
+pub struct ParetoPoint {
+    /// One-based candidate per block, e.g. `1-3-2-1`.
+    pub choice: String,
+    /// Summed normalised held-out loss.
+    pub loss: f64,
+    /// Summed forward FLOPs per sample.
+    pub flops: u64,
+    /// Summed parameters.
+    pub params: usize,
+    /// Summed forward latency per batch (ms).
+    pub latency_ms: f64,
+    /// Stitched accuracy of the trained candidates, not finetuned (when
+    /// evaluated; text: the probe's).
+    pub accuracy: Option<f64>,
+}
+
+/// The optimum of every budget on cost `kind`, cheapest first.
+pub fn pareto(scores: &SearchScores, kind: CostKind) -> Result<Vec<(Selection, ParetoPoint)>> {
+    Ok(pareto_front(&scores.candidates(kind))?
+        .into_iter()
+        .map(|selection| {
+            let (flops, params, latency_ms) = scores.totals(&selection.choice);
+            let choice = selection.choice.iter().map(|c| (c + 1).to_string()).collect::<Vec<_>>().join("-");
+            let point = ParetoPoint { choice, loss: selection.loss, flops, params, latency_ms, accuracy: None };
+            (selection, point)
+        })
+        .collect())
+}
+
+/// Writes `pareto.csv` into `dir`.
+pub fn write_pareto_csv(dir: &Path, points: &[ParetoPoint]) -> Result<PathBuf> {
+    let mut csv = String::from("choice,loss,flops,params,latency_ms,accuracy\n");
+    for p in points {
+        let accuracy = p.accuracy.map(|a| a.to_string()).unwrap_or_default();
+        csv.push_str(&format!(
+            "{},{},{},{},{},{}\n",
+            p.choice, p.loss, p.flops, p.params, p.latency_ms, accuracy
+        ));
+    }
+    let path = dir.join("pareto.csv");
+    crate::fsio::write_atomic(&path, csv.as_bytes())?;
+    Ok(path)
+}
+
+/// Writes the chosen config as TOML to `path`, with a header saying where
+/// it came from.
+pub fn write_chosen(path: &Path, chosen: &Chosen, budget: Budget, run_dir: &Path) -> Result<()> {
+    let header = format!(
+        "# Chosen by `pipebd search {} --budget {}={}` from that run's candidates:\n\
+         # summed normalised held-out loss {:.4}, {} FLOPs per sample, {} parameters.\n\
+         # `pipebd run` on this file finetunes the chosen candidates from their\n\
+         # trained weights (each block's `weights`) and evaluates the stitched student.\n",
+        run_dir.display(),
+        budget.kind.name(),
+        budget.limit,
+        chosen.selection.loss,
+        chosen.totals.0,
+        chosen.totals.1,
+    );
+    let text = format!("{header}{}", chosen.config.to_toml());
+    crate::fsio::write_atomic(path, text.as_bytes())
+}

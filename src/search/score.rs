@@ -1,0 +1,183 @@
+//! Scoring the trained candidates of a search run: each candidate's loss
+//! against its teacher block on held-out samples, and its forward latency,
+//! next to its FLOPs and parameters (`crate::choose` writes them as
+//! `search.json` and `search.csv` and chooses among them).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use pipebd_core::{Activation, Block, BlockSpec, Dataset, Loss};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{relabel, Error, Result};
+
+/// One candidate of one block, scored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CandidateScore {
+    /// One-based candidate number within its block.
+    pub candidate: usize,
+    /// The candidate's name (its kind for the built-in zoo).
+    pub name: String,
+    /// Its `[[students]]` table as configured (what `chosen.toml` gets).
+    pub table: toml::Table,
+    /// Its trained weights, relative to the run folder.
+    pub weights: PathBuf,
+    /// Mean loss against the teacher block on the held-out samples (the
+    /// block's training loss: MSE, or the soft-target cross-entropy).
+    pub loss: f64,
+    /// `loss` over the smallest `loss` among the block's candidates (1 for
+    /// the best): what the selection sums over blocks.
+    pub normalised_loss: f64,
+    /// Forward FLOPs per sample (0 when the zoo does not know them).
+    pub flops: u64,
+    /// Trainable parameters.
+    pub params: usize,
+    /// Median forward time of one batch of `batch_size` samples, in
+    /// milliseconds, on the run's first device.
+    pub latency_ms: f64,
+}
+
+/// The candidates of one teacher block, scored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BlockScores {
+    /// One-based block number.
+    pub block: usize,
+    /// The teacher block's name, FLOPs and parameters.
+    pub teacher: String,
+    /// The teacher block's forward FLOPs per sample.
+    pub teacher_flops: u64,
+    /// The teacher block's parameters.
+    pub teacher_params: usize,
+    /// The candidates (an ordinary block: itself, as the only candidate).
+    pub candidates: Vec<CandidateScore>,
+}
+
+/// The held-out loss and the forward latency of every block's candidates
+/// (an ordinary block counts as its own single candidate), in block and
+/// candidate order: the teacher's blocks relay the held-out samples, each
+/// candidate is run on its teacher block's input and scored against its
+/// output with `losses[k]`, in chunks of `batch_size`.
+pub fn measure_candidates<B, T, S>(
+    teacher: &[T],
+    students: &[S],
+    losses: &[Loss],
+    held_out: &dyn Dataset<B>,
+    batch_size: usize,
+    device: &B::Device,
+) -> Result<Vec<Vec<(f64, f64)>>>
+where
+    B: pipebd_kernels::FusedBackend,
+    T: Block<B>,
+    S: Block<B>,
+{
+    let members: Vec<Vec<S>> = students
+        .iter()
+        .map(|student| {
+            let candidates = student.candidates();
+            if candidates.is_empty() {
+                vec![student.clone()]
+            } else {
+                candidates
+            }
+        })
+        .collect();
+    if held_out.is_empty() {
+        return Err(Error::Search { message: "no held-out samples to score the candidates on".into() });
+    }
+    let mut sums: Vec<Vec<f64>> = members.iter().map(|m| vec![0.0; m.len()]).collect();
+    let mut first_inputs = Vec::with_capacity(students.len());
+    let indices: Vec<usize> = (0..held_out.len()).collect();
+    for (chunk_number, chunk) in indices.chunks(batch_size.max(1)).enumerate() {
+        let mut x = held_out.batch(chunk, device)?;
+        for (k, block) in teacher.iter().enumerate() {
+            let target = block.forward(x.clone()).map_err(|e| relabel(e, k + 1))?;
+            for (c, member) in members[k].iter().enumerate() {
+                let output = member.forward(x.clone()).map_err(|e| relabel(e, k + 1))?;
+                let loss = member.loss(output, target.clone(), &losses[k]).map_err(|e| relabel(e, k + 1))?;
+                let value: f32 = burn::tensor::ElementConversion::elem(loss.into_scalar());
+                sums[k][c] += f64::from(value) * chunk.len() as f64;
+            }
+            if chunk_number == 0 {
+                first_inputs.push(x);
+            }
+            x = target;
+        }
+    }
+    let mut scores = Vec::with_capacity(students.len());
+    for (k, input) in first_inputs.into_iter().enumerate() {
+        let mut block = Vec::new();
+        for (c, member) in members[k].iter().enumerate() {
+            let latency = median_seconds(|| {
+                let output = member.forward(input.clone()).map_err(|e| relabel(e, k + 1))?;
+                wait_for(output);
+                Ok(())
+            })?;
+            block.push((sums[k][c] / held_out.len() as f64, latency * 1e3));
+        }
+        scores.push(block);
+    }
+    Ok(scores)
+}
+
+/// Median wall time of `f` over a few runs after one warm-up.
+fn median_seconds(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut times = Vec::with_capacity(5);
+    for _ in 0..5 {
+        let start = Instant::now();
+        f()?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Reads the activation back (the device has then finished computing it).
+fn wait_for<B: burn::tensor::backend::Backend>(activation: Activation<B>) {
+    let _ = match activation {
+        Activation::Flat(t) => t.into_data(),
+        Activation::Tokens { hidden, .. } => hidden.into_data(),
+        Activation::Maps(t) => t.into_data(),
+    };
+}
+
+/// Puts the measurements together with what is known of each candidate:
+/// `tables[k]` are block k's candidate tables (one, its own, for an
+/// ordinary block), `specs[k]` their specs, `weights[k]` where they are saved.
+pub fn block_scores(
+    teacher: &[BlockSpec],
+    measured: &[Vec<(f64, f64)>],
+    tables: &[Vec<toml::Table>],
+    specs: &[Vec<BlockSpec>],
+    weights: &[Vec<PathBuf>],
+) -> Vec<BlockScores> {
+    teacher
+        .iter()
+        .enumerate()
+        .map(|(k, t)| {
+            let best = measured[k].iter().map(|m| m.0).fold(f64::INFINITY, f64::min);
+            let candidates = measured[k]
+                .iter()
+                .enumerate()
+                .map(|(c, &(loss, latency_ms))| CandidateScore {
+                    candidate: c + 1,
+                    name: specs[k][c].name.clone(),
+                    table: tables[k][c].clone(),
+                    weights: weights[k][c].clone(),
+                    loss,
+                    normalised_loss: if best > 0.0 { loss / best } else { 1.0 },
+                    flops: specs[k][c].flops,
+                    params: specs[k][c].params,
+                    latency_ms,
+                })
+                .collect();
+            BlockScores {
+                block: k + 1,
+                teacher: t.name.clone(),
+                teacher_flops: t.flops,
+                teacher_params: t.params,
+                candidates,
+            }
+        })
+        .collect()
+}
