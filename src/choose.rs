@@ -159,7 +159,8 @@ impl SearchScores {
 
     /// The run config of one choice: the search run's, with each block's
     /// student the chosen candidate, starting from its trained weights in
-    /// `run_dir`, and named `<name>-chosen`.
+    /// `run_dir`, at least one stitched epoch after the blockwise ones, and
+    /// named `<name>-chosen`.
     pub fn chosen_config(&self, run_dir: &Path, choice: &[usize]) -> RunConfig {
         let mut config = self.config.clone();
         config.name = format!("{}-chosen", self.config.name);
@@ -176,6 +177,9 @@ impl SearchScores {
             })
             .collect();
         config.search = Default::default();
+        // Finetune, then the stitched pass: each block learns from the
+        // blocks chosen before it (at least one epoch of it).
+        config.train.stitched_epochs = config.train.stitched_epochs.max(1);
         config
     }
 }
@@ -267,7 +271,8 @@ pub fn write_chosen(path: &Path, chosen: &Chosen, budget: Budget, run_dir: &Path
         "# Chosen by `pipebd search {} --budget {}={}` from that run's candidates:\n\
          # summed normalised held-out loss {:.4}, {} FLOPs per sample, {} parameters.\n\
          # `pipebd run` on this file finetunes the chosen candidates from their\n\
-         # trained weights (each block's `weights`) and evaluates the stitched student.\n",
+         # trained weights (each block's `weights`) for `train.epochs`, then trains\n\
+         # them stitched for `train.stitched_epochs`, and evaluates the student.\n",
         run_dir.display(),
         budget.kind.name(),
         budget.limit,

@@ -31,6 +31,14 @@ pub fn preflight<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(Vec<DeviceSpec>
         _ => Some(plan_for(config, &teacher, &students, devices.len())?),
     };
     zoo.check_inputs(config)?;
+    for (k, weights) in config.student_weights().into_iter().enumerate() {
+        if let Some(path) = weights.filter(|p| !p.is_file()) {
+            return Err(Error::Record {
+                path,
+                message: format!("not found (the `weights` of block {}: a file saved by a run)", k + 1),
+            });
+        }
+    }
     Ok((devices, plan))
 }
 

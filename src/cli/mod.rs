@@ -270,6 +270,16 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             print_resilience(&report.resilience);
             let trace_note = if trace { ", trace.json" } else { "" };
             println!("wrote {}/report.json, metrics.csv, student/{trace_note}", out.display());
+            if report.config.has_candidates() {
+                println!(
+                    "search: every candidate scored on the held-out {:.0}% of the training samples in \
+                     {}/search.json and search.csv (weights in candidates/); choose with \
+                     `pipebd search {} --budget flops=N` or `--pareto flops`",
+                    100.0 * report.config.search.held_out,
+                    out.display(),
+                    out.display()
+                );
+            }
             Ok(())
         }
         Command::Bench { config, schedules, devices, out } => {

@@ -88,13 +88,13 @@ pub fn draw_sweep(path: &Path, rows: &[Row], keys: &[String], x: &str) -> Result
     let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
     let (left, right) = root.split_horizontally(640);
-    panel(&left, &throughput, x, "samples / s", "throughput").map_err(fail)?;
+    panel(&left, &throughput, x, "samples / s", "throughput", false).map_err(fail)?;
     if speedup.is_empty() {
         right
             .titled("(no dp points: no speedup panel)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
     } else {
-        panel(&right, &speedup, x, "speedup over dp", "speedup over dp").map_err(fail)?;
+        panel(&right, &speedup, x, "speedup over dp", "speedup over dp", false).map_err(fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
 }
@@ -105,21 +105,30 @@ fn panel(
     x: &str,
     y: &str,
     caption: &str,
+    zoom: bool,
 ) -> std::result::Result<(), String> {
     let points = series.values().flatten();
-    let (mut x0, mut x1, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, 0.0f64);
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, 0.0f64);
     for &(px, py) in points {
         x0 = x0.min(px);
         x1 = x1.max(px);
+        y0 = y0.min(py);
         y1 = y1.max(py);
     }
+    // From zero, or (`zoom`) around the data.
+    let (y0, y1) = if zoom {
+        let pad = ((y1 - y0) * 0.1).max(1e-3);
+        (y0 - pad, y1 + pad)
+    } else {
+        (0.0, (y1 * 1.15).max(1e-9))
+    };
     let pad = ((x1 - x0) * 0.08).max(0.5);
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)
-        .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..(y1 * 1.15).max(1e-9))
+        .build_cartesian_2d((x0 - pad)..(x1 + pad), y0..y1)
         .map_err(|e| e.to_string())?;
     chart.configure_mesh().x_desc(x).y_desc(y).draw().map_err(|e| e.to_string())?;
     for (i, (name, points)) in series.iter().enumerate() {
@@ -130,7 +139,14 @@ fn panel(
             .label(name.clone())
             .legend(move |(lx, ly)| PathElement::new(vec![(lx, ly), (lx + 20, ly)], color.stroke_width(2)));
         chart
-            .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .draw_series(points.iter().map(|&p| {
+                // A lone point (a reference) as a larger ring, visible over a line.
+                if points.len() == 1 {
+                    Circle::new(p, 9, color.stroke_width(3))
+                } else {
+                    Circle::new(p, 4, color.filled())
+                }
+            }))
             .map_err(|e| e.to_string())?;
     }
     chart
@@ -172,13 +188,13 @@ pub fn draw_pareto(
     let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
     let (left, right) = root.split_horizontally(640);
-    panel(&left, &loss, cost, "summed normalised loss", "held-out block losses").map_err(fail)?;
+    panel(&left, &loss, cost, "summed normalised loss", "held-out block losses", true).map_err(fail)?;
     if accuracy.is_empty() {
         right
             .titled("(not evaluated: pipebd search --evaluate)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
     } else {
-        panel(&right, &accuracy, cost, "stitched accuracy (%)", "stitched, not finetuned").map_err(fail)?;
+        panel(&right, &accuracy, cost, "stitched accuracy (%)", "stitched, not finetuned", true).map_err(fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
 }

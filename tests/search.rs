@@ -1,0 +1,335 @@
+//! Blockwise architecture search, mode `all`: candidates train at once under
+//! every schedule to the same weights; a search run scores them on held-out
+//! samples, `pipebd search` picks the optimum under a budget and writes a
+//! config that starts from exactly the scored weights; a search run killed
+//! with SIGKILL resumes to the same candidates and scores.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
+use pipe_bd::choose::SearchScores;
+use pipe_bd::config::RunConfig;
+use pipe_bd::data::{DatasetSlice, ImageDataset, Split};
+use pipe_bd::eval::{load_student_weights, load_students};
+use pipe_bd::plan::{flops_cost, Plan};
+use pipe_bd::runtime::{Distillation, RuntimeSettings};
+use pipe_bd::search::score::measure_candidates;
+use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
+use pipe_bd::{flat_parameters, Block, Loss};
+
+mod common;
+
+type B = Autodiff<Flex>;
+
+/// Blocks 2 and 4 have candidates, blocks 1 and 3 one student each.
+const STUDENTS: &str = r#"
+[[students]]
+kind = "conv"
+width = 4
+out_channels = 32
+
+[[students]]
+kind = "candidates"
+candidates = [
+  { kind = "bottleneck", rank = 8, out_channels = 64 },
+  { kind = "separable", out_channels = 64 },
+  { kind = "inverted", expansion = 3, kernel = 3, out_channels = 64, downsample = "stride" },
+]
+
+[[students]]
+kind = "bottleneck"
+rank = 8
+out_channels = 128
+
+[[students]]
+kind = "candidates"
+candidates = [
+  { kind = "head", hidden = 32, classes = 10 },
+  { kind = "head", hidden = 8, classes = 10 },
+]
+"#;
+
+fn search_text(train_limit: usize, epochs: usize) -> String {
+    let base = common::small_config(train_limit, 200, epochs);
+    let students = base.find("[[students]]").unwrap();
+    format!("{}{STUDENTS}", &base[..students])
+}
+
+fn flat(blocks: &[impl burn::module::Module<Flex>]) -> Vec<Vec<f32>> {
+    blocks.iter().map(flat_parameters::<Flex, _>).collect()
+}
+
+/// Trains the search config in process under `plan` on `slots` CPU slots
+/// (no held-out split: the runtime alone); returns every block's
+/// parameters, candidates included.
+fn train(config: &RunConfig, plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
+    let device = Default::default();
+    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let teacher = build_teacher::<Flex>(config, &device).unwrap();
+    let students = Builtin.students::<B>(config, &teacher.specs, &device).unwrap();
+    let output = Distillation::new(&teacher, students, &data)
+        .settings(config.train_settings())
+        .devices(vec![device; slots])
+        .runtime(RuntimeSettings { threads_per_worker: 1, ..Default::default() })
+        .run(plan)
+        .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+    output.students.blocks.iter().map(flat_parameters::<B, _>).collect()
+}
+
+fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len());
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn every_schedule_trains_every_candidate_to_the_same_weights() {
+    let text = search_text(384, 1).replace(
+        "kind = \"adam\"\nlr = 0.002",
+        "kind = \"sgd\"\nlr = 0.5\nmomentum = 0.9",
+    );
+    let config = RunConfig::parse(&text, Path::new("search.toml")).unwrap();
+    let teacher = Builtin.teacher_specs(&config).unwrap();
+    let specs = Builtin.student_specs(&config, &teacher).unwrap();
+    let reference = train(&config, &Plan::ideal(4), 1);
+
+    // Every candidate trained: each one's own parameters moved.
+    let initial = Builtin.students::<B>(&config, &teacher, &Default::default()).unwrap();
+    let trained = {
+        let device = Default::default();
+        let students = Builtin.students::<B>(&config, &teacher, &device).unwrap();
+        let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+        let teacher_blocks = build_teacher::<Flex>(&config, &device).unwrap();
+        Distillation::new(&teacher_blocks, students, &data)
+            .settings(config.train_settings())
+            .runtime(RuntimeSettings { threads_per_worker: 1, ..Default::default() })
+            .run(&Plan::ideal(4))
+            .unwrap()
+            .students
+    };
+    for k in [1, 3] {
+        let before = initial.blocks[k].valid().candidates();
+        let after = trained.blocks[k].valid().candidates();
+        assert_eq!(after.len(), if k == 1 { 3 } else { 2 });
+        for (c, (b, a)) in before.iter().zip(&after).enumerate() {
+            let moved = max_abs_diff(&flat(std::slice::from_ref(b)), &flat(std::slice::from_ref(a)));
+            assert!(moved > 1e-3, "block {} candidate {} did not train (moved {moved})", k + 1, c + 1);
+        }
+    }
+    let moved = max_abs_diff(&reference, &trained.blocks.iter().map(flat_parameters::<B, _>).collect::<Vec<_>>());
+    assert_eq!(moved, 0.0, "ideal is not reproducible");
+
+    let cost = flops_cost(&teacher, &specs);
+    for name in ["dp", "ls", "tr", "tr-dpu"] {
+        let plan = Plan::named(name, 4, 2, &cost, &[]).unwrap();
+        let other = train(&config, &plan, 2);
+        let diff = max_abs_diff(&reference, &other);
+        assert!(diff <= 1e-4, "{name}: candidates differ from ideal by {diff}");
+    }
+}
+
+fn pipebd(args: &[&std::ffi::OsStr]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_pipebd"));
+    command.args(args).env_remove(pipe_bd::fault::ENV).current_dir(common::repo());
+    command
+}
+
+fn run_ok(args: &[&std::ffi::OsStr]) -> String {
+    let output = pipebd(args).output().unwrap();
+    assert!(output.status.success(), "pipebd failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The brute-force optimum: every combination of candidates.
+fn brute_force(scores: &SearchScores, budget: f64) -> Option<(f64, Vec<usize>)> {
+    let mut best: Option<(f64, Vec<usize>)> = None;
+    let counts: Vec<usize> = scores.blocks.iter().map(|b| b.candidates.len()).collect();
+    let total: usize = counts.iter().product();
+    for mut n in 0..total {
+        let choice: Vec<usize> = counts
+            .iter()
+            .map(|&c| {
+                let i = n % c;
+                n /= c;
+                i
+            })
+            .collect();
+        let (flops, _, _) = scores.totals(&choice);
+        if flops as f64 > budget {
+            continue;
+        }
+        let loss: f64 = scores.blocks.iter().zip(&choice).map(|(b, &c)| b.candidates[c].normalised_loss).sum();
+        if best.as_ref().is_none_or(|(l, _)| loss < *l) {
+            best = Some((loss, choice));
+        }
+    }
+    best
+}
+
+#[test]
+fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scored_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let config_path = write(dir.path(), "search.toml", &search_text(640, 1));
+    let run_dir = dir.path().join("run");
+    run_ok(&["run".as_ref(), config_path.as_os_str(), "--out".as_ref(), run_dir.as_os_str(), "--quiet".as_ref()]);
+    let report = pipe_bd::report::RunReport::read(&run_dir).unwrap();
+    assert_eq!(report.train_samples, 576, "10% of 640 samples held out");
+    let scores = SearchScores::read(&run_dir).unwrap();
+    assert_eq!(scores.held_out_samples, 64);
+    let counts: Vec<usize> = scores.blocks.iter().map(|b| b.candidates.len()).collect();
+    assert_eq!(counts, [1, 3, 1, 2]);
+    let config = RunConfig::parse(&search_text(640, 1), &config_path).unwrap();
+    let teacher_specs = Builtin.teacher_specs(&config).unwrap();
+    let candidate_specs = Builtin.candidate_specs(&config, &teacher_specs).unwrap();
+    for (k, block) in scores.blocks.iter().enumerate() {
+        let best = block.candidates.iter().map(|c| c.normalised_loss).fold(f64::INFINITY, f64::min);
+        assert_eq!(best, 1.0, "block {}: losses are normalised by the block's best", k + 1);
+        for (c, candidate) in block.candidates.iter().enumerate() {
+            assert!(candidate.loss.is_finite() && candidate.loss > 0.0, "{candidate:?}");
+            assert!(candidate.latency_ms > 0.0, "{candidate:?}");
+            if let Some(spec) = candidate_specs[k].get(c) {
+                assert_eq!((candidate.flops, candidate.params), (spec.flops, spec.params));
+            }
+            assert!(run_dir.join(&candidate.weights).is_file(), "{:?}", candidate.weights);
+        }
+    }
+    assert!(run_dir.join("search.csv").is_file());
+
+    // The choice under a budget between the cheapest and the dearest student.
+    let (cheapest, dearest) = (
+        scores.blocks.iter().map(|b| b.candidates.iter().map(|c| c.flops).min().unwrap()).sum::<u64>(),
+        scores.blocks.iter().map(|b| b.candidates.iter().map(|c| c.flops).max().unwrap()).sum::<u64>(),
+    );
+    let budget = (cheapest + dearest) / 2;
+    let chosen_path = dir.path().join("chosen.toml");
+    let said = run_ok(&[
+        "search".as_ref(),
+        run_dir.as_os_str(),
+        "--budget".as_ref(),
+        format!("flops={budget}").as_ref(),
+        "--out".as_ref(),
+        chosen_path.as_os_str(),
+    ]);
+    let (_, expected) = brute_force(&scores, budget as f64).unwrap();
+    let picks: Vec<String> = expected.iter().map(|c| (c + 1).to_string()).collect();
+    assert!(said.contains(&format!("chosen candidates {}", picks.join("-"))), "{said}");
+
+    // The chosen config trains ordinary blocks from the chosen candidates'
+    // weights: their held-out losses are the ones the search scored.
+    let chosen = Builtin.load_config(&chosen_path, Default::default()).unwrap();
+    assert!(!chosen.has_candidates());
+    assert!(chosen.train.stitched_epochs >= 1);
+    let device = Default::default();
+    let students = Builtin.students::<B>(&chosen, &teacher_specs, &device).unwrap();
+    let students = load_student_weights(&chosen, students, &device).unwrap();
+    let inner: Vec<_> = students.blocks.iter().map(|b| b.valid()).collect();
+    let teacher = build_teacher::<Flex>(&chosen, &device).unwrap();
+    let data = ImageDataset::load_mnist(&chosen.data.dir, Split::Train, chosen.data.train_limit).unwrap();
+    let held_out = DatasetSlice::new(&data, 576, 64);
+    let losses: Vec<Loss> = teacher_specs.iter().map(|t| Loss::new(t.loss)).collect();
+    let measured = measure_candidates(&teacher.blocks, &inner, &losses, &held_out, 64, &device).unwrap();
+    for (k, (block, &c)) in scores.blocks.iter().zip(&expected).enumerate() {
+        let scored = block.candidates[c].loss;
+        let again = measured[k][0].0;
+        assert!((scored - again).abs() <= 1e-5 * scored, "block {}: scored {scored}, reloaded {again}", k + 1);
+    }
+
+    // A budget below the cheapest student, and a malformed one, are refused.
+    let output = pipebd(&["search".as_ref(), run_dir.as_os_str(), "--budget".as_ref(), "flops=1".as_ref()])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(&format!("no student fits flops=1: the cheapest choice needs {cheapest}")), "{stderr}");
+    let output = pipebd(&["search".as_ref(), run_dir.as_os_str(), "--budget".as_ref(), "size=3".as_ref()])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&output.stderr).contains("budget `size=3`: unknown cost"));
+
+    // The Pareto front: cheapest first, each point strictly better than the cheaper ones.
+    run_ok(&["search".as_ref(), run_dir.as_os_str(), "--pareto".as_ref(), "flops".as_ref()]);
+    let csv = std::fs::read_to_string(run_dir.join("pareto.csv")).unwrap();
+    let rows: Vec<(f64, u64)> = csv
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f[1].parse().unwrap(), f[2].parse().unwrap())
+        })
+        .collect();
+    assert!(!rows.is_empty());
+    assert_eq!(rows[0].1, cheapest);
+    for pair in rows.windows(2) {
+        assert!(pair[1].1 > pair[0].1 && pair[1].0 < pair[0].0, "{pair:?}");
+    }
+    assert!(run_dir.join("pareto.png").is_file());
+}
+
+/// Every float parameter of every saved student block (candidate sets whole).
+fn saved_weights(run_dir: &Path) -> Vec<Vec<f32>> {
+    let report = pipe_bd::report::RunReport::read(run_dir).unwrap();
+    let teacher = Builtin.teacher_specs(&report.config).unwrap();
+    let (blocks, _) = load_students(&Builtin, run_dir, &report.config, &teacher).unwrap();
+    flat(&blocks)
+}
+
+#[test]
+fn a_search_run_killed_with_sigkill_resumes_to_the_same_candidates_and_scores() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = search_text(640, 6).replace(
+        "device = \"cpu\"\n",
+        "device = \"cpu\"\n\n[checkpoint]\nevery_steps = 2\nevery_minutes = 0.0\n",
+    );
+    let config = write(dir.path(), "search.toml", &text);
+    let reference = dir.path().join("reference");
+    let args = |out: &Path| -> Vec<std::ffi::OsString> {
+        vec!["run".into(), config.clone().into(), "--out".into(), out.into(), "--quiet".into()]
+    };
+    let as_refs = |v: &[std::ffi::OsString]| -> Vec<std::ffi::OsString> { v.to_vec() };
+    let reference_args = as_refs(&args(&reference));
+    let refs: Vec<&std::ffi::OsStr> = reference_args.iter().map(|s| s.as_os_str()).collect();
+    run_ok(&refs);
+
+    let killed = dir.path().join("killed");
+    let killed_args = args(&killed);
+    let refs: Vec<&std::ffi::OsStr> = killed_args.iter().map(|s| s.as_os_str()).collect();
+    let mut child = pipebd(&refs).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let checkpoints = killed.join("checkpoints");
+    let newest = |block| pipe_bd::train::checkpoint::list(&checkpoints, block).first().map(|(s, _)| *s);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while (1..=4).all(|b| newest(b).unwrap_or(0) < 10) {
+        assert!(Instant::now() < deadline, "no checkpoint after 120 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(!killed.join("search.json").exists(), "the run had finished: not killed mid-run");
+    let mut resume_args = args(&killed);
+    resume_args.extend(["--resume".into(), killed.clone().into()]);
+    let refs: Vec<&std::ffi::OsStr> = resume_args.iter().map(|s| s.as_os_str()).collect();
+    run_ok(&refs);
+
+    let (a, b) = (saved_weights(&reference), saved_weights(&killed));
+    let diff = max_abs_diff(&a, &b);
+    assert!(diff <= 1e-5, "resumed candidates differ by {diff}");
+    let (a, b) = (SearchScores::read(&reference).unwrap(), SearchScores::read(&killed).unwrap());
+    for (x, y) in a.blocks.iter().zip(&b.blocks) {
+        for (p, q) in x.candidates.iter().zip(&y.candidates) {
+            assert!((p.loss - q.loss).abs() <= 1e-5 * p.loss, "block {}: {} vs {}", x.block, p.loss, q.loss);
+        }
+    }
+}
