@@ -88,13 +88,13 @@ pub fn draw_sweep(path: &Path, rows: &[Row], keys: &[String], x: &str) -> Result
     let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
     let (left, right) = root.split_horizontally(640);
-    panel(&left, &throughput, x, "samples / s", "throughput", false).map_err(fail)?;
+    panel(&left, &throughput, x, "samples / s", "throughput", false, SeriesLabelPosition::LowerRight).map_err(fail)?;
     if speedup.is_empty() {
         right
             .titled("(no dp points: no speedup panel)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
     } else {
-        panel(&right, &speedup, x, "speedup over dp", "speedup over dp", false).map_err(fail)?;
+        panel(&right, &speedup, x, "speedup over dp", "speedup over dp", false, SeriesLabelPosition::LowerRight).map_err(fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
 }
@@ -106,6 +106,7 @@ fn panel(
     y: &str,
     caption: &str,
     zoom: bool,
+    legend: SeriesLabelPosition,
 ) -> std::result::Result<(), String> {
     let points = series.values().flatten();
     let (mut x0, mut x1, mut y0, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, 0.0f64);
@@ -151,7 +152,7 @@ fn panel(
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(legend)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
@@ -188,13 +189,13 @@ pub fn draw_pareto(
     let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
     let (left, right) = root.split_horizontally(640);
-    panel(&left, &loss, cost, "summed normalised loss", "held-out block losses", true).map_err(fail)?;
+    panel(&left, &loss, cost, "summed normalised loss", "held-out block losses", true, SeriesLabelPosition::UpperRight).map_err(fail)?;
     if accuracy.is_empty() {
         right
             .titled("(not evaluated: pipebd search --evaluate)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
     } else {
-        panel(&right, &accuracy, cost, "stitched accuracy (%)", "stitched, not finetuned", true).map_err(fail)?;
+        panel(&right, &accuracy, cost, "stitched accuracy (%)", "stitched, not finetuned", true, SeriesLabelPosition::LowerRight).map_err(fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
 }

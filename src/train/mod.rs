@@ -169,6 +169,10 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         if !value.is_finite() {
             return Err(Error::Training { block, step: self.step, message: format!("loss is {value}") });
         }
+        if module.num_params() == 0 {
+            // Nothing to train (a `skip` student): no graph to walk back.
+            return Ok((value, GradientsParams::new()));
+        }
         let loss = if weight == 1.0 { loss } else { loss.mul_scalar(weight) };
         Ok((value, GradientsParams::from_grads(loss.backward(), module)))
     }

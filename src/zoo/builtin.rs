@@ -10,7 +10,8 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Students, Teacher};
 use pipebd_kernels::encoder::top_indices;
 use pipebd_kernels::{DistillBackend, FusedBackend};
-use pipebd_students::{EncoderInit, StudentBlock, StudentBlockConfig};
+use pipebd_kernels::encoder::EncoderLayer;
+use pipebd_students::{Candidate, EncoderInit, StudentBlock, StudentBlockConfig};
 use pipebd_teachers::blocks::{minilm_blocks, minilm_specs, mnist_specs};
 use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
@@ -172,7 +173,7 @@ fn init_from_teacher(
 ) -> Result<()> {
     let wanted =
         |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Encoder { init: EncoderInit::Teacher, .. });
-    if !students.iter().any(wanted) {
+    if !students.iter().any(|s| wanted(s) || s.candidates().iter().any(wanted)) {
         return Ok(());
     }
     let device = Default::default();
@@ -193,26 +194,39 @@ fn init_from_teacher(
         hidden = layer.forward(hidden, mask.clone());
     }
     for (k, student) in students.iter().enumerate() {
-        let StudentBlockConfig::Encoder { heads, ffn, init: EncoderInit::Teacher, .. } = *student else {
-            continue;
-        };
         let first = groups[..k.min(groups.len())].iter().sum::<usize>();
-        let teacher = layers
-            .get(first)
-            .ok_or_else(|| Error::block(k + 1, "no teacher layer to initialise this student from"))?;
-        check_teacher_init(k, student)?;
-        let size = teacher.config();
-        let kept_heads = top_indices(&teacher.head_importance(), heads);
-        let statistics = teacher.neuron_statistics(layer_inputs[first].clone(), mask.clone());
-        let kept_neurons = top_indices(&statistics.importance, ffn);
-        let mut pruned = teacher.pruned_compensated(&kept_heads, &kept_neurons, &statistics.mean_activation);
-        // Least-squares refit of the output projection on the calibration
-        // batch (kept as compensated if the system is singular). Nothing
-        // pruned: the teacher layer itself.
-        if heads < size.heads || ffn < size.ffn {
-            pruned.refit_ffn_out(teacher, layer_inputs[first].clone(), mask.clone(), REFIT_RIDGE);
+        let prune = |config: &StudentBlockConfig| -> Result<Option<EncoderLayer<burn::backend::Flex>>> {
+            let StudentBlockConfig::Encoder { heads, ffn, init: EncoderInit::Teacher, .. } = *config else {
+                return Ok(None);
+            };
+            let teacher = layers
+                .get(first)
+                .ok_or_else(|| Error::block(k + 1, "no teacher layer to initialise this student from"))?;
+            check_teacher_init(k, config)?;
+            let size = teacher.config();
+            let kept_heads = top_indices(&teacher.head_importance(), heads);
+            let statistics = teacher.neuron_statistics(layer_inputs[first].clone(), mask.clone());
+            let kept_neurons = top_indices(&statistics.importance, ffn);
+            let mut pruned =
+                teacher.pruned_compensated(&kept_heads, &kept_neurons, &statistics.mean_activation);
+            // Least-squares refit of the output projection on the calibration
+            // batch (kept as compensated if the system is singular). Nothing
+            // pruned: the teacher layer itself.
+            if heads < size.heads || ffn < size.ffn {
+                pruned.refit_ffn_out(teacher, layer_inputs[first].clone(), mask.clone(), REFIT_RIDGE);
+            }
+            Ok(Some(pruned))
+        };
+        if let Some(pruned) = prune(student)? {
+            blocks[k] = StudentBlock::Encoder(pruned);
         }
-        blocks[k] = StudentBlock::Encoder(pruned);
+        if let StudentBlock::Candidates(set) = &mut blocks[k] {
+            for (c, candidate) in student.candidates().iter().enumerate() {
+                if let Some(pruned) = prune(candidate)? {
+                    set.candidates[c] = Candidate::Encoder(pruned);
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -462,6 +476,9 @@ impl Zoo for Builtin {
         let configs = student_configs(config)?;
         for (k, student) in configs.iter().enumerate() {
             check_teacher_init(k, student)?;
+            for candidate in student.candidates() {
+                check_teacher_init(k, candidate)?;
+            }
         }
         specs_of(&configs, teacher)
     }

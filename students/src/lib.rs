@@ -17,6 +17,8 @@
 //! - `encoder`: a post-LN transformer encoder layer of configurable width
 //!   (heads, head width, feed-forward width) for `[tokens, hidden]` inputs;
 //!   one such block may replace several teacher layers;
+//! - `skip`: the identity, no parameters and no FLOPs (Puzzle's no-op: a
+//!   candidate that drops the teacher block);
 //! - `candidates`: several blocks of the kinds above for one teacher block,
 //!   all trained at once on the same teacher input and target (blockwise
 //!   architecture search; [`CandidateSet`]).
@@ -128,6 +130,10 @@ pub enum StudentBlockConfig {
         /// Number of output logits (must equal the teacher's).
         classes: usize,
     },
+    /// The identity: no parameters, no FLOPs (only where the teacher block
+    /// keeps its input's shape, e.g. a transformer layer). As a candidate it
+    /// asks whether the teacher block can be dropped.
+    Skip,
     /// Several candidate students for this teacher block, trained at once on
     /// every batch (blockwise architecture search, the `all` mode): each
     /// candidate's own loss against the teacher block, summed for one
@@ -249,6 +255,8 @@ pub enum Candidate<B: FusedBackend> {
     Head(HeadBlock<B>),
     /// See [`StudentBlockConfig::Encoder`].
     Encoder(EncoderLayer<B>),
+    /// See [`StudentBlockConfig::Skip`].
+    Skip(SkipBlock<B>),
 }
 
 impl<B: FusedBackend> Candidate<B> {
@@ -262,6 +270,7 @@ impl<B: FusedBackend> Candidate<B> {
             Self::Inverted(b) => StudentBlock::Inverted(b),
             Self::Head(b) => StudentBlock::Head(b),
             Self::Encoder(b) => StudentBlock::Encoder(b),
+            Self::Skip(b) => StudentBlock::Skip(b),
         }
     }
 
@@ -274,6 +283,7 @@ impl<B: FusedBackend> Candidate<B> {
             StudentBlock::Inverted(b) => Self::Inverted(b),
             StudentBlock::Head(b) => Self::Head(b),
             StudentBlock::Encoder(b) => Self::Encoder(b),
+            StudentBlock::Skip(b) => Self::Skip(b),
             StudentBlock::Candidates(_) => return None,
         })
     }
@@ -297,8 +307,29 @@ pub enum StudentBlock<B: FusedBackend> {
     Head(HeadBlock<B>),
     /// See [`StudentBlockConfig::Encoder`].
     Encoder(EncoderLayer<B>),
+    /// See [`StudentBlockConfig::Skip`].
+    Skip(SkipBlock<B>),
     /// See [`StudentBlockConfig::Candidates`].
     Candidates(CandidateSet<B>),
+}
+
+/// The identity block ([`StudentBlockConfig::Skip`]).
+#[derive(Module, Debug)]
+pub struct SkipBlock<B: FusedBackend> {
+    backend: std::marker::PhantomData<B>,
+}
+
+impl<B: FusedBackend> SkipBlock<B> {
+    /// The identity.
+    pub fn new() -> Self {
+        Self { backend: std::marker::PhantomData }
+    }
+}
+
+impl<B: FusedBackend> Default for SkipBlock<B> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Runs `$block` (a `StudentBlock` or a `Candidate`: the variants they
@@ -317,6 +348,7 @@ macro_rules! forward_one {
             ($kind::Encoder(layer), Activation::Tokens { hidden, mask }) => {
                 Activation::Tokens { hidden: layer.forward(hidden, mask.clone()), mask }
             }
+            ($kind::Skip(_), input) => input,
             (block, input) => {
                 return Err(CoreError::block(format!(
                     "a `{}` student block cannot take input of shape {:?}",
@@ -344,6 +376,7 @@ impl<B: FusedBackend> Candidate<B> {
             Self::Inverted(_) => "inverted",
             Self::Head(_) => "head",
             Self::Encoder(_) => "encoder",
+            Self::Skip(_) => "skip",
         }
     }
 }
@@ -403,6 +436,7 @@ impl<B: FusedBackend> StudentBlock<B> {
             Self::Inverted(_) => "inverted",
             Self::Head(_) => "head",
             Self::Encoder(_) => "encoder",
+            Self::Skip(_) => "skip",
             Self::Candidates(_) => "candidates",
         }
     }
@@ -418,6 +452,7 @@ impl StudentBlockConfig {
             Self::Inverted { .. } => "inverted",
             Self::Head { .. } => "head",
             Self::Encoder { .. } => "encoder",
+            Self::Skip => "skip",
             Self::Candidates { .. } => "candidates",
         }
     }
@@ -551,6 +586,12 @@ impl StudentBlockConfig {
                     candidate_flops: Vec::new(),
                 })
             }
+            Self::Skip => Ok(BuiltStudent {
+                module: StudentBlock::Skip(SkipBlock::new()),
+                output_shape: input_shape.to_vec(),
+                flops: 0,
+                candidate_flops: Vec::new(),
+            }),
             Self::Candidates { ref candidates } => {
                 if candidates.is_empty() {
                     return Err(invalid("`candidates` must list at least one student block".into()));
@@ -779,6 +820,24 @@ mod tests {
         )
         .unwrap();
         assert_eq!(parsed.candidates().len(), 2);
+    }
+
+    #[test]
+    fn a_skip_block_is_the_identity_and_cannot_stand_in_for_a_downsampling_block() {
+        let device = Default::default();
+        let built = StudentBlockConfig::Skip.init::<Flex>(3, &[5, 12], &device).unwrap();
+        assert_eq!((built.output_shape.clone(), built.flops, built.module.num_params()), (vec![5, 12], 0, 0));
+        let hidden = Tensor::<Flex, 3>::random([2, 5, 12], burn::tensor::Distribution::Default, &device);
+        let mask = Tensor::<Flex, 2>::ones([2, 5], &device);
+        let out = Block::forward(&built.module, Activation::Tokens { hidden: hidden.clone(), mask }).unwrap();
+        let Activation::Tokens { hidden: out, .. } = out else { panic!("token states expected") };
+        assert_eq!(out.into_data(), hidden.into_data());
+        let conv = StudentBlockConfig::Conv { width: 3, out_channels: 4, downsample: Downsample::Pool };
+        let set = StudentBlockConfig::Candidates { candidates: vec![conv, StudentBlockConfig::Skip] };
+        let err = set.init::<Flex>(2, &[2, 6, 6], &device).unwrap_err().to_string();
+        assert!(err.contains("candidate 2 (skip) outputs [2, 6, 6] but candidate 1 outputs [4, 3, 3]"), "{err}");
+        let parsed: StudentBlockConfig = toml::from_str("kind = \"skip\"").unwrap();
+        assert_eq!(parsed, StudentBlockConfig::Skip);
     }
 
     #[test]
