@@ -333,3 +333,47 @@ fn a_search_run_killed_with_sigkill_resumes_to_the_same_candidates_and_scores() 
         }
     }
 }
+
+#[test]
+fn minilm_layers_search_among_pruned_encoders_and_skip() {
+    use pipebd_students::{EncoderInit, StudentBlockConfig};
+    let mut config = common::minilm_config(80, 8, 1, 16);
+    let set = StudentBlockConfig::Candidates {
+        candidates: vec![
+            StudentBlockConfig::Encoder { heads: 2, head_dim: 32, ffn: 64, init: EncoderInit::Teacher },
+            StudentBlockConfig::Skip,
+        ],
+    };
+    let table = pipe_bd::zoo::student_table(&set).unwrap();
+    for student in &mut config.students {
+        *student = table.clone();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config_path = write(dir.path(), "minilm-search.toml", &config.to_toml());
+    let run_dir = dir.path().join("run");
+    run_ok(&["run".as_ref(), config_path.as_os_str(), "--out".as_ref(), run_dir.as_os_str(), "--quiet".as_ref()]);
+    let scores = SearchScores::read(&run_dir).unwrap();
+    assert_eq!(scores.held_out_samples, 8);
+    assert_eq!(scores.blocks.len(), 6);
+    for block in &scores.blocks {
+        let [encoder, skip] = &block.candidates[..] else { panic!("two candidates per layer: {block:?}") };
+        assert_eq!((skip.name.as_str(), skip.flops, skip.params), ("skip", 0, 0));
+        assert!(skip.loss.is_finite() && skip.loss > 0.0, "the identity is not the teacher layer: {skip:?}");
+        assert!(encoder.flops > 0 && encoder.params > 0 && encoder.loss.is_finite(), "{encoder:?}");
+    }
+    // No budget at all: every layer skipped, a valid config.
+    let chosen_path = dir.path().join("chosen.toml");
+    let said = run_ok(&[
+        "search".as_ref(),
+        run_dir.as_os_str(),
+        "--budget".as_ref(),
+        "flops=0".as_ref(),
+        "--out".as_ref(),
+        chosen_path.as_os_str(),
+    ]);
+    assert!(said.contains("chosen candidates 2-2-2-2-2-2"), "{said}");
+    let chosen = Builtin.load_config(&chosen_path, Default::default()).unwrap();
+    let teacher = Builtin.teacher_specs(&chosen).unwrap();
+    let specs = Builtin.student_specs(&chosen, &teacher).unwrap();
+    assert!(specs.iter().all(|s| s.name == "skip" && s.params == 0));
+}
