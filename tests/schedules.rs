@@ -43,16 +43,6 @@ fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     output.students.blocks.iter().map(flat_parameters::<B, _>).collect()
 }
 
-fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| {
-            assert_eq!(x.len(), y.len());
-            x.iter().zip(y).map(|(p, q)| (p - q).abs())
-        })
-        .fold(0.0, f32::max)
-}
-
 fn plans(slots: usize) -> Vec<Plan> {
     let config = config();
     let teacher = Builtin.teacher_specs(&config).unwrap();
@@ -63,7 +53,7 @@ fn plans(slots: usize) -> Vec<Plan> {
 
 fn check_all(slots: usize, hybrid: &[StageSpec]) {
     let reference = train(&Plan::ideal(4), 1);
-    let moved = max_abs_diff(&reference, &train(&Plan::ideal(4), 1));
+    let moved = common::max_abs_diff(&reference, &train(&Plan::ideal(4), 1));
     assert_eq!(moved, 0.0, "ideal is not reproducible");
     let initial = {
         let config = config();
@@ -71,7 +61,7 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
         let students = Builtin.students::<B>(&config, &teacher, &Default::default()).unwrap();
         students.blocks.iter().map(flat_parameters::<B, _>).collect::<Vec<_>>()
     };
-    let moved = max_abs_diff(&reference, &initial);
+    let moved = common::max_abs_diff(&reference, &initial);
     assert!(moved > 1e-3, "training did not move the weights: {moved}");
     // Agreement means something only if the schedules land far closer to
     // ideal than training moved the weights: within 1% of that movement (and
@@ -79,7 +69,7 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
     // moved cannot pass.
     let tolerance = moved / 100.0;
     for plan in plans(slots) {
-        let diff = max_abs_diff(&reference, &train(&plan, slots));
+        let diff = common::max_abs_diff(&reference, &train(&plan, slots));
         assert!(
             diff <= tolerance.min(1e-4),
             "{} on {slots} slots ({}) differs from ideal by {diff}; training moved the weights by {moved}",
@@ -88,7 +78,7 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
         );
     }
     let plan = Plan::hybrid(hybrid, 4, slots).unwrap();
-    let diff = max_abs_diff(&reference, &train(&plan, slots));
+    let diff = common::max_abs_diff(&reference, &train(&plan, slots));
     assert!(
         diff <= tolerance.min(1e-3),
         "hybrid {} differs from ideal by {diff}; training moved the weights by {moved}",

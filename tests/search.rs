@@ -18,7 +18,8 @@ use pipe_bd::plan::{flops_cost, Plan};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::search::score::measure_candidates;
 use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
-use pipe_bd::{flat_parameters, Block, Loss};
+use pipe_bd::{flat_parameters, Block, Loss, Students};
+use pipebd_students::StudentBlock;
 
 mod common;
 
@@ -63,9 +64,8 @@ fn flat(blocks: &[impl burn::module::Module<Flex>]) -> Vec<Vec<f32>> {
 }
 
 /// Trains the search config in process under `plan` on `slots` CPU slots
-/// (no held-out split: the runtime alone); returns every block's
-/// parameters, candidates included.
-fn train(config: &RunConfig, plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
+/// (no held-out split: the runtime alone).
+fn train_students(config: &RunConfig, plan: &Plan, slots: usize) -> Students<B, StudentBlock<B>> {
     let device = Default::default();
     let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let teacher = build_teacher::<Flex>(config, &device).unwrap();
@@ -76,17 +76,12 @@ fn train(config: &RunConfig, plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
         .runtime(RuntimeSettings { threads_per_worker: 1, ..Default::default() })
         .run(plan)
         .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
-    output.students.blocks.iter().map(flat_parameters::<B, _>).collect()
+    output.students
 }
 
-fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| {
-            assert_eq!(x.len(), y.len());
-            x.iter().zip(y).map(|(p, q)| (p - q).abs())
-        })
-        .fold(0.0, f32::max)
+/// Every block's parameters, candidates included.
+fn parameters(students: &Students<B, StudentBlock<B>>) -> Vec<Vec<f32>> {
+    students.blocks.iter().map(flat_parameters::<B, _>).collect()
 }
 
 #[test]
@@ -98,39 +93,26 @@ fn every_schedule_trains_every_candidate_to_the_same_weights() {
     let config = RunConfig::parse(&text, Path::new("search.toml")).unwrap();
     let teacher = Builtin.teacher_specs(&config).unwrap();
     let specs = Builtin.student_specs(&config, &teacher).unwrap();
-    let reference = train(&config, &Plan::ideal(4), 1);
+    let trained = train_students(&config, &Plan::ideal(4), 1);
+    let reference = parameters(&trained);
 
     // Every candidate trained: each one's own parameters moved.
     let initial = Builtin.students::<B>(&config, &teacher, &Default::default()).unwrap();
-    let trained = {
-        let device = Default::default();
-        let students = Builtin.students::<B>(&config, &teacher, &device).unwrap();
-        let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
-        let teacher_blocks = build_teacher::<Flex>(&config, &device).unwrap();
-        Distillation::new(&teacher_blocks, students, &data)
-            .settings(config.train_settings())
-            .runtime(RuntimeSettings { threads_per_worker: 1, ..Default::default() })
-            .run(&Plan::ideal(4))
-            .unwrap()
-            .students
-    };
     for k in [1, 3] {
         let before = initial.blocks[k].valid().candidates();
         let after = trained.blocks[k].valid().candidates();
         assert_eq!(after.len(), if k == 1 { 3 } else { 2 });
         for (c, (b, a)) in before.iter().zip(&after).enumerate() {
-            let moved = max_abs_diff(&flat(std::slice::from_ref(b)), &flat(std::slice::from_ref(a)));
+            let moved = common::max_abs_diff(&flat(std::slice::from_ref(b)), &flat(std::slice::from_ref(a)));
             assert!(moved > 1e-3, "block {} candidate {} did not train (moved {moved})", k + 1, c + 1);
         }
     }
-    let moved = max_abs_diff(&reference, &trained.blocks.iter().map(flat_parameters::<B, _>).collect::<Vec<_>>());
-    assert_eq!(moved, 0.0, "ideal is not reproducible");
 
     let cost = flops_cost(&teacher, &specs);
     for name in ["dp", "ls", "tr", "tr-dpu"] {
         let plan = Plan::named(name, 4, 2, &cost, &[]).unwrap();
-        let other = train(&config, &plan, 2);
-        let diff = max_abs_diff(&reference, &other);
+        let other = parameters(&train_students(&config, &plan, 2));
+        let diff = common::max_abs_diff(&reference, &other);
         assert!(diff <= 1e-4, "{name}: candidates differ from ideal by {diff}");
     }
 }
@@ -286,6 +268,11 @@ fn saved_weights(run_dir: &Path) -> Vec<Vec<f32>> {
     flat(&blocks)
 }
 
+/// `pipebd run <config> --out <out> --quiet`.
+fn run_args<'a>(config: &'a Path, out: &'a Path) -> [&'a std::ffi::OsStr; 5] {
+    ["run".as_ref(), config.as_os_str(), "--out".as_ref(), out.as_os_str(), "--quiet".as_ref()]
+}
+
 #[test]
 fn a_search_run_killed_with_sigkill_resumes_to_the_same_candidates_and_scores() {
     let dir = tempfile::tempdir().unwrap();
@@ -295,18 +282,10 @@ fn a_search_run_killed_with_sigkill_resumes_to_the_same_candidates_and_scores() 
     );
     let config = write(dir.path(), "search.toml", &text);
     let reference = dir.path().join("reference");
-    let args = |out: &Path| -> Vec<std::ffi::OsString> {
-        vec!["run".into(), config.clone().into(), "--out".into(), out.into(), "--quiet".into()]
-    };
-    let as_refs = |v: &[std::ffi::OsString]| -> Vec<std::ffi::OsString> { v.to_vec() };
-    let reference_args = as_refs(&args(&reference));
-    let refs: Vec<&std::ffi::OsStr> = reference_args.iter().map(|s| s.as_os_str()).collect();
-    run_ok(&refs);
+    run_ok(&run_args(&config, &reference));
 
     let killed = dir.path().join("killed");
-    let killed_args = args(&killed);
-    let refs: Vec<&std::ffi::OsStr> = killed_args.iter().map(|s| s.as_os_str()).collect();
-    let mut child = pipebd(&refs).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let mut child = pipebd(&run_args(&config, &killed)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     let checkpoints = killed.join("checkpoints");
     let newest = |block| pipe_bd::train::checkpoint::list(&checkpoints, block).first().map(|(s, _)| *s);
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -318,13 +297,12 @@ fn a_search_run_killed_with_sigkill_resumes_to_the_same_candidates_and_scores() 
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     assert!(!killed.join("search.json").exists(), "the run had finished: not killed mid-run");
-    let mut resume_args = args(&killed);
-    resume_args.extend(["--resume".into(), killed.clone().into()]);
-    let refs: Vec<&std::ffi::OsStr> = resume_args.iter().map(|s| s.as_os_str()).collect();
-    run_ok(&refs);
+    let mut resume = run_args(&config, &killed).to_vec();
+    resume.extend(["--resume".as_ref(), killed.as_os_str()]);
+    run_ok(&resume);
 
     let (a, b) = (saved_weights(&reference), saved_weights(&killed));
-    let diff = max_abs_diff(&a, &b);
+    let diff = common::max_abs_diff(&a, &b);
     assert!(diff <= 1e-5, "resumed candidates differ by {diff}");
     let (a, b) = (SearchScores::read(&reference).unwrap(), SearchScores::read(&killed).unwrap());
     for (x, y) in a.blocks.iter().zip(&b.blocks) {

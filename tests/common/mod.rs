@@ -139,3 +139,15 @@ ffn = 768
     }
     pipe_bd::config::RunConfig::parse(&text, std::path::Path::new("minilm-test.toml")).unwrap()
 }
+
+/// The largest absolute difference between two lists of flattened
+/// parameters (same lengths asserted).
+pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len());
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
+}
