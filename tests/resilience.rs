@@ -22,6 +22,8 @@ use pipe_bd::zoo::{Builtin, Zoo};
 
 mod common;
 
+use common::newest_step;
+
 /// The runs compete for two cores; one test at a time keeps the timings
 /// (and the stall detection) meaningful.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -96,9 +98,6 @@ fn assert_same_weights(a: &Path, b: &Path) {
     }
 }
 
-fn newest_step(checkpoints: &Path, block: usize) -> Option<usize> {
-    pipe_bd::train::checkpoint::list(checkpoints, block).first().map(|(s, _)| *s)
-}
 
 #[test]
 fn sigkill_mid_run_and_mid_checkpoint_write_then_resume_reproduces_the_uninterrupted_run() {
@@ -118,14 +117,7 @@ fn sigkill_mid_run_and_mid_checkpoint_write_then_resume_reproduces_the_uninterru
         .spawn()
         .unwrap();
     let checkpoints = killed.join("checkpoints");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while (1..=4).all(|b| newest_step(&checkpoints, b).unwrap_or(0) < 10) {
-        assert!(Instant::now() < deadline, "no checkpoint after 120 s");
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    common::kill_after_checkpoint(&mut child, &checkpoints, 10);
     assert!(!killed.join("report.json").exists(), "the run had finished: not killed mid-run");
     let before: Vec<usize> = (1..=4).map(|b| newest_step(&checkpoints, b).unwrap_or(0)).collect();
     assert!(before.iter().any(|&s| s < 80), "{before:?}");

@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
@@ -286,16 +285,7 @@ fn a_search_run_killed_with_sigkill_resumes_to_the_same_candidates_and_scores() 
 
     let killed = dir.path().join("killed");
     let mut child = pipebd(&run_args(&config, &killed)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    let checkpoints = killed.join("checkpoints");
-    let newest = |block| pipe_bd::train::checkpoint::list(&checkpoints, block).first().map(|(s, _)| *s);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while (1..=4).all(|b| newest(b).unwrap_or(0) < 10) {
-        assert!(Instant::now() < deadline, "no checkpoint after 120 s");
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    common::kill_after_checkpoint(&mut child, &killed.join("checkpoints"), 10);
     assert!(!killed.join("search.json").exists(), "the run had finished: not killed mid-run");
     let mut resume = run_args(&config, &killed).to_vec();
     resume.extend(["--resume".as_ref(), killed.as_os_str()]);

@@ -151,3 +151,22 @@ pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         })
         .fold(0.0, f32::max)
 }
+
+/// The newest complete checkpoint step of `block` (one-based) in `checkpoints`.
+pub fn newest_step(checkpoints: &std::path::Path, block: usize) -> Option<usize> {
+    pipe_bd::train::checkpoint::list(checkpoints, block).first().map(|(s, _)| *s)
+}
+
+/// Kills `child` with SIGKILL as soon as some of its 4 blocks has a
+/// checkpoint at `step` or later in `checkpoints` (fails after 120 s, or if
+/// the run ends first).
+pub fn kill_after_checkpoint(child: &mut std::process::Child, checkpoints: &std::path::Path, step: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while (1..=4).all(|b| newest_step(checkpoints, b).unwrap_or(0) < step) {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint after 120 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+}
