@@ -145,16 +145,25 @@ impl SearchScores {
             .collect()
     }
 
-    /// The summed FLOPs, parameters and latency of one choice.
-    pub fn totals(&self, choice: &[usize]) -> (u64, usize, f64) {
-        let mut totals = (0, 0, 0.0);
+    /// The student of one choice (zero-based candidate per block): its
+    /// summed normalised loss, FLOPs, parameters and latency.
+    pub fn point(&self, choice: &[usize]) -> ParetoPoint {
+        let mut point = ParetoPoint {
+            choice: choice.iter().map(|c| (c + 1).to_string()).collect::<Vec<_>>().join("-"),
+            loss: 0.0,
+            flops: 0,
+            params: 0,
+            latency_ms: 0.0,
+            accuracy: None,
+        };
         for (block, &c) in self.blocks.iter().zip(choice) {
             let candidate = &block.candidates[c];
-            totals.0 += candidate.flops;
-            totals.1 += candidate.params;
-            totals.2 += candidate.latency_ms;
+            point.loss += candidate.normalised_loss;
+            point.flops += candidate.flops;
+            point.params += candidate.params;
+            point.latency_ms += candidate.latency_ms;
         }
-        totals
+        point
     }
 
     /// The run config of one choice: the search run's, with each block's
@@ -187,19 +196,16 @@ impl SearchScores {
 /// The optimum of one budget, and the config that trains it.
 #[derive(Debug, Clone)]
 pub struct Chosen {
-    /// The choice (zero-based candidate per block), its summed normalised
-    /// loss and its summed cost.
-    pub selection: Selection,
-    /// FLOPs, parameters and latency of the choice.
-    pub totals: (u64, usize, f64),
+    /// The chosen student: its candidates, loss, FLOPs, parameters, latency.
+    pub point: ParetoPoint,
     /// The run config of the choice.
     pub config: RunConfig,
 }
 
-/// Picks one candidate per block of the search run in `run_dir`,
-/// minimising the summed normalised held-out loss within `budget`.
-pub fn choose(run_dir: &Path, budget: Budget) -> Result<Chosen> {
-    let scores = SearchScores::read(run_dir)?;
+/// Picks one candidate per block of the search run in `run_dir` (whose
+/// `scores` these are), minimising the summed normalised held-out loss
+/// within `budget`.
+pub fn choose(scores: &SearchScores, run_dir: &Path, budget: Budget) -> Result<Chosen> {
     let blocks = scores.candidates(budget.kind);
     let selection = select(&blocks, budget.limit)?.ok_or_else(|| {
         let cheapest: f64 =
@@ -213,9 +219,7 @@ pub fn choose(run_dir: &Path, budget: Budget) -> Result<Chosen> {
             ),
         }
     })?;
-    let totals = scores.totals(&selection.choice);
-    let config = scores.chosen_config(run_dir, &selection.choice);
-    Ok(Chosen { selection, totals, config })
+    Ok(Chosen { point: scores.point(&selection.choice), config: scores.chosen_config(run_dir, &selection.choice) })
 }
 
 /// One point of the Pareto front.
@@ -236,14 +240,24 @@ pub struct ParetoPoint {
     pub accuracy: Option<f64>,
 }
 
+impl ParetoPoint {
+    /// The point's cost of `kind`.
+    pub fn cost(&self, kind: CostKind) -> f64 {
+        match kind {
+            CostKind::Flops => self.flops as f64,
+            CostKind::Params => self.params as f64,
+            CostKind::Latency => self.latency_ms,
+        }
+    }
+}
+
 /// The optimum of every budget on cost `kind`, cheapest first.
 pub fn pareto(scores: &SearchScores, kind: CostKind) -> Result<Vec<(Selection, ParetoPoint)>> {
-    Ok(pareto_front(&scores.candidates(kind))?
+    let front = pareto_front(&scores.candidates(kind))?;
+    Ok(front
         .into_iter()
         .map(|selection| {
-            let (flops, params, latency_ms) = scores.totals(&selection.choice);
-            let choice = selection.choice.iter().map(|c| (c + 1).to_string()).collect::<Vec<_>>().join("-");
-            let point = ParetoPoint { choice, loss: selection.loss, flops, params, latency_ms, accuracy: None };
+            let point = scores.point(&selection.choice);
             (selection, point)
         })
         .collect())
@@ -276,9 +290,9 @@ pub fn write_chosen(path: &Path, chosen: &Chosen, budget: Budget, run_dir: &Path
         run_dir.display(),
         budget.kind.name(),
         budget.limit,
-        chosen.selection.loss,
-        chosen.totals.0,
-        chosen.totals.1,
+        chosen.point.loss,
+        chosen.point.flops,
+        chosen.point.params,
     );
     let text = format!("{header}{}", chosen.config.to_toml());
     crate::fsio::write_atomic(path, text.as_bytes())

@@ -173,3 +173,13 @@ fn wgpu_device(index: Option<usize>) -> burn::backend::wgpu::WgpuDevice {
         Some(i) => burn::backend::wgpu::WgpuDevice::DiscreteGpu(i),
     }
 }
+
+/// Waits until the device has computed `activation` (backends may run
+/// asynchronously): reads its values back. For timing device work.
+pub fn wait_for<B: burn::tensor::backend::Backend>(activation: pipebd_core::Activation<B>) {
+    let _ = match activation {
+        pipebd_core::Activation::Flat(t) => t.into_data(),
+        pipebd_core::Activation::Tokens { hidden, .. } => hidden.into_data(),
+        pipebd_core::Activation::Maps(t) => t.into_data(),
+    };
+}

@@ -106,20 +106,41 @@ fn recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
     NamedMpkFileRecorder::<FullPrecisionSettings>::new()
 }
 
+/// Saves `module` as a burn record at `path` (its folder created).
+fn save_record<B: burn::tensor::backend::Backend, M: Module<B>>(module: M, path: &Path) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("creating directory", dir, e))?;
+    }
+    // The recorder appends the extension itself.
+    module
+        .save_file(path.with_extension(""), &recorder())
+        .map_err(|e| Error::Record { path: path.to_path_buf(), message: e.to_string() })
+}
+
+/// Loads the record at `path` into `module`; a missing file is an error
+/// saying `missing`, a record that does not fit one prefixed by `context`.
+fn load_record<B: burn::tensor::backend::Backend, M: Module<B>>(
+    module: M,
+    path: &Path,
+    device: &B::Device,
+    missing: &str,
+    context: &str,
+) -> Result<M> {
+    if !path.is_file() {
+        return Err(Error::Record { path: path.to_path_buf(), message: missing.to_string() });
+    }
+    module
+        .load_file(path.with_extension(""), &recorder(), device)
+        .map_err(|e| Error::Record { path: path.to_path_buf(), message: format!("{context}{e}") })
+}
+
 /// Saves every trained student block (inference copy) as a burn record.
 pub fn save_students<B: DistillBackend, S: StudentModule<B>>(
     run_dir: &Path,
     students: &Students<B, S>,
 ) -> Result<()> {
-    let dir = run_dir.join("student");
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io("creating directory", &dir, e))?;
     for (k, block) in students.blocks.iter().enumerate() {
-        let path = student_record_path(run_dir, k);
-        // The recorder appends the extension itself.
-        block
-            .valid()
-            .save_file(path.with_extension(""), &recorder())
-            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+        save_record(block.valid(), &student_record_path(run_dir, k))?;
     }
     Ok(())
 }
@@ -138,15 +159,8 @@ pub fn save_candidates<B: DistillBackend, S: StudentModule<B>>(
 ) -> Result<()> {
     for (k, block) in students.blocks.iter().enumerate() {
         let inference = block.valid();
-        for (c, candidate) in inference.candidates().iter().enumerate() {
-            let path = run_dir.join(candidate_record_path(k, c));
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir).map_err(|e| Error::io("creating directory", dir, e))?;
-            }
-            candidate
-                .clone()
-                .save_file(path.with_extension(""), &recorder())
-                .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
+        for (c, candidate) in inference.candidates().into_iter().enumerate() {
+            save_record(candidate, &run_dir.join(candidate_record_path(k, c)))?;
         }
     }
     Ok(())
@@ -170,17 +184,9 @@ pub fn load_student_weights<B: DistillBackend, S: StudentModule<B>>(
             loaded.push(block);
             continue;
         };
-        if !path.is_file() {
-            return Err(Error::Record {
-                path,
-                message: format!("not found (the `weights` of block {})", k + 1),
-            });
-        }
-        let block = block.load_file(path.with_extension(""), &recorder(), device).map_err(|e| Error::Record {
-            path: path.clone(),
-            message: format!("cannot load into block {}: {e}", k + 1),
-        })?;
-        loaded.push(block);
+        let missing = format!("not found (the `weights` of block {})", k + 1);
+        let context = format!("cannot load into block {}: ", k + 1);
+        loaded.push(load_record(block, &path, device, &missing, &context)?);
     }
     students.blocks = loaded;
     Ok(students)
@@ -214,18 +220,8 @@ pub fn load_student_records<B: burn::tensor::backend::Backend, M: Module<B>>(
 ) -> Result<Vec<M>> {
     let mut loaded = Vec::with_capacity(blocks.len());
     for (k, block) in blocks.into_iter().enumerate() {
-        let path = student_record_path(run_dir, k);
-        if !path.is_file() {
-            return Err(Error::Record {
-                path,
-                message: "missing: was this run folder written by `pipebd run` or `eval::save_students`?"
-                    .into(),
-            });
-        }
-        let block = block
-            .load_file(path.with_extension(""), &recorder(), device)
-            .map_err(|e| Error::Record { path: path.clone(), message: e.to_string() })?;
-        loaded.push(block);
+        let missing = "missing: was this run folder written by `pipebd run` or `eval::save_students`?";
+        loaded.push(load_record(block, &student_record_path(run_dir, k), device, missing, "")?);
     }
     Ok(loaded)
 }

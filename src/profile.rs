@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use crate::data::epoch_order;
-use crate::device::{dispatch, BackendJob};
+use crate::device::{dispatch, wait_for, BackendJob};
 use crate::error::{Error, Result};
 use crate::fsio::write_atomic;
 use crate::plan::{Plan, Schedule, StageSpec};
@@ -267,7 +267,7 @@ impl<Z> ProfileJob<'_, Z> {
     ) -> Measured {
         self.pool.install(|| {
             let teacher_forward = time_repeated(|| {
-                sync(teacher.forward(input.clone())?);
+                wait_for(teacher.forward(input.clone())?);
                 Ok(())
             });
             let before = resident_bytes("VmRSS:");
@@ -317,7 +317,7 @@ impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
                 let indices = &order[..share.min(order.len())];
                 let mut x = data.batch(indices, device)?;
                 let load = time_repeated(|| {
-                    sync(data.batch(indices, device)?);
+                    wait_for(data.batch(indices, device)?);
                     Ok(())
                 });
                 for k in 0..blocks {
@@ -345,7 +345,7 @@ impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
                                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
                                 let mut work = || {
                                     while !stop.load(Ordering::Relaxed) {
-                                        let busy = block.forward(input.clone()).map(sync);
+                                        let busy = block.forward(input.clone()).map(wait_for);
                                         if busy.is_err() || other.step(input.clone(), y.clone()).is_err() {
                                             break;
                                         }
@@ -421,14 +421,6 @@ fn time_update<B: DistillBackend, S: pipebd_core::StudentModule<B>>(
     Timing::of(seconds).ok_or_else(|| "no repeats".into())
 }
 
-/// Waits for a tensor's values (backends may run asynchronously).
-fn sync<B: burn::tensor::backend::Backend>(activation: Activation<B>) {
-    let _ = match activation {
-        Activation::Flat(t) => t.into_data(),
-        Activation::Tokens { hidden, .. } => hidden.into_data(),
-        Activation::Maps(t) => t.into_data(),
-    };
-}
 
 /// Time to hand an activation to another thread through a bounded channel
 /// and have it acknowledged there (what a stage boundary costs).

@@ -14,7 +14,9 @@ use crate::config::RunConfig;
 use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
 use crate::data::DatasetSlice;
-use crate::eval::{candidate_record_path, load_student_weights, save_candidates, save_students, score};
+use crate::eval::{
+    candidate_record_path, load_student_weights, save_candidates, save_students, score, student_record_path,
+};
 use crate::choose::SearchScores;
 use crate::search::score::{block_scores, measure_candidates};
 use crate::plan::Plan;
@@ -283,7 +285,7 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
             own.remove("weights");
             tables.push(vec![own]);
             specs.push(vec![students.specs[k].clone()]);
-            weights.push(vec![PathBuf::from("student").join(format!("block-{}.mpk", k + 1))]);
+            weights.push(vec![student_record_path(Path::new(""), k)]);
         } else {
             let count = listed.len();
             tables.push(listed);

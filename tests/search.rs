@@ -148,7 +148,7 @@ fn brute_force(scores: &SearchScores, budget: f64) -> Option<(f64, Vec<usize>)> 
                 i
             })
             .collect();
-        let (flops, _, _) = scores.totals(&choice);
+        let flops = scores.point(&choice).flops;
         if flops as f64 > budget {
             continue;
         }

@@ -500,46 +500,34 @@ fn search_command<Z: Zoo>(
             message: "give --budget flops=N|params=N|latency=MS, or --pareto flops|params|latency".into(),
         });
     }
+    let scores = SearchScores::read(run_dir)?;
     if let Some(budget) = budget {
         let budget: Budget = budget.parse()?;
-        let chosen = choose::choose(run_dir, budget)?;
+        let chosen = choose::choose(&scores, run_dir, budget)?;
         let path = out.unwrap_or_else(|| run_dir.join("chosen.toml"));
         choose::write_chosen(&path, &chosen, budget, run_dir)?;
-        let picks: Vec<String> = chosen.selection.choice.iter().map(|c| (c + 1).to_string()).collect();
+        let p = &chosen.point;
         println!(
             "chosen candidates {} (one per block): summed normalised loss {:.4}, {} FLOPs/sample, {} params, {:.2} ms/batch",
-            picks.join("-"),
-            chosen.selection.loss,
-            chosen.totals.0,
-            chosen.totals.1,
-            chosen.totals.2
+            p.choice, p.loss, p.flops, p.params, p.latency_ms
         );
         println!("wrote {} (finetune and evaluate it with `pipebd run {}`)", path.display(), path.display());
     }
     if let Some(kind) = pareto {
         let kind = CostKind::parse(kind)?;
-        let scores = SearchScores::read(run_dir)?;
         let front = choose::pareto(&scores, kind)?;
         let first = vec![0; scores.blocks.len()];
-        let (reference_flops, reference_params, reference_latency) = scores.totals(&first);
-        let reference_loss: f64 = scores.blocks.iter().map(|b| b.candidates[0].normalised_loss).sum();
+        let mut reference = scores.point(&first);
         let mut points: Vec<choose::ParetoPoint> = front.iter().map(|(_, p)| p.clone()).collect();
-        let mut reference_accuracy = None;
         if evaluate {
             let mut configs: Vec<_> = front.iter().map(|(s, _)| scores.chosen_config(run_dir, &s.choice)).collect();
             configs.push(scores.chosen_config(run_dir, &first));
             eprintln!("scoring {} stitched students on the test set...", configs.len());
             let accuracies = crate::eval::score_configs(zoo, &configs)?;
-            for (point, accuracy) in points.iter_mut().zip(&accuracies) {
-                point.accuracy = Some(*accuracy);
+            for (point, accuracy) in points.iter_mut().chain([&mut reference]).zip(accuracies) {
+                point.accuracy = Some(accuracy);
             }
-            reference_accuracy = accuracies.last().copied();
         }
-        let cost = |flops: u64, params: usize, latency: f64| match kind {
-            CostKind::Flops => flops as f64,
-            CostKind::Params => params as f64,
-            CostKind::Latency => latency,
-        };
         println!("{:>14} {:>10} {:>12} {:>10} {:>12} {:>9}", "choice", "loss", "flops", "params", "latency_ms", "accuracy");
         for p in &points {
             let accuracy = p.accuracy.map(|a| format!("{:.2}%", 100.0 * a)).unwrap_or_default();
@@ -550,10 +538,9 @@ fn search_command<Z: Zoo>(
         }
         let csv = choose::write_pareto_csv(run_dir, &points)?;
         let png = run_dir.join("pareto.png");
-        let front_xy: Vec<_> =
-            points.iter().map(|p| (cost(p.flops, p.params, p.latency_ms), p.loss, p.accuracy)).collect();
-        let reference = (cost(reference_flops, reference_params, reference_latency), reference_loss, reference_accuracy);
-        crate::sweep::plot::draw_pareto(&png, kind.name(), &front_xy, Some(reference))?;
+        let xy = |p: &choose::ParetoPoint| (p.cost(kind), p.loss, p.accuracy);
+        let front_xy: Vec<_> = points.iter().map(xy).collect();
+        crate::sweep::plot::draw_pareto(&png, kind.name(), &front_xy, Some(xy(&reference)))?;
         println!("wrote {} and {}", csv.display(), png.display());
     }
     Ok(())

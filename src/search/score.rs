@@ -6,9 +6,10 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use pipebd_core::{Activation, Block, BlockSpec, Dataset, Loss};
+use pipebd_core::{Block, BlockSpec, Dataset, Loss};
 use serde::{Deserialize, Serialize};
 
+use crate::device::wait_for;
 use crate::error::{relabel, Error, Result};
 
 /// One candidate of one block, scored.
@@ -130,15 +131,6 @@ fn median_seconds(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
-}
-
-/// Reads the activation back (the device has then finished computing it).
-fn wait_for<B: burn::tensor::backend::Backend>(activation: Activation<B>) {
-    let _ = match activation {
-        Activation::Flat(t) => t.into_data(),
-        Activation::Tokens { hidden, .. } => hidden.into_data(),
-        Activation::Maps(t) => t.into_data(),
-    };
 }
 
 /// Puts the measurements together with what is known of each candidate:

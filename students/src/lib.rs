@@ -224,9 +224,6 @@ pub struct BuiltStudent<B: FusedBackend> {
     /// Forward FLOPs per sample (two per multiply-accumulate); for a
     /// candidate set, the sum of its candidates' (what training it costs).
     pub flops: u64,
-    /// Forward FLOPs per sample of each candidate of a candidate set, in
-    /// order; empty for an ordinary block.
-    pub candidate_flops: Vec<u64>,
 }
 
 /// The candidates of a `candidates` block ([`StudentBlockConfig::Candidates`]):
@@ -497,7 +494,6 @@ impl StudentBlockConfig {
                     module: StudentBlock::Conv(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
-                    candidate_flops: Vec::new(),
                 })
             }
             Self::Separable { out_channels, depth_multiplier, inner_relu, downsample } => {
@@ -519,7 +515,6 @@ impl StudentBlockConfig {
                     module: StudentBlock::Separable(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
-                    candidate_flops: Vec::new(),
                 })
             }
             Self::Bottleneck { rank, out_channels, inner_relu, downsample } => {
@@ -533,7 +528,6 @@ impl StudentBlockConfig {
                     module: StudentBlock::Bottleneck(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
-                    candidate_flops: Vec::new(),
                 })
             }
             Self::Inverted { expansion, kernel, out_channels, downsample } => {
@@ -550,7 +544,6 @@ impl StudentBlockConfig {
                     module: StudentBlock::Inverted(module),
                     output_shape: vec![out_channels, oh, ow],
                     flops,
-                    candidate_flops: Vec::new(),
                 })
             }
             Self::Head { hidden, classes } => {
@@ -563,7 +556,6 @@ impl StudentBlockConfig {
                     module: StudentBlock::Head(module),
                     output_shape: vec![classes],
                     flops,
-                    candidate_flops: Vec::new(),
                 })
             }
             Self::Encoder { heads, head_dim, ffn, .. } => {
@@ -583,21 +575,19 @@ impl StudentBlockConfig {
                     module: StudentBlock::Encoder(config.init(device)),
                     output_shape: vec![tokens, hidden],
                     flops: config.flops(tokens),
-                    candidate_flops: Vec::new(),
                 })
             }
             Self::Skip => Ok(BuiltStudent {
                 module: StudentBlock::Skip(SkipBlock::new()),
                 output_shape: input_shape.to_vec(),
                 flops: 0,
-                candidate_flops: Vec::new(),
             }),
             Self::Candidates { ref candidates } => {
                 if candidates.is_empty() {
                     return Err(invalid("`candidates` must list at least one student block".into()));
                 }
                 let mut modules = Vec::with_capacity(candidates.len());
-                let mut candidate_flops = Vec::with_capacity(candidates.len());
+                let mut flops = 0;
                 let mut output_shape: Option<Vec<usize>> = None;
                 for (c, candidate) in candidates.iter().enumerate() {
                     if let Self::Candidates { .. } = candidate {
@@ -620,14 +610,13 @@ impl StudentBlockConfig {
                         Some(_) => {}
                         None => output_shape = Some(built.output_shape.clone()),
                     }
-                    candidate_flops.push(built.flops);
+                    flops += built.flops;
                     modules.extend(Candidate::from_block(built.module));
                 }
                 Ok(BuiltStudent {
                     module: StudentBlock::Candidates(CandidateSet { candidates: modules }),
                     output_shape: output_shape.unwrap_or_default(),
-                    flops: candidate_flops.iter().sum(),
-                    candidate_flops,
+                    flops,
                 })
             }
         }
@@ -748,11 +737,12 @@ mod tests {
         let device = Default::default();
         let first = StudentBlockConfig::Conv { width: 3, out_channels: 4, downsample: Downsample::Pool };
         let second = StudentBlockConfig::Inverted { expansion: 2, kernel: 3, out_channels: 4, downsample: Downsample::Pool };
+        let alone: u64 =
+            [&first, &second].iter().map(|c| c.init::<Train>(1, &[2, 6, 6], &device).unwrap().flops).sum();
         let set = StudentBlockConfig::Candidates { candidates: vec![first, second] };
         let built = set.init::<Train>(1, &[2, 6, 6], &device).unwrap();
         assert_eq!(built.output_shape, vec![4, 3, 3]);
-        assert_eq!(built.candidate_flops.len(), 2);
-        assert_eq!(built.flops, built.candidate_flops.iter().sum::<u64>());
+        assert_eq!(built.flops, alone, "a set costs its candidates' FLOPs together");
         // burn draws parameters at first use: draw them now, once, so that
         // the candidates' copies below share them.
         let module = built.module.clone().load_record(built.module.into_record());
