@@ -36,11 +36,13 @@ impl SearchScores {
             message: format!("cannot write the scores as JSON: {e}"),
         })?;
         crate::fsio::write_atomic(&run_dir.join(SCORES_FILE), json.as_bytes())?;
-        let mut csv = String::from("block,candidate,name,loss,normalised_loss,flops,params,latency_ms\n");
+        let mut csv =
+            String::from("block,candidate,name,loss,normalised_loss,flops,params,latency_ms,probability\n");
         for block in &self.blocks {
             for c in &block.candidates {
+                let probability = c.probability.map(|p| p.to_string()).unwrap_or_default();
                 csv.push_str(&format!(
-                    "{},{},{},{},{},{},{},{}\n",
+                    "{},{},{},{},{},{},{},{},{probability}\n",
                     block.block, c.candidate, c.name, c.loss, c.normalised_loss, c.flops, c.params, c.latency_ms
                 ));
             }
@@ -222,6 +224,36 @@ pub fn choose(scores: &SearchScores, run_dir: &Path, budget: Budget) -> Result<C
     Ok(Chosen { point: scores.point(&selection.choice), config: scores.chosen_config(run_dir, &selection.choice) })
 }
 
+/// The architecture a single-path search ends with: in each block the
+/// candidate with the largest architecture weight (DNA's argmax path; a
+/// block with one candidate keeps it).
+pub fn argmax(scores: &SearchScores, run_dir: &Path) -> Result<Chosen> {
+    let mut choice = Vec::with_capacity(scores.blocks.len());
+    for block in &scores.blocks {
+        if block.candidates.len() == 1 {
+            choice.push(0);
+            continue;
+        }
+        let mut best: Option<(usize, f64)> = None;
+        for (c, candidate) in block.candidates.iter().enumerate() {
+            let Some(p) = candidate.probability else {
+                return Err(Error::Search {
+                    message: format!(
+                        "block {} has no architecture weights: --argmax needs a run with `[search] mode = \"single-path\"` \
+                         (use --budget for mode `all`)",
+                        block.block
+                    ),
+                });
+            };
+            if best.is_none_or(|(_, b)| p > b) {
+                best = Some((c, p));
+            }
+        }
+        choice.push(best.map_or(0, |(c, _)| c));
+    }
+    Ok(Chosen { point: scores.point(&choice), config: scores.chosen_config(run_dir, &choice) })
+}
+
 /// One point of the Pareto front.
 #[derive(Debug, Clone, Serialize)]
 pub struct ParetoPoint {
@@ -280,16 +312,15 @@ pub fn write_pareto_csv(dir: &Path, points: &[ParetoPoint]) -> Result<PathBuf> {
 
 /// Writes the chosen config as TOML to `path`, with a header saying where
 /// it came from.
-pub fn write_chosen(path: &Path, chosen: &Chosen, budget: Budget, run_dir: &Path) -> Result<()> {
+/// `how` is the choosing flag as typed (`--budget flops=1000`, `--argmax`).
+pub fn write_chosen(path: &Path, chosen: &Chosen, how: &str, run_dir: &Path) -> Result<()> {
     let header = format!(
-        "# Chosen by `pipebd search {} --budget {}={}` from that run's candidates:\n\
+        "# Chosen by `pipebd search {} {how}` from that run's candidates:\n\
          # summed normalised held-out loss {:.4}, {} FLOPs per sample, {} parameters.\n\
          # `pipebd run` on this file finetunes the chosen candidates from their\n\
          # trained weights (each block's `weights`) for `train.epochs`, then trains\n\
          # them stitched for `train.stitched_epochs`, and evaluates the student.\n",
         run_dir.display(),
-        budget.kind.name(),
-        budget.limit,
         chosen.point.loss,
         chosen.point.flops,
         chosen.point.params,

@@ -322,12 +322,58 @@ pub struct SearchConfig {
     /// candidates holds samples out.
     #[serde(default = "default_held_out")]
     pub held_out: f64,
+    /// `all` (default): every candidate trains on every step (Puzzle's
+    /// replacement library); `single-path`: each block is a supernet, one
+    /// candidate sampled per step from `softmax(alpha)`, `alpha` trained on
+    /// held-out batches (DNA on a ProxylessNAS supernet).
+    #[serde(default)]
+    pub mode: SearchMode,
+    /// Single-path: an architecture step every this many training steps
+    /// (default 5).
+    #[serde(default = "default_arch_every")]
+    pub arch_every: usize,
+    /// Single-path: fraction of the run's steps before the first
+    /// architecture step (default 0.25).
+    #[serde(default = "default_arch_warmup")]
+    pub arch_warmup: f64,
+    /// Single-path: Adam's learning rate for `alpha` (betas 0 and 0.999;
+    /// default 1e-3).
+    #[serde(default = "default_arch_lr")]
+    pub arch_lr: f64,
+}
+
+/// How the candidates of a block train (`[search] mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SearchMode {
+    /// Every candidate on every step.
+    #[default]
+    All,
+    /// One sampled candidate per step; architecture logits on held-out batches.
+    SinglePath,
 }
 
 impl Default for SearchConfig {
     fn default() -> Self {
-        Self { held_out: default_held_out() }
+        let single_path = crate::train::arch::SinglePath::default();
+        Self {
+            held_out: default_held_out(),
+            mode: SearchMode::All,
+            arch_every: single_path.arch_every,
+            arch_warmup: single_path.warmup,
+            arch_lr: single_path.arch_lr,
+        }
     }
+}
+
+fn default_arch_every() -> usize {
+    crate::train::arch::SinglePath::default().arch_every
+}
+fn default_arch_warmup() -> f64 {
+    crate::train::arch::SinglePath::default().warmup
+}
+fn default_arch_lr() -> f64 {
+    crate::train::arch::SinglePath::default().arch_lr
 }
 
 fn default_held_out() -> f64 {
@@ -480,10 +526,8 @@ impl RunConfig {
         for (k, table) in self.students.iter().enumerate() {
             if let Some(value) = table.get("weights") {
                 if !value.is_str() {
-                    let message = format!(
-                        "`weights` of block {} must be a file path (a string), got {value}",
-                        k + 1
-                    );
+                    let message =
+                        format!("`weights` of block {} must be a file path (a string), got {value}", k + 1);
                     return Err(Error::Config {
                         path: path.to_path_buf(),
                         line: find_key_line(text, "students", "weights"),
@@ -495,6 +539,30 @@ impl RunConfig {
         }
         if !(self.search.held_out > 0.0 && self.search.held_out < 1.0) {
             return fail("search", "held_out", format!("must be in (0, 1), got {}", self.search.held_out));
+        }
+        if self.search.arch_every == 0 {
+            return fail("search", "arch_every", "must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.search.arch_warmup) {
+            return fail(
+                "search",
+                "arch_warmup",
+                format!("must be in [0, 1], got {}", self.search.arch_warmup),
+            );
+        }
+        if !(self.search.arch_lr > 0.0 && self.search.arch_lr.is_finite()) {
+            return fail(
+                "search",
+                "arch_lr",
+                format!("must be a positive number, got {}", self.search.arch_lr),
+            );
+        }
+        if self.search.mode == SearchMode::SinglePath && !self.has_candidates() {
+            return fail(
+                "search",
+                "mode",
+                "`single-path` searches among candidates, but no [[students]] entry has kind = \"candidates\"".into(),
+            );
         }
         if let Some(lr) = self.train.stitched_lr {
             if !(lr > 0.0 && lr.is_finite()) {
@@ -558,6 +626,13 @@ impl RunConfig {
             log_every: self.train.log_every,
             optimizer: self.optimizer.clone(),
             temperature: self.train.temperature,
+            single_path: (self.search.mode == SearchMode::SinglePath).then(|| {
+                crate::train::arch::SinglePath {
+                    arch_every: self.search.arch_every,
+                    warmup: self.search.arch_warmup,
+                    arch_lr: self.search.arch_lr,
+                }
+            }),
         }
     }
 

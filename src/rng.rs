@@ -95,6 +95,8 @@ fn kaiming_bound(fan_in: usize) -> f64 {
 /// the same layers built in the same order, from `rng`. Returns an error
 /// naming the first parameter that is not a `Conv2d` or `Linear` weight or
 /// bias (PyTorch initialises other layers differently, e.g. `LayerNorm`).
+/// A supernet's architecture logits (a parameter named `alpha`) keep their
+/// values and draw nothing: a PyTorch supernet starts them at zero.
 ///
 /// burn keeps a linear weight as `[in, out]`, PyTorch as `[out, in]`: it is
 /// drawn in PyTorch's order and transposed.
@@ -178,7 +180,8 @@ impl<B: Backend> ModuleMapper<B> for TorchInit<'_> {
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        if self.error.is_some() {
+        let architecture_logits = self.path.last().is_some_and(|(name, _)| name == "alpha");
+        if self.error.is_some() || architecture_logits {
             return Param::from_mapped_value(id, tensor, mapper);
         }
         let shape = tensor.dims();

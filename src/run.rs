@@ -10,15 +10,14 @@ use std::time::Instant;
 use pipebd_core::{Block, BlockSpec, Dataset, Loss, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 
+use crate::choose::SearchScores;
 use crate::config::RunConfig;
+use crate::data::DatasetSlice;
 use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
-use crate::data::DatasetSlice;
 use crate::eval::{
     candidate_record_path, load_student_weights, save_candidates, save_students, score, student_record_path,
 };
-use crate::choose::SearchScores;
-use crate::search::score::{block_scores, measure_candidates};
 use crate::plan::Plan;
 use crate::planning::planner::CostTable;
 use crate::planning::simulate::simulate_shared;
@@ -26,6 +25,7 @@ use crate::preflight::{check_out_dir, preflight};
 use crate::profile::auto_plan;
 use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
 use crate::runtime::{concurrent_workers, threads_per_worker, Distillation};
+use crate::search::score::{block_scores, measure_candidates};
 use crate::trace::write_chrome_trace;
 use crate::train::stitch::StitchedPass;
 use crate::train::{inference_blocks, Progress};
@@ -148,12 +148,16 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
 
         let runtime = runtime_settings_for(config, self.out_dir, self.options, self.costs)?;
         let settings = config.train_settings();
-        let output = Distillation::new(&teacher, students, &trained_on)
+        let mut distillation = Distillation::new(&teacher, students, &trained_on)
             .settings(settings.clone())
             .devices(devices.to_vec())
             .runtime(runtime)
-            .observer(&mut *self.observer)
-            .run(self.plan)?;
+            .observer(&mut *self.observer);
+        if let Some(held_out) = &held_out {
+            // A single-path search's architecture steps; unused otherwise.
+            distillation = distillation.held_out(held_out);
+        }
+        let output = distillation.run(self.plan)?;
         let mut log = output.log;
         let (students, stitched) = match config.train.stitched_epochs {
             0 => (output.students, None),
@@ -267,11 +271,8 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
     held_out: &dyn Dataset<B::InnerBackend>,
     device: &B::Device,
 ) -> Result<SearchScores> {
-    let losses: Vec<Loss> = teacher
-        .specs
-        .iter()
-        .map(|t| Loss::new(t.loss).with_temperature(config.train.temperature))
-        .collect();
+    let losses: Vec<Loss> =
+        teacher.specs.iter().map(|t| Loss::new(t.loss).with_temperature(config.train.temperature)).collect();
     let measured =
         measure_candidates(&teacher.blocks, trained, &losses, held_out, config.train.batch_size, device)?;
     let candidate_specs = zoo.candidate_specs(config, &teacher.specs)?;
@@ -300,11 +301,21 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
             weights.push((0..count).map(|c| candidate_record_path(k, c)).collect());
         }
     }
+    let mut blocks = block_scores(&teacher.specs, &measured, &tables, &specs, &weights);
+    if config.search.mode == crate::config::SearchMode::SinglePath {
+        for (block, module) in blocks.iter_mut().zip(trained) {
+            let Some(alpha) = module.arch_logits() else { continue };
+            let logits: Vec<f32> = alpha.into_data().iter::<f32>().collect();
+            for (candidate, p) in block.candidates.iter_mut().zip(crate::train::arch::softmax(&logits)) {
+                candidate.probability = Some(p);
+            }
+        }
+    }
     Ok(SearchScores {
         config: config.clone(),
         held_out_samples: held_out.len(),
         batch_size: config.train.batch_size,
-        blocks: block_scores(&teacher.specs, &measured, &tables, &specs, &weights),
+        blocks,
     })
 }
 

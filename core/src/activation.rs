@@ -128,6 +128,45 @@ impl<B: Backend> Activation<B> {
     }
 }
 
+impl<B: Backend> Activation<B> {
+    /// The gated sum `sum_i gates[i] * parts[i]` of activations of one
+    /// shape (a single-path supernet's mixed output); token masks are taken
+    /// from the first part. Differentiable in `gates` and in the parts.
+    pub fn gated_sum(parts: Vec<Self>, gates: Tensor<B, 1>) -> Result<Self> {
+        let count = parts.len();
+        if count == 0 || gates.dims()[0] != count {
+            return Err(Error::block(format!("cannot gate {count} outputs with {} gates", gates.dims()[0])));
+        }
+        let mut total: Option<Self> = None;
+        for (i, part) in parts.into_iter().enumerate() {
+            let gate = gates.clone().slice(i..i + 1);
+            let scaled = match part {
+                Self::Flat(t) => Self::Flat(t.mul(gate.reshape([1, 1]))),
+                Self::Tokens { hidden, mask } => {
+                    Self::Tokens { hidden: hidden.mul(gate.reshape([1, 1, 1])), mask }
+                }
+                Self::Maps(t) => Self::Maps(t.mul(gate.reshape([1, 1, 1, 1]))),
+            };
+            total = Some(match (total, scaled) {
+                (None, scaled) => scaled,
+                (Some(Self::Flat(a)), Self::Flat(b)) => Self::Flat(a.add(b)),
+                (Some(Self::Tokens { hidden: a, mask }), Self::Tokens { hidden: b, .. }) => {
+                    Self::Tokens { hidden: a.add(b), mask }
+                }
+                (Some(Self::Maps(a)), Self::Maps(b)) => Self::Maps(a.add(b)),
+                (Some(first), other) => {
+                    return Err(Error::block(format!(
+                        "cannot gate outputs of different kinds: {:?} and {:?}",
+                        first.dims(),
+                        other.dims()
+                    )))
+                }
+            });
+        }
+        total.ok_or_else(|| Error::block("no outputs to gate"))
+    }
+}
+
 impl<B: DistillBackend> Activation<B> {
     /// Lifts an activation computed on the inner backend (for example by the
     /// frozen teacher) into the autodiff backend as a constant: no gradient

@@ -54,6 +54,17 @@ pub trait Block<B: FusedBackend>: Module<B> {
     {
         Vec::new()
     }
+
+    /// The architecture logits `alpha` of a single-path supernet block, one
+    /// per entry of [`Block::candidates`]: a `single-path` search samples
+    /// one candidate per step from `softmax(alpha)` and trains `alpha` on
+    /// held-out batches. `None` (the default) for a block that is not a
+    /// supernet. The tensor must be the block's own parameter (so that a
+    /// gradient reaching it is the block's), and the block's
+    /// [`Block::forward`] should follow `alpha`'s largest entry.
+    fn arch_logits(&self) -> Option<Tensor<B, 1>> {
+        None
+    }
 }
 
 /// A trainable student block: a [`Block`] on the autodiff backend whose
@@ -336,7 +347,9 @@ pub fn forward_chain<B: FusedBackend, M: Block<B>>(
 }
 
 /// Every float parameter of a module in visiting order, as (shape, values).
-pub fn parameter_tensors<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> Vec<(Vec<usize>, Vec<f32>)> {
+pub fn parameter_tensors<B: burn::tensor::backend::Backend, M: Module<B>>(
+    module: &M,
+) -> Vec<(Vec<usize>, Vec<f32>)> {
     struct Collect(Vec<(Vec<usize>, Vec<f32>)>);
     impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Collect {
         fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {

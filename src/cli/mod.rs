@@ -133,6 +133,10 @@ enum Command {
         /// candidates, not finetuned) on the test set.
         #[arg(long)]
         evaluate: bool,
+        /// Choose each block's candidate with the largest architecture
+        /// weight (a single-path search's result) into chosen.toml.
+        #[arg(long, conflicts_with = "budget")]
+        argmax: bool,
     },
     /// Reload the student saved by `pipebd run` and score it on the test set.
     Eval {
@@ -274,10 +278,15 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
                 println!(
                     "search: every candidate scored on the held-out {:.0}% of the training samples in \
                      {}/search.json and search.csv (weights in candidates/); choose with \
-                     `pipebd search {} --budget flops=N` or `--pareto flops`",
+                     `pipebd search {} --budget flops=N`{} or `--pareto flops`",
                     100.0 * report.config.search.held_out,
                     out.display(),
-                    out.display()
+                    out.display(),
+                    if report.config.search.mode == crate::config::SearchMode::SinglePath {
+                        ", `--argmax` (alpha's choice)"
+                    } else {
+                        ""
+                    }
                 );
             }
             Ok(())
@@ -359,8 +368,13 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             }
             Ok(())
         }
-        Command::Search { run_dir, budget, out, pareto, evaluate } => {
-            search_command(zoo, &run_dir, budget.as_deref(), out, pareto.as_deref(), evaluate)
+        Command::Search { run_dir, budget, out, pareto, evaluate, argmax } => {
+            let choice = match (budget, argmax) {
+                (Some(budget), _) => Some(Choice::Budget(budget)),
+                (None, true) => Some(Choice::Argmax),
+                (None, false) => None,
+            };
+            search_command(zoo, &run_dir, choice, out, pareto.as_deref(), evaluate)
         }
         Command::Eval { run_dir } => {
             let result = crate::eval::eval_run(zoo, &run_dir)?;
@@ -484,28 +498,41 @@ impl ProgressView {
     }
 }
 
-/// `pipebd search`: the budget's choice into chosen.toml and/or the Pareto
-/// front into pareto.csv and pareto.png.
+/// How `pipebd search` chooses one candidate per block.
+enum Choice {
+    /// `--budget kind=N`, as typed.
+    Budget(String),
+    /// `--argmax`.
+    Argmax,
+}
+
+/// `pipebd search`: the budget's (or the architecture weights') choice into
+/// chosen.toml and/or the Pareto front into pareto.csv and pareto.png.
 fn search_command<Z: Zoo>(
     zoo: &Z,
     run_dir: &std::path::Path,
-    budget: Option<&str>,
+    choice: Option<Choice>,
     out: Option<PathBuf>,
     pareto: Option<&str>,
     evaluate: bool,
 ) -> crate::error::Result<()> {
     use crate::choose::{self, Budget, CostKind, SearchScores};
-    if budget.is_none() && pareto.is_none() {
+    if choice.is_none() && pareto.is_none() {
         return Err(crate::error::Error::Search {
-            message: "give --budget flops=N|params=N|latency=MS, or --pareto flops|params|latency".into(),
+            message: "give --budget flops=N|params=N|latency=MS, --argmax, or --pareto flops|params|latency".into(),
         });
     }
     let scores = SearchScores::read(run_dir)?;
-    if let Some(budget) = budget {
-        let budget: Budget = budget.parse()?;
-        let chosen = choose::choose(&scores, run_dir, budget)?;
+    if let Some(choice) = choice {
+        let (chosen, how) = match choice {
+            Choice::Budget(text) => {
+                let budget: Budget = text.parse()?;
+                (choose::choose(&scores, run_dir, budget)?, format!("--budget {}={}", budget.kind.name(), budget.limit))
+            }
+            Choice::Argmax => (choose::argmax(&scores, run_dir)?, "--argmax".to_string()),
+        };
         let path = out.unwrap_or_else(|| run_dir.join("chosen.toml"));
-        choose::write_chosen(&path, &chosen, budget, run_dir)?;
+        choose::write_chosen(&path, &chosen, &how, run_dir)?;
         let p = &chosen.point;
         println!(
             "chosen candidates {} (one per block): summed normalised loss {:.4}, {} FLOPs/sample, {} params, {:.2} ms/batch",

@@ -152,6 +152,7 @@ pub struct Distillation<'a, B: DistillBackend, T: Block<B::InnerBackend>, S: Stu
     teacher: &'a Teacher<B::InnerBackend, T>,
     students: Students<B, S>,
     data: &'a dyn Dataset<B::InnerBackend>,
+    held_out: Option<&'a dyn Dataset<B::InnerBackend>>,
     settings: TrainSettings,
     devices: Vec<B::Device>,
     runtime: RuntimeSettings,
@@ -176,6 +177,7 @@ where
             teacher,
             students,
             data,
+            held_out: None,
             settings: TrainSettings::default(),
             devices: Vec::new(),
             runtime: RuntimeSettings::default(),
@@ -186,6 +188,15 @@ where
     /// The training hyper-parameters.
     pub fn settings(mut self, settings: TrainSettings) -> Self {
         self.settings = settings;
+        self
+    }
+
+    /// The held-out samples of a single-path search
+    /// ([`TrainSettings::single_path`]): its architecture steps take their
+    /// batches from here, in a seeded order, relayed through the same
+    /// pipeline as the training batches. At least one batch.
+    pub fn held_out(mut self, held_out: &'a dyn Dataset<B::InnerBackend>) -> Self {
+        self.held_out = Some(held_out);
         self
     }
 
@@ -224,7 +235,7 @@ where
             plan,
             self.teacher,
             self.students,
-            self.data,
+            (self.data, self.held_out),
             &self.settings,
             &devices,
             &self.runtime,
@@ -241,7 +252,7 @@ fn train_plan<B, T, S>(
     plan: &Plan,
     teacher: &Teacher<B::InnerBackend, T>,
     students: Students<B, S>,
-    data: &dyn Dataset<B::InnerBackend>,
+    (data, held_out): (&dyn Dataset<B::InnerBackend>, Option<&dyn Dataset<B::InnerBackend>>),
     settings: &TrainSettings,
     devices: &[B::Device],
     options: &RuntimeSettings,
@@ -282,6 +293,20 @@ where
         }
     }
     let total_steps = per_epoch * settings.epochs;
+    let supernets = students.blocks.iter().filter(|b| b.arch_logits().is_some()).count();
+    let arch_steps = match &settings.single_path {
+        Some(single_path) if supernets > 0 => single_path.arch_steps(total_steps),
+        _ => 0,
+    };
+    let held_out = match held_out {
+        _ if arch_steps == 0 => None,
+        Some(held) if held.len() >= batch => Some(held),
+        found => return Err(plan_error(format!(
+            "a single-path search takes its {arch_steps} architecture steps on held-out batches of {batch}, \
+                 but {} held-out samples were given",
+            found.map_or(0, |h| h.len())
+        ))),
+    };
     let Students { blocks: modules, specs, .. } = students;
     let order = DataOrder::new(settings.generator, settings.seed, specs.iter().map(|s| s.params).sum());
     let identities: Vec<BTreeMap<String, serde_json::Value>> =
@@ -290,17 +315,14 @@ where
     let initial: Vec<S> = modules.iter().map(detached_copy).collect();
     let fresh = |k: usize| {
         BlockTrainer::new(k, specs[k].clone(), detached_copy(&initial[k]), &settings.optimizer, total_steps)
-            .with_temperature(settings.temperature)
+            .configured(settings)
     };
     let mut trainers: Vec<Option<BlockTrainer<B, S>>> = modules
         .into_iter()
         .zip(specs.iter().cloned())
         .enumerate()
         .map(|(k, (m, spec))| {
-            Some(
-                BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps)
-                    .with_temperature(settings.temperature),
-            )
+            Some(BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps).configured(settings))
         })
         .collect();
 
@@ -348,6 +370,7 @@ where
             plan_description: &description,
             teacher,
             data,
+            held_out,
             settings,
             devices,
             options,

@@ -27,6 +27,9 @@ pub(super) struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>>
     pub(super) phase: &'a Phase,
     pub(super) teacher: &'a Teacher<B::InnerBackend, T>,
     pub(super) data: &'a dyn Dataset<B::InnerBackend>,
+    /// Where a single-path search's architecture steps take their batches
+    /// (`None`: the run takes none).
+    pub(super) held_out: Option<&'a dyn Dataset<B::InnerBackend>>,
     pub(super) settings: &'a TrainSettings,
     pub(super) devices: &'a [B::Device],
     pub(super) options: &'a RuntimeSettings,

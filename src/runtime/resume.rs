@@ -32,6 +32,9 @@ pub(super) fn block_identity(
         identity.insert("generator".into(), serde_json::to_value(settings.generator).unwrap_or_default());
     }
     identity.insert("optimizer".into(), serde_json::to_value(&settings.optimizer).unwrap_or_default());
+    if let Some(single_path) = &settings.single_path {
+        identity.insert("search.single_path".into(), serde_json::to_value(single_path).unwrap_or_default());
+    }
     identity
 }
 

@@ -19,6 +19,8 @@ use crate::train::BlockTrainer;
 /// A boundary activation of one step, on its way to the next stage.
 pub(super) struct ActivationMsg<IB: Backend> {
     pub(super) step: usize,
+    /// True for a held-out batch of an architecture tick.
+    pub(super) arch: bool,
     pub(super) activation: Activation<IB>,
 }
 

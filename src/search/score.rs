@@ -36,6 +36,10 @@ pub struct CandidateScore {
     /// Median forward time of one batch of `batch_size` samples, in
     /// milliseconds, on the run's first device.
     pub latency_ms: f64,
+    /// A single-path search's architecture weight of the candidate,
+    /// `softmax(alpha)` of its block at the end of the search.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probability: Option<f64>,
 }
 
 /// The candidates of one teacher block, scored.
@@ -161,6 +165,7 @@ pub fn block_scores(
                     flops: specs[k][c].flops,
                     params: specs[k][c].params,
                     latency_ms,
+                    probability: None,
                 })
                 .collect();
             BlockScores {

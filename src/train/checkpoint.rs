@@ -6,6 +6,7 @@
 //! ```text
 //! <dir>/block-02/step-00000120/weights.mpk     module record
 //!                             /optimizer.mpk   optimizer record (moments per parameter)
+//!                             /arch.mpk        architecture optimizer record (single-path search only)
 //!                             /manifest.json   step, plan, identity, sha256 of both files
 //! ```
 //!
@@ -39,6 +40,7 @@ use crate::train::TrainerState;
 pub const FORMAT: u32 = 1;
 const WEIGHTS: &str = "weights.mpk";
 const OPTIMIZER: &str = "optimizer.mpk";
+const ARCH_OPTIMIZER: &str = "arch.mpk";
 const MANIFEST: &str = "manifest.json";
 
 /// When and where to write checkpoints.
@@ -99,7 +101,7 @@ pub struct Manifest {
     pub identity: BTreeMap<String, Value>,
     /// Recent losses (for the report's final loss after a resume).
     pub recent_losses: Vec<f32>,
-    /// The weight and optimizer files.
+    /// The weight and optimizer files (and the architecture optimizer's).
     pub files: Vec<FileEntry>,
 }
 
@@ -146,6 +148,9 @@ pub fn write(
     }
     write_synced(&tmp.join(WEIGHTS), &state.weights)?;
     write_synced(&tmp.join(OPTIMIZER), &state.optimizer)?;
+    if let Some(arch) = &state.arch_optimizer {
+        write_synced(&tmp.join(ARCH_OPTIMIZER), arch)?;
+    }
     let entry = |name: &str, bytes: &[u8]| FileEntry {
         name: name.into(),
         bytes: bytes.len() as u64,
@@ -160,7 +165,14 @@ pub fn write(
         written_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
         identity,
         recent_losses: state.recent_losses.clone(),
-        files: vec![entry(WEIGHTS, &state.weights), entry(OPTIMIZER, &state.optimizer)],
+        files: [
+            (WEIGHTS, Some(&state.weights)),
+            (OPTIMIZER, Some(&state.optimizer)),
+            (ARCH_OPTIMIZER, state.arch_optimizer.as_ref()),
+        ]
+        .into_iter()
+        .filter_map(|(name, bytes)| Some(entry(name, bytes?)))
+        .collect(),
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Checkpoint {
         path: tmp.join(MANIFEST),
@@ -257,6 +269,7 @@ pub fn read(
     let state = TrainerState {
         weights: take(WEIGHTS)?,
         optimizer: take(OPTIMIZER)?,
+        arch_optimizer: contents.remove(ARCH_OPTIMIZER),
         step: manifest.step,
         recent_losses: manifest.recent_losses.clone(),
     };

@@ -6,6 +6,7 @@
 //! ([`Activation::from_inner`]), so the backward pass of block k reaches only
 //! block k's parameters.
 
+pub mod arch;
 pub mod checkpoint;
 pub mod optim;
 pub mod stitch;
@@ -15,13 +16,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use burn::optim::{GradientsParams, MultiGradientsParams};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder, RecorderError};
 use burn::tensor::backend::DeviceOps;
-use burn::tensor::ElementConversion;
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 use serde::Serialize;
 
 use crate::data::ImageDataset;
 use crate::error::{relabel, Error, Result};
+use crate::train::arch::{sample_path, softmax, Draw, SinglePath};
 use crate::train::optim::{BlockOptimizer, LrPlan, OptimizerConfig};
 
 /// The training hyper-parameters of a distillation: what the runtime, the
@@ -44,6 +46,11 @@ pub struct TrainSettings {
     /// Softmax temperature of the soft-target cross-entropy (1: plain
     /// softmax; see [`pipebd_core::Loss`]).
     pub temperature: f64,
+    /// Single-path architecture search: supernet blocks (those with
+    /// [`Block::arch_logits`]) train one sampled candidate per step and
+    /// their logits on held-out batches. `None`: every candidate of a
+    /// block trains on every step (search mode `all`).
+    pub single_path: Option<SinglePath>,
 }
 
 impl Default for TrainSettings {
@@ -58,6 +65,7 @@ impl Default for TrainSettings {
             log_every: 10,
             optimizer: OptimizerConfig::default(),
             temperature: 1.0,
+            single_path: None,
         }
     }
 }
@@ -80,6 +88,21 @@ pub struct BlockTrainer<B: DistillBackend, S: StudentModule<B>> {
     /// Optimizer steps taken so far.
     pub step: usize,
     recent: Vec<f32>,
+    arch: Option<ArchTrainer<B, S>>,
+}
+
+/// A supernet block's single-path settings and the optimizer of its
+/// architecture logits.
+struct ArchTrainer<B: DistillBackend, S: StudentModule<B>> {
+    settings: SinglePath,
+    seed: u64,
+    optimizer: BlockOptimizer<B, S>,
+}
+
+impl<B: DistillBackend, S: StudentModule<B>> Clone for ArchTrainer<B, S> {
+    fn clone(&self) -> Self {
+        Self { settings: self.settings.clone(), seed: self.seed, optimizer: self.optimizer.clone() }
+    }
 }
 
 impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
@@ -100,7 +123,31 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             lr: LrPlan::new(config, total_steps),
             step: 0,
             recent: Vec::new(),
+            arch: None,
         }
+    }
+
+    /// The same trainer under `settings`: its temperature, and for a
+    /// supernet block ([`Block::arch_logits`]) in a single-path search the
+    /// path sampling and the architecture optimizer (Adam, betas 0 and
+    /// 0.999, epsilon 1e-8).
+    pub fn configured(self, settings: &TrainSettings) -> Self {
+        let mut trainer = self.with_temperature(settings.temperature);
+        let supernet = trainer.module.as_ref().is_some_and(|m| m.arch_logits().is_some());
+        if let (Some(single_path), true) = (&settings.single_path, supernet) {
+            trainer.arch = Some(ArchTrainer {
+                settings: single_path.clone(),
+                seed: settings.seed,
+                optimizer: BlockOptimizer::adam(0.0, 0.999, 1e-8),
+            });
+        }
+        trainer
+    }
+
+    /// True for a supernet block in a single-path search: it takes
+    /// architecture steps ([`Self::compute_arch_grads`]).
+    pub fn searches_paths(&self) -> bool {
+        self.arch.is_some()
     }
 
     /// A copy for a follower replica: same module, learning-rate plan and
@@ -115,6 +162,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             lr: self.lr,
             step: self.step,
             recent: self.recent.clone(),
+            arch: self.arch.clone(),
         }
     }
 
@@ -162,19 +210,132 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     ) -> Result<(f32, GradientsParams)> {
         let block = self.index + 1;
         let module = self.module.as_ref().ok_or_else(|| self.lost())?;
-        let loss = module
-            .distill_loss(Activation::from_inner(input), Activation::from_inner(target), &self.loss)
-            .map_err(|e| relabel(e, block))?;
-        let value: f32 = loss.clone().into_scalar().elem();
-        if !value.is_finite() {
-            return Err(Error::Training { block, step: self.step, message: format!("loss is {value}") });
-        }
-        if module.num_params() == 0 {
+        let (input, target) = (Activation::from_inner(input), Activation::from_inner(target));
+        // A single-path supernet trains the one candidate sampled for this
+        // step (it shares the set's parameters, so the gradients are the set's).
+        let sampled = match &self.arch {
+            Some(arch) => {
+                let path = sample_path(
+                    arch.seed,
+                    self.index,
+                    self.step,
+                    Draw::Train,
+                    &self.path_probabilities(module)?,
+                );
+                let candidates = module.candidates();
+                Some(candidates.into_iter().nth(path).ok_or_else(|| self.no_candidate(path))?)
+            }
+            None => None,
+        };
+        let trained = sampled.as_ref().unwrap_or(module);
+        let loss = trained.distill_loss(input, target, &self.loss).map_err(|e| relabel(e, block))?;
+        let value = self.finite(&loss)?;
+        if trained.num_params() == 0 {
             // Nothing to train (a `skip` student): no graph to walk back.
             return Ok((value, GradientsParams::new()));
         }
         let loss = if weight == 1.0 { loss } else { loss.mul_scalar(weight) };
         Ok((value, GradientsParams::from_grads(loss.backward(), module)))
+    }
+
+    /// One architecture step's gradient on a held-out batch (a supernet
+    /// block in a single-path search; see [`Self::searches_paths`]). As in
+    /// ProxylessNAS, one candidate is sampled (its own draw at this step)
+    /// and the block's output is `sum_i g_i * candidate_i(input)` with
+    /// binary gates `g = onehot + p - detach(p)`, `p = softmax(alpha)`: the
+    /// forward value is the sampled candidate's output, and the backward
+    /// pass gives `dL/dalpha_i = sum_j dL/dg_j p_j (delta_ij - p_i)`. The
+    /// candidates run on the inner backend, so the gradient reaches the
+    /// logits only. Returns the unscaled loss and the gradients (scaled by
+    /// `weight`, the replica's share of the batch).
+    pub fn compute_arch_grads(
+        &self,
+        input: Activation<B::InnerBackend>,
+        target: Activation<B::InnerBackend>,
+        weight: f32,
+    ) -> Result<(f32, GradientsParams)> {
+        let block = self.index + 1;
+        let module = self.module.as_ref().ok_or_else(|| self.lost())?;
+        let arch = self.arch.as_ref().ok_or_else(|| Error::Training {
+            block,
+            step: self.step,
+            message: "an architecture step on a block that is not a single-path supernet".into(),
+        })?;
+        let alpha = module.arch_logits().ok_or_else(|| self.no_candidate(0))?;
+        let probabilities = self.path_probabilities(module)?;
+        let path = sample_path(arch.seed, self.index, self.step, Draw::Arch, &probabilities);
+        let candidates = module.valid().candidates();
+        if candidates.len() != probabilities.len() {
+            return Err(self.no_candidate(candidates.len()));
+        }
+        let mut outputs = Vec::with_capacity(candidates.len());
+        for candidate in &candidates {
+            outputs.push(Activation::from_inner(
+                candidate.forward(input.clone()).map_err(|e| relabel(e, block))?,
+            ));
+        }
+        let device = alpha.device();
+        let onehot: Vec<f32> = (0..candidates.len()).map(|i| if i == path { 1.0 } else { 0.0 }).collect();
+        let onehot = Tensor::<B, 1>::from_data(TensorData::new(onehot, [candidates.len()]), &device);
+        let p = burn::tensor::activation::softmax(alpha, 0);
+        let gates = p.clone().sub(p.detach()).add(onehot);
+        let mixed = Activation::gated_sum(outputs, gates).map_err(|e| relabel(e, block))?;
+        let loss =
+            module.loss(mixed, Activation::from_inner(target), &self.loss).map_err(|e| relabel(e, block))?;
+        let value = self.finite(&loss)?;
+        let loss = if weight == 1.0 { loss } else { loss.mul_scalar(weight) };
+        Ok((value, GradientsParams::from_grads(loss.backward(), module)))
+    }
+
+    /// One architecture step with every replica's gradients (summed in the
+    /// given order) at the architecture learning rate. The step counter
+    /// does not move: it counts training steps.
+    pub fn apply_arch(&mut self, grads: Vec<GradientsParams>) -> Result<()> {
+        let module = self.module.take().ok_or_else(|| self.lost())?;
+        let Some(arch) = self.arch.as_mut() else {
+            self.module = Some(module);
+            return Ok(());
+        };
+        let lr = arch.settings.arch_lr;
+        self.module = Some(step_optimizer(&mut arch.optimizer, lr, module, grads));
+        Ok(())
+    }
+
+    /// `softmax(alpha)` of a supernet module, in f64.
+    fn path_probabilities(&self, module: &S) -> Result<Vec<f64>> {
+        let alpha = module.arch_logits().ok_or_else(|| self.no_candidate(0))?;
+        let logits: Vec<f32> = alpha.into_data().iter::<f32>().collect();
+        if logits.is_empty() || logits.iter().any(|a| !a.is_finite()) {
+            return Err(Error::Training {
+                block: self.index + 1,
+                step: self.step,
+                message: format!("architecture logits {logits:?} are empty or not finite"),
+            });
+        }
+        Ok(softmax(&logits))
+    }
+
+    fn no_candidate(&self, path: usize) -> Error {
+        Error::Training {
+            block: self.index + 1,
+            step: self.step,
+            message: format!(
+                "a single-path supernet needs one architecture logit per candidate (path {path} has no candidate)"
+            ),
+        }
+    }
+
+    /// The loss's value, or an error naming the block and step when it is not finite.
+    fn finite(&self, loss: &Tensor<B, 1>) -> Result<f32> {
+        let value: f32 = loss.clone().into_scalar().elem();
+        if !value.is_finite() {
+            return Err(Error::Training {
+                block: self.index + 1,
+                step: self.step,
+                message: format!("loss is {value}"),
+            });
+        }
+        Ok(value)
     }
 
     /// One optimizer step with the gradients of every replica of the stage
@@ -183,16 +344,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     pub fn apply(&mut self, grads: Vec<GradientsParams>, losses: &[f32]) -> Result<()> {
         let module = self.module.take().ok_or_else(|| self.lost())?;
         let lr = self.lr.at(self.step);
-        let device = module.devices().into_iter().next().unwrap_or_default();
-        let module = if grads.len() == 1 {
-            let grads = grads.into_iter().next().unwrap_or_default();
-            self.optimizer.step(lr, module, grads)
-        } else {
-            let id = device.id();
-            let multi = MultiGradientsParams { grads: grads.into_iter().map(|g| (g, id)).collect() };
-            self.optimizer.step_multi(lr, module, multi)
-        };
-        self.module = Some(module);
+        self.module = Some(step_optimizer(&mut self.optimizer, lr, module, grads));
         self.advance(losses.iter().sum());
         Ok(())
     }
@@ -236,8 +388,14 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         let weights = Recorder::<B>::record(&recorder, module.clone().into_record(), ())
             .map_err(|e| record_error("weights", e))?;
         let optimizer = self.optimizer.to_bytes().map_err(|e| record_error("optimizer state", e))?;
+        let arch_optimizer = match &self.arch {
+            Some(arch) => {
+                Some(arch.optimizer.to_bytes().map_err(|e| record_error("architecture optimizer state", e))?)
+            }
+            None => None,
+        };
         let recent_losses = self.recent.iter().copied().filter(|l| l.is_finite()).collect();
-        Ok(TrainerState { weights, optimizer, step: self.step, recent_losses })
+        Ok(TrainerState { weights, optimizer, arch_optimizer, step: self.step, recent_losses })
     }
 
     /// Restores a state written by [`Self::save_state`] (on `device`). On
@@ -252,10 +410,24 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             .clone()
             .with_bytes(state.optimizer, device)
             .map_err(|e| format!("optimizer state does not decode: {e}"))?;
+        let arch = match (self.arch.clone(), state.arch_optimizer) {
+            (Some(mut arch), Some(bytes)) => {
+                arch.optimizer = arch
+                    .optimizer
+                    .with_bytes(bytes, device)
+                    .map_err(|e| format!("architecture optimizer state does not decode: {e}"))?;
+                Some(arch)
+            }
+            (Some(_), None) => {
+                return Err("the checkpoint has no architecture optimizer state (arch.mpk)".into())
+            }
+            (None, _) => None,
+        };
         let module = catch_unwind(AssertUnwindSafe(|| module.load_record(record)))
             .map_err(|_| "weights do not fit the block (other shapes?)".to_string())?;
         self.module = Some(module);
         self.optimizer = optimizer;
+        self.arch = arch;
         self.step = state.step;
         self.recent = state.recent_losses;
         Ok(())
@@ -274,11 +446,31 @@ pub struct TrainerState {
     pub weights: Vec<u8>,
     /// The optimizer record (moments per parameter id).
     pub optimizer: Vec<u8>,
+    /// The architecture optimizer's record (a single-path supernet block).
+    pub arch_optimizer: Option<Vec<u8>>,
     /// Optimizer steps taken: the learning-rate position, and with the seed
     /// the data-order position (the order depends only on seed and epoch).
     pub step: usize,
     /// The last losses (for the report's final loss).
     pub recent_losses: Vec<f32>,
+}
+
+/// One update of `module` by `optimizer` with the gradients of every
+/// replica (summed in the given order) at learning rate `lr`.
+fn step_optimizer<B: DistillBackend, S: StudentModule<B>>(
+    optimizer: &mut BlockOptimizer<B, S>,
+    lr: f64,
+    module: S,
+    grads: Vec<GradientsParams>,
+) -> S {
+    if grads.len() == 1 {
+        let grads = grads.into_iter().next().unwrap_or_default();
+        optimizer.step(lr, module, grads)
+    } else {
+        let id = module.devices().into_iter().next().unwrap_or_default().id();
+        let multi = MultiGradientsParams { grads: grads.into_iter().map(|g| (g, id)).collect() };
+        optimizer.step_multi(lr, module, multi)
+    }
 }
 
 /// A copy of a module with its own autodiff leaves (same parameter ids and

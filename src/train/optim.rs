@@ -117,6 +117,12 @@ impl<B: DistillBackend, M: AutodiffModule<B>> BlockOptimizer<B, M> {
         }
     }
 
+    /// Adam with the given betas and epsilon, no weight decay (the
+    /// architecture optimizer of a single-path search).
+    pub fn adam(beta_1: f32, beta_2: f32, epsilon: f32) -> Self {
+        Self::Adam(AdamConfig::new().with_beta_1(beta_1).with_beta_2(beta_2).with_epsilon(epsilon).init())
+    }
+
     /// One update of `module` with `grads` at learning rate `lr`.
     pub fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
         match self {

@@ -34,7 +34,8 @@ pub use conv::{BottleneckBlock, ConvBlock, InvertedResidualBlock, SeparableBlock
 
 pub use head::HeadBlock;
 
-use burn::module::Module;
+use burn::module::{Module, Param};
+use burn::tensor::Tensor;
 use pipebd_core::{Activation, Block, Error as CoreError, FusedBackend};
 use pipebd_kernels::encoder::{EncoderLayer, EncoderLayerConfig};
 use serde::{Deserialize, Serialize};
@@ -227,11 +228,38 @@ pub struct BuiltStudent<B: FusedBackend> {
 }
 
 /// The candidates of a `candidates` block ([`StudentBlockConfig::Candidates`]):
-/// ordinary student blocks for the same teacher block, trained at once.
+/// ordinary student blocks for the same teacher block, trained at once
+/// (search mode `all`) or one sampled per step (`single-path`, a supernet
+/// with one cell whose ops are the candidates).
 #[derive(Module, Debug)]
 pub struct CandidateSet<B: FusedBackend> {
     /// The candidates, in configured order.
     pub candidates: Vec<Candidate<B>>,
+    /// Architecture logits, one per candidate (zeros at the start: every
+    /// candidate equally likely). Only a `single-path` search trains them;
+    /// the set's forward follows the largest.
+    pub alpha: Param<Tensor<B, 1>>,
+}
+
+impl<B: FusedBackend> CandidateSet<B> {
+    /// A set of `candidates` with uniform architecture logits.
+    pub fn new(candidates: Vec<Candidate<B>>, device: &B::Device) -> Self {
+        let alpha = Param::from_tensor(Tensor::zeros([candidates.len()], device));
+        Self { candidates, alpha }
+    }
+
+    /// Index of the candidate with the largest logit (the first on ties):
+    /// the architecture a search ends with.
+    pub fn argmax(&self) -> usize {
+        let alpha: Vec<f32> = self.alpha.val().into_data().iter::<f32>().collect();
+        let mut best = 0;
+        for (i, &a) in alpha.iter().enumerate() {
+            if a > alpha[best] {
+                best = i;
+            }
+        }
+        best
+    }
 }
 
 /// One candidate of a [`CandidateSet`]: a student block of any kind but
@@ -379,12 +407,13 @@ impl<B: FusedBackend> Candidate<B> {
 }
 
 impl<B: FusedBackend> Block<B> for StudentBlock<B> {
-    /// See the kinds of [`StudentBlockConfig`]; a candidate set gives its
-    /// first candidate's output.
+    /// See the kinds of [`StudentBlockConfig`]; a candidate set gives the
+    /// output of its candidate with the largest architecture logit (the
+    /// first while they are equal, as in search mode `all`).
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
         if let Self::Candidates(set) = self {
-            return match set.candidates.first() {
-                Some(first) => first.forward(input),
+            return match set.candidates.get(set.argmax()) {
+                Some(chosen) => chosen.forward(input),
                 None => Err(CoreError::block("a `candidates` student block has no candidates")),
             };
         }
@@ -419,6 +448,13 @@ impl<B: FusedBackend> Block<B> for StudentBlock<B> {
         match self {
             Self::Candidates(set) => set.candidates.iter().map(Candidate::to_block).collect(),
             _ => Vec::new(),
+        }
+    }
+
+    fn arch_logits(&self) -> Option<Tensor<B, 1>> {
+        match self {
+            Self::Candidates(set) => Some(set.alpha.val()),
+            _ => None,
         }
     }
 }
@@ -552,11 +588,7 @@ impl StudentBlockConfig {
                 let [c, h, w] = image()?;
                 let features = c * h * w;
                 let (module, flops) = HeadBlock::new(features, hidden, classes, device);
-                Ok(BuiltStudent {
-                    module: StudentBlock::Head(module),
-                    output_shape: vec![classes],
-                    flops,
-                })
+                Ok(BuiltStudent { module: StudentBlock::Head(module), output_shape: vec![classes], flops })
             }
             Self::Encoder { heads, head_dim, ffn, .. } => {
                 positive("heads", heads)?;
@@ -614,7 +646,7 @@ impl StudentBlockConfig {
                     modules.extend(Candidate::from_block(built.module));
                 }
                 Ok(BuiltStudent {
-                    module: StudentBlock::Candidates(CandidateSet { candidates: modules }),
+                    module: StudentBlock::Candidates(CandidateSet::new(modules, device)),
                     output_shape: output_shape.unwrap_or_default(),
                     flops,
                 })
@@ -701,7 +733,12 @@ mod tests {
     #[test]
     fn an_inverted_block_adds_its_input_only_when_the_shapes_allow() {
         let device = Default::default();
-        let same = StudentBlockConfig::Inverted { expansion: 2, kernel: 3, out_channels: 4, downsample: Downsample::None };
+        let same = StudentBlockConfig::Inverted {
+            expansion: 2,
+            kernel: 3,
+            out_channels: 4,
+            downsample: Downsample::None,
+        };
         let built = same.init::<Flex>(1, &[4, 6, 6], &device).unwrap();
         // With every weight zero the block is the identity when residual, zero otherwise.
         let zeroed = built.module.map(&mut Zero);
@@ -710,11 +747,21 @@ mod tests {
         assert_eq!(out.dims(), [1, 4, 6, 6]);
         let Activation::Maps(out) = out else { panic!("feature maps expected") };
         assert_eq!(out.sum().into_scalar(), 144.0, "the input comes through");
-        let pooled = StudentBlockConfig::Inverted { expansion: 2, kernel: 3, out_channels: 4, downsample: Downsample::Pool };
+        let pooled = StudentBlockConfig::Inverted {
+            expansion: 2,
+            kernel: 3,
+            out_channels: 4,
+            downsample: Downsample::Pool,
+        };
         let zeroed = pooled.init::<Flex>(1, &[4, 6, 6], &device).unwrap().module.map(&mut Zero);
         let Activation::Maps(out) = Block::forward(&zeroed, Activation::Maps(x)).unwrap() else { panic!() };
         assert_eq!(out.sum().into_scalar(), 0.0, "no residual across a downsampling");
-        let bad = StudentBlockConfig::Inverted { expansion: 2, kernel: 4, out_channels: 4, downsample: Downsample::Pool };
+        let bad = StudentBlockConfig::Inverted {
+            expansion: 2,
+            kernel: 4,
+            out_channels: 4,
+            downsample: Downsample::Pool,
+        };
         let err = bad.init::<Flex>(2, &[4, 6, 6], &device).unwrap_err();
         assert_eq!(err.to_string(), "student block 2 (inverted): `kernel` must be 3 or 5, got 4");
     }
@@ -736,7 +783,12 @@ mod tests {
         type Train = burn::backend::Autodiff<Flex>;
         let device = Default::default();
         let first = StudentBlockConfig::Conv { width: 3, out_channels: 4, downsample: Downsample::Pool };
-        let second = StudentBlockConfig::Inverted { expansion: 2, kernel: 3, out_channels: 4, downsample: Downsample::Pool };
+        let second = StudentBlockConfig::Inverted {
+            expansion: 2,
+            kernel: 3,
+            out_channels: 4,
+            downsample: Downsample::Pool,
+        };
         let alone: u64 =
             [&first, &second].iter().map(|c| c.init::<Train>(1, &[2, 6, 6], &device).unwrap().flops).sum();
         let set = StudentBlockConfig::Candidates { candidates: vec![first, second] };
@@ -757,7 +809,9 @@ mod tests {
         let mut sum = 0.0;
         for candidate in module.candidates() {
             // Alone: the candidate's loss and gradients, as if it were the only student.
-            let own = candidate.distill_loss(Activation::Maps(x.clone()), Activation::Maps(target.clone()), &loss).unwrap();
+            let own = candidate
+                .distill_loss(Activation::Maps(x.clone()), Activation::Maps(target.clone()), &loss)
+                .unwrap();
             sum += own.clone().into_scalar();
             let own_grads = own.backward();
             let mut checked = 0;
@@ -793,16 +847,22 @@ mod tests {
     #[test]
     fn candidate_sets_refuse_nesting_mismatched_shapes_and_emptiness() {
         let device = Default::default();
-        let conv = |out_channels| StudentBlockConfig::Conv { width: 3, out_channels, downsample: Downsample::Pool };
-        let err = |config: StudentBlockConfig| config.init::<Flex>(2, &[2, 6, 6], &device).unwrap_err().to_string();
+        let conv =
+            |out_channels| StudentBlockConfig::Conv { width: 3, out_channels, downsample: Downsample::Pool };
+        let err =
+            |config: StudentBlockConfig| config.init::<Flex>(2, &[2, 6, 6], &device).unwrap_err().to_string();
         assert_eq!(
             err(StudentBlockConfig::Candidates { candidates: vec![] }),
             "student block 2 (candidates): `candidates` must list at least one student block"
         );
         let nested = StudentBlockConfig::Candidates { candidates: vec![conv(4)] };
-        assert!(err(StudentBlockConfig::Candidates { candidates: vec![conv(4), nested] }).contains("candidate 2: candidate sets cannot nest"));
+        assert!(err(StudentBlockConfig::Candidates { candidates: vec![conv(4), nested] })
+            .contains("candidate 2: candidate sets cannot nest"));
         let mismatched = err(StudentBlockConfig::Candidates { candidates: vec![conv(4), conv(5)] });
-        assert!(mismatched.contains("candidate 2 (conv) outputs [5, 3, 3] but candidate 1 outputs [4, 3, 3]"), "{mismatched}");
+        assert!(
+            mismatched.contains("candidate 2 (conv) outputs [5, 3, 3] but candidate 1 outputs [4, 3, 3]"),
+            "{mismatched}"
+        );
         let inner = err(StudentBlockConfig::Candidates { candidates: vec![conv(4), conv(0)] });
         assert!(inner.contains("candidate 2 (conv): `out_channels` must be at least 1"), "{inner}");
         let parsed: StudentBlockConfig = toml::from_str(
@@ -825,7 +885,10 @@ mod tests {
         let conv = StudentBlockConfig::Conv { width: 3, out_channels: 4, downsample: Downsample::Pool };
         let set = StudentBlockConfig::Candidates { candidates: vec![conv, StudentBlockConfig::Skip] };
         let err = set.init::<Flex>(2, &[2, 6, 6], &device).unwrap_err().to_string();
-        assert!(err.contains("candidate 2 (skip) outputs [2, 6, 6] but candidate 1 outputs [4, 3, 3]"), "{err}");
+        assert!(
+            err.contains("candidate 2 (skip) outputs [2, 6, 6] but candidate 1 outputs [4, 3, 3]"),
+            "{err}"
+        );
         let parsed: StudentBlockConfig = toml::from_str("kind = \"skip\"").unwrap();
         assert_eq!(parsed, StudentBlockConfig::Skip);
     }
