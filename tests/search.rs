@@ -1,8 +1,12 @@
-//! Blockwise architecture search, mode `all`: candidates train at once under
+//! Blockwise architecture search. Mode `all`: candidates train at once under
 //! every schedule to the same weights; a search run scores them on held-out
 //! samples, `pipebd search` picks the optimum under a budget and writes a
 //! config that starts from exactly the scored weights; a search run killed
-//! with SIGKILL resumes to the same candidates and scores.
+//! with SIGKILL resumes to the same candidates and scores. Mode
+//! `single-path`: every schedule trains the same supernet weights and
+//! architecture logits; the logits move only through held-out steps; a
+//! killed single-path search resumes to the same result, and `--argmax`
+//! picks the logits' choice.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -58,24 +62,50 @@ fn search_text(train_limit: usize, epochs: usize) -> String {
     format!("{}{STUDENTS}", &base[..students])
 }
 
+/// The search config in mode `single-path`: an architecture step every 2
+/// steps after the first quarter (`warmup`: fraction of the run).
+fn single_path_text(train_limit: usize, epochs: usize, warmup: f64) -> String {
+    let text = search_text(train_limit, epochs);
+    let students = text.find("[[students]]").unwrap();
+    format!(
+        "{}[search]\nmode = \"single-path\"\narch_every = 2\narch_warmup = {warmup}\narch_lr = 0.05\n\n{}",
+        &text[..students],
+        &text[students..]
+    )
+}
+
 fn flat(blocks: &[impl burn::module::Module<Flex>]) -> Vec<Vec<f32>> {
     blocks.iter().map(flat_parameters::<Flex, _>).collect()
 }
 
 /// Trains the search config in process under `plan` on `slots` CPU slots
-/// (no held-out split: the runtime alone).
+/// (the runtime alone; the last 64 samples held out for a single-path
+/// search's architecture steps).
 fn train_students(config: &RunConfig, plan: &Plan, slots: usize) -> Students<B, StudentBlock<B>> {
     let device = Default::default();
     let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let trained_on = DatasetSlice::new(&data, 0, data.len() - 64);
+    let held_out = DatasetSlice::new(&data, data.len() - 64, 64);
     let teacher = build_teacher::<Flex>(config, &device).unwrap();
     let students = Builtin.students::<B>(config, &teacher.specs, &device).unwrap();
-    let output = Distillation::new(&teacher, students, &data)
+    let output = Distillation::new(&teacher, students, &trained_on)
+        .held_out(&held_out)
         .settings(config.train_settings())
         .devices(vec![device; slots])
         .runtime(RuntimeSettings { threads_per_worker: 1, ..Default::default() })
         .run(plan)
         .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
     output.students
+}
+
+/// Every supernet block's architecture logits.
+fn logits(students: &Students<B, StudentBlock<B>>) -> Vec<Vec<f32>> {
+    students
+        .blocks
+        .iter()
+        .filter_map(|b| b.arch_logits())
+        .map(|alpha| alpha.into_data().iter::<f32>().collect())
+        .collect()
 }
 
 /// Every block's parameters, candidates included.
@@ -114,6 +144,40 @@ fn every_schedule_trains_every_candidate_to_the_same_weights() {
         let diff = common::max_abs_diff(&reference, &other);
         assert!(diff <= 1e-4, "{name}: candidates differ from ideal by {diff}");
     }
+}
+
+#[test]
+fn every_schedule_trains_the_same_supernets_and_alpha_moves_only_through_held_out_steps() {
+    // 384 training samples at batch 64, 3 epochs: 18 steps, architecture
+    // steps at 5, 7, ..., 17.
+    let config = RunConfig::parse(&single_path_text(448, 3, 0.25), Path::new("search.toml")).unwrap();
+    let teacher = Builtin.teacher_specs(&config).unwrap();
+    let specs = Builtin.student_specs(&config, &teacher).unwrap();
+    let trained = train_students(&config, &Plan::ideal(4), 1);
+    let reference = parameters(&trained);
+    let alpha = logits(&trained);
+    assert_eq!(alpha.len(), 2, "blocks 2 and 4 are supernets, blocks 1 and 3 ordinary students");
+    let moved = |a: &[f32]| a.iter().any(|x| x.abs() > 1e-3);
+    assert!(alpha.iter().all(|a| moved(a)), "the architecture steps did not move alpha: {alpha:?}");
+
+    let cost = flops_cost(&teacher, &specs);
+    for name in ["dp", "ls", "tr", "tr-dpu"] {
+        let plan = Plan::named(name, 4, 2, &cost, &[]).unwrap();
+        let other = train_students(&config, &plan, 2);
+        let diff = common::max_abs_diff(&reference, &parameters(&other));
+        assert!(diff <= 1e-4, "{name}: supernet weights differ from ideal by {diff}");
+        let diff = common::max_abs_diff(&alpha, &logits(&other));
+        assert!(diff <= 1e-4, "{name}: alpha differs from ideal by {diff}");
+    }
+
+    // A warm-up of the whole run: no architecture step, alpha exactly where
+    // it started while every candidate's weights trained.
+    let config = RunConfig::parse(&single_path_text(448, 3, 1.0), Path::new("search.toml")).unwrap();
+    let trained = train_students(&config, &Plan::ideal(4), 1);
+    assert!(logits(&trained).iter().flatten().all(|&a| a == 0.0), "alpha moved without a held-out step");
+    let initial = Builtin.students::<B>(&config, &teacher, &Default::default()).unwrap();
+    let diff = common::max_abs_diff(&parameters(&initial), &parameters(&trained));
+    assert!(diff > 1e-3, "the supernets did not train");
 }
 
 fn pipebd(args: &[&std::ffi::OsStr]) -> Command {
@@ -274,8 +338,32 @@ fn run_args<'a>(config: &'a Path, out: &'a Path) -> [&'a std::ffi::OsStr; 5] {
 
 #[test]
 fn a_search_run_killed_with_sigkill_resumes_to_the_same_candidates_and_scores() {
+    killed_and_resumed(&search_text(640, 6));
+}
+
+#[test]
+fn a_single_path_search_killed_with_sigkill_resumes_to_the_same_supernets_and_alpha() {
+    let (_dir, run) = killed_and_resumed(&single_path_text(640, 6, 0.25));
+    // `--argmax` chooses each block's most probable candidate.
+    let scores = SearchScores::read(&run).unwrap();
+    let mut picks = Vec::new();
+    for block in &scores.blocks {
+        let probabilities: Vec<f64> = block.candidates.iter().map(|c| c.probability.unwrap()).collect();
+        assert!((probabilities.iter().sum::<f64>() - 1.0).abs() < 1e-6, "{probabilities:?}");
+        let best = (0..probabilities.len()).fold(0, |b, i| if probabilities[i] > probabilities[b] { i } else { b });
+        picks.push((best + 1).to_string());
+    }
+    let said = run_ok(&["search".as_ref(), run.as_os_str(), "--argmax".as_ref()]);
+    assert!(said.contains(&format!("chosen candidates {}", picks.join("-"))), "{said}");
+    assert!(run.join("chosen.toml").is_file());
+}
+
+/// Runs `text` to the end, and again killed with SIGKILL after a checkpoint
+/// and resumed; asserts that both end with the same weights and scores.
+/// Returns the temporary folder and the resumed run's folder.
+fn killed_and_resumed(text: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
-    let text = search_text(640, 6).replace(
+    let text = text.replace(
         "device = \"cpu\"\n",
         "device = \"cpu\"\n\n[checkpoint]\nevery_steps = 2\nevery_minutes = 0.0\n",
     );
@@ -298,8 +386,11 @@ fn a_search_run_killed_with_sigkill_resumes_to_the_same_candidates_and_scores() 
     for (x, y) in a.blocks.iter().zip(&b.blocks) {
         for (p, q) in x.candidates.iter().zip(&y.candidates) {
             assert!((p.loss - q.loss).abs() <= 1e-5 * p.loss, "block {}: {} vs {}", x.block, p.loss, q.loss);
+            let (p, q) = (p.probability.unwrap_or(0.0), q.probability.unwrap_or(0.0));
+            assert!((p - q).abs() <= 1e-6, "block {}: probability {p} vs {q}", x.block);
         }
     }
+    (dir, killed)
 }
 
 #[test]

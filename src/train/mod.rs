@@ -567,3 +567,153 @@ pub fn inference_blocks<B: DistillBackend, S: StudentModule<B>>(
 ) -> Vec<S::InnerModule> {
     students.blocks.iter().map(|b| b.valid()).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::{AutodiffModule, Module};
+    use burn::tensor::{Distribution, Tensor};
+    use pipebd_core::{flat_parameters, Activation, Block, BlockSpec};
+    use pipebd_students::{Downsample, StudentBlock, StudentBlockConfig};
+
+    use super::arch::{sample_path, softmax, Draw, SinglePath};
+    use super::{BlockTrainer, TrainSettings};
+
+    type B = Autodiff<Flex>;
+
+    /// A supernet of two convolutions and a separable block for a [2, 6, 6] input.
+    fn supernet() -> StudentBlock<B> {
+        let device = Default::default();
+        let conv = |width| StudentBlockConfig::Conv { width, out_channels: 4, downsample: Downsample::Pool };
+        let separable = StudentBlockConfig::Separable {
+            out_channels: 4,
+            depth_multiplier: 2,
+            inner_relu: true,
+            downsample: Downsample::Pool,
+        };
+        let set = StudentBlockConfig::Candidates { candidates: vec![conv(3), conv(2), separable] };
+        let module = set.init::<B>(1, &[2, 6, 6], &device).unwrap().module;
+        // Draw the lazily initialised parameters once.
+        module.clone().load_record(module.into_record())
+    }
+
+    fn trainer(module: StudentBlock<B>, seed: u64) -> BlockTrainer<B, StudentBlock<B>> {
+        let spec = BlockSpec::infer("supernet", &module, &[2, 6, 6], &Default::default()).unwrap();
+        let settings = TrainSettings {
+            seed,
+            single_path: Some(SinglePath { arch_every: 1, warmup: 0.0, arch_lr: 0.05 }),
+            ..Default::default()
+        };
+        BlockTrainer::new(0, spec, module, &settings.optimizer, 100).configured(&settings)
+    }
+
+    fn batch() -> (Activation<Flex>, Activation<Flex>) {
+        let device = Default::default();
+        let x = Tensor::<Flex, 4>::random([5, 2, 6, 6], Distribution::Default, &device);
+        let y = Tensor::<Flex, 4>::random([5, 4, 3, 3], Distribution::Default, &device);
+        (Activation::Maps(x), Activation::Maps(y))
+    }
+
+    fn alpha(trainer: &BlockTrainer<B, StudentBlock<B>>) -> Vec<f32> {
+        trainer.module().unwrap().arch_logits().unwrap().into_data().iter::<f32>().collect()
+    }
+
+    fn candidate_weights(trainer: &BlockTrainer<B, StudentBlock<B>>) -> Vec<Vec<f32>> {
+        trainer.module().unwrap().candidates().iter().map(flat_parameters::<B, _>).collect()
+    }
+
+    #[test]
+    fn a_training_step_trains_the_sampled_candidate_and_never_alpha() {
+        let mut trainer = trainer(supernet(), 11);
+        assert!(trainer.searches_paths());
+        for step in 0..6 {
+            let before = candidate_weights(&trainer);
+            let alpha_before = alpha(&trainer);
+            let path = sample_path(11, 0, step, Draw::Train, &softmax(&alpha_before));
+            let (x, y) = batch();
+            trainer.step(x, y).unwrap();
+            let after = candidate_weights(&trainer);
+            assert_eq!(alpha(&trainer), alpha_before, "step {step}: a training step moved alpha");
+            for (c, (b, a)) in before.iter().zip(&after).enumerate() {
+                if c == path {
+                    assert_ne!(b, a, "step {step}: the sampled candidate {c} did not train");
+                } else {
+                    assert_eq!(b, a, "step {step}: candidate {c} trained but {path} was sampled");
+                }
+            }
+        }
+        assert_eq!(trainer.step, 6);
+    }
+
+    #[test]
+    fn an_architecture_step_moves_alpha_only_by_the_proxylessnas_gradient() {
+        let mut trainer = trainer(supernet(), 5);
+        let (x, y) = batch();
+        let weights = candidate_weights(&trainer);
+        let logits = alpha(&trainer);
+        let p = softmax(&logits);
+        let (loss, grads) = trainer.compute_arch_grads(x.clone(), y.clone(), 1.0).unwrap();
+
+        // By hand: out = o_path, L = mean((out - y)^2), dL/dg_j = <dL/dout, o_j>,
+        // dL/dalpha_i = sum_j dL/dg_j p_j (delta_ij - p_i).
+        let path = sample_path(5, 0, 0, Draw::Arch, &p);
+        let module = trainer.module().unwrap().valid();
+        let flat = |a: Activation<Flex>| -> Vec<f64> {
+            let Activation::Maps(t) = a else { panic!() };
+            t.into_data().iter::<f32>().map(f64::from).collect()
+        };
+        let outputs: Vec<Vec<f64>> = module.candidates().iter().map(|c| flat(c.forward(x.clone()).unwrap())).collect();
+        let target = flat(y);
+        let n = target.len() as f64;
+        let d_out: Vec<f64> = outputs[path].iter().zip(&target).map(|(o, t)| 2.0 * (o - t) / n).collect();
+        let expected_loss: f64 = outputs[path].iter().zip(&target).map(|(o, t)| (o - t).powi(2)).sum::<f64>() / n;
+        assert!((loss as f64 - expected_loss).abs() <= 1e-5 * expected_loss, "{loss} vs {expected_loss}");
+        let d_gate: Vec<f64> = outputs.iter().map(|o| o.iter().zip(&d_out).map(|(a, b)| a * b).sum()).collect();
+        let expected: Vec<f64> = (0..p.len())
+            .map(|i| (0..p.len()).map(|j| d_gate[j] * p[j] * (if i == j { 1.0 } else { 0.0 } - p[i])).sum())
+            .collect();
+        let StudentBlock::Candidates(set) = trainer.module().unwrap() else { panic!() };
+        let grad: Vec<f64> =
+            grads.get::<Flex, 1>(set.alpha.id).unwrap().into_data().iter::<f32>().map(f64::from).collect();
+        for (g, e) in grad.iter().zip(&expected) {
+            assert!((g - e).abs() <= 1e-4 * e.abs().max(1e-6), "alpha gradient {grad:?}, by hand {expected:?}");
+        }
+
+        trainer.apply_arch(vec![grads]).unwrap();
+        assert_eq!(candidate_weights(&trainer), weights, "an architecture step moved a candidate's weights");
+        assert_ne!(alpha(&trainer), logits, "the architecture step did not move alpha");
+        assert_eq!(trainer.step, 0, "architecture steps are not training steps");
+        // Adam with beta1 = 0: the first step moves each logit by lr * sign(gradient).
+        for ((after, before), g) in alpha(&trainer).iter().zip(&logits).zip(&grad) {
+            let moved = (after - before) as f64;
+            assert!((moved + 0.05 * g.signum()).abs() <= 1e-4, "moved {moved} for gradient {g}");
+        }
+    }
+
+    #[test]
+    fn the_architecture_state_survives_a_checkpoint() {
+        let mut trainer = trainer(supernet(), 5);
+        for _ in 0..2 {
+            let (x, y) = batch();
+            let (_, grads) = trainer.compute_arch_grads(x, y, 1.0).unwrap();
+            trainer.apply_arch(vec![grads]).unwrap();
+        }
+        let state = trainer.save_state().unwrap();
+        assert!(state.arch_optimizer.is_some());
+        let mut restored = super::tests::trainer(supernet(), 5);
+        restored.load_state(state, &Default::default()).unwrap();
+        assert_eq!(alpha(&restored), alpha(&trainer));
+        // The next architecture step is the same from both.
+        let (x, y) = batch();
+        for t in [&mut trainer, &mut restored] {
+            let (_, grads) = t.compute_arch_grads(x.clone(), y.clone(), 1.0).unwrap();
+            t.apply_arch(vec![grads]).unwrap();
+        }
+        assert_eq!(alpha(&restored), alpha(&trainer));
+        // Without the architecture optimizer's state the resume is refused.
+        let mut state = trainer.save_state().unwrap();
+        state.arch_optimizer = None;
+        let error = super::tests::trainer(supernet(), 5).load_state(state, &Default::default()).unwrap_err();
+        assert!(error.contains("arch.mpk"), "{error}");
+    }
+}

@@ -827,6 +827,32 @@ mod tests {
         assert_eq!(out.into_data(), first_out.into_data());
     }
 
+    #[test]
+    fn a_candidate_set_follows_its_largest_architecture_logit() {
+        let device = Default::default();
+        let conv = |width| StudentBlockConfig::Conv { width, out_channels: 4, downsample: Downsample::Pool };
+        let set = StudentBlockConfig::Candidates { candidates: vec![conv(3), conv(2), StudentBlockConfig::Skip] };
+        let built = set.init::<Flex>(1, &[4, 6, 6], &device);
+        // Skip keeps 4 channels at 6x6: refused next to a pooling conv.
+        assert!(built.is_err());
+        let set = StudentBlockConfig::Candidates { candidates: vec![conv(3), conv(2)] };
+        let module = set.init::<Flex>(1, &[2, 6, 6], &device).unwrap().module;
+        let module = module.clone().load_record(module.into_record());
+        let alpha = module.arch_logits().expect("a candidate set has architecture logits");
+        assert_eq!(alpha.into_data().iter::<f32>().collect::<Vec<_>>(), [0.0, 0.0], "uniform at the start");
+        let StudentBlock::Candidates(mut set) = module else { panic!("not a candidate set") };
+        assert_eq!(set.argmax(), 0, "the first on ties");
+        set.alpha = burn::module::Param::from_tensor(Tensor::from_floats([0.5, 0.75], &device));
+        assert_eq!(set.argmax(), 1);
+        let module = StudentBlock::Candidates(set);
+        let x = Tensor::<Flex, 4>::random([3, 2, 6, 6], burn::tensor::Distribution::Default, &device);
+        let out = Block::forward(&module, Activation::Maps(x.clone())).unwrap();
+        let second = Block::forward(&module.candidates()[1], Activation::Maps(x)).unwrap();
+        let (Activation::Maps(out), Activation::Maps(second)) = (out, second) else { panic!() };
+        assert_eq!(out.into_data(), second.into_data());
+        assert!(StudentBlock::<Flex>::Skip(SkipBlock::new()).arch_logits().is_none());
+    }
+
     /// Asserts that every float parameter has the same gradient in `a` and `b`.
     struct CompareGrads<'a, B: burn::tensor::backend::AutodiffBackend> {
         a: &'a B::Gradients,
