@@ -302,6 +302,7 @@ impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
             self.zoo.workload::<B::InnerBackend>(config, device, false)?;
         let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
         let batch = config.train.batch_size;
+        let settings = config.train_settings();
         let order = epoch_order(data.len(), config.seed, 0);
         let blocks = teacher.blocks.len();
         let mut entries: Vec<Vec<Entry>> = vec![Vec::new(); blocks];
@@ -323,25 +324,29 @@ impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
                 for k in 0..blocks {
                     let input = x.clone();
                     let y = teacher.blocks[k].forward(input.clone())?;
+                    // A single-path supernet steps one sampled candidate per step.
                     let mut trainer = BlockTrainer::new(
                         k,
                         students.specs[k].clone(),
                         detached_copy(&students.blocks[k]),
                         &config.optimizer,
                         usize::MAX / 2,
-                    );
+                    )
+                    .configured(&settings);
                     // The other W - 1 workers are busy too when the runtime runs:
                     // keep as many threads doing the same block's work meanwhile,
                     // so that shared caches and memory bandwidth are contended.
                     let stop = AtomicBool::new(false);
                     let measured = std::thread::scope(|scope| {
                         for _ in 0..others {
-                            let (stop, input, y, block) = (&stop, &input, &y, &teacher.blocks[k]);
+                            let (stop, input, y, block, settings) =
+                                (&stop, &input, &y, &teacher.blocks[k], &settings);
                             let module = detached_copy(&students.blocks[k]);
                             let spec = students.specs[k].clone();
                             scope.spawn(move || {
                                 let mut other =
-                                    BlockTrainer::new(k, spec, module, &config.optimizer, usize::MAX / 2);
+                                    BlockTrainer::new(k, spec, module, &config.optimizer, usize::MAX / 2)
+                                        .configured(settings);
                                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
                                 let mut work = || {
                                     while !stop.load(Ordering::Relaxed) {
@@ -463,6 +468,11 @@ pub fn profile_key(config: &RunConfig) -> String {
         "optimizer": config.optimizer,
         "threads": config.runtime.threads_per_worker,
     });
+    // A single-path search steps one candidate per block: another cost.
+    let parts = match config.search.mode {
+        crate::config::SearchMode::All => parts,
+        crate::config::SearchMode::SinglePath => serde_json::json!([parts, "single-path"]),
+    };
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in parts.to_string().bytes() {
         hash ^= byte as u64;

@@ -675,8 +675,11 @@ mod tests {
         let StudentBlock::Candidates(set) = trainer.module().unwrap() else { panic!() };
         let grad: Vec<f64> =
             grads.get::<Flex, 1>(set.alpha.id).unwrap().into_data().iter::<f32>().map(f64::from).collect();
+        // The gradients sum to zero (softmax): compare against their scale.
+        let scale = expected.iter().fold(0.0f64, |m, e| m.max(e.abs()));
+        assert!(scale > 0.0, "a zero architecture gradient");
         for (g, e) in grad.iter().zip(&expected) {
-            assert!((g - e).abs() <= 1e-4 * e.abs().max(1e-6), "alpha gradient {grad:?}, by hand {expected:?}");
+            assert!((g - e).abs() <= 1e-3 * scale, "alpha gradient {grad:?}, by hand {expected:?}");
         }
 
         trainer.apply_arch(vec![grads]).unwrap();
@@ -684,9 +687,12 @@ mod tests {
         assert_ne!(alpha(&trainer), logits, "the architecture step did not move alpha");
         assert_eq!(trainer.step, 0, "architecture steps are not training steps");
         // Adam with beta1 = 0: the first step moves each logit by lr * sign(gradient).
+        // (Up to epsilon 1e-8 against |gradient|: checked where that is negligible.)
         for ((after, before), g) in alpha(&trainer).iter().zip(&logits).zip(&grad) {
             let moved = (after - before) as f64;
-            assert!((moved + 0.05 * g.signum()).abs() <= 1e-4, "moved {moved} for gradient {g}");
+            if g.abs() > 1e-5 {
+                assert!((moved + 0.05 * g.signum()).abs() <= 1e-4, "moved {moved} for gradient {g}");
+            }
         }
     }
 
