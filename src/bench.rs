@@ -5,11 +5,12 @@
 use std::path::Path;
 use std::time::Instant;
 
-use pipebd_core::{StudentModule, Students};
+use pipebd_core::{Dataset, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
+use crate::data::held_out_split;
 use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
 use crate::fsio::write_atomic;
@@ -196,6 +197,10 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
         let threads = threads_per_worker(config.runtime.threads_per_worker, slots);
         let options = RuntimeSettings { threads_per_worker: threads, ..config.runtime_settings() };
         let settings = config.train_settings();
+        // A search trains on what its run trains on (a single-path search
+        // takes its architecture steps on the held-out rest).
+        let (data, held_out) =
+            held_out_split(data.as_ref(), config.has_candidates().then_some(config.search.held_out));
         let steps = steps_per_epoch(data.len(), settings.batch_size) * settings.epochs;
         let blocks = teacher.blocks.len();
 
@@ -204,11 +209,14 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
             reset_peak_resident();
             let start = Instant::now();
             let fresh = copy_students(&students)?;
-            let out = Distillation::new(&teacher, fresh, data.as_ref())
+            let mut distillation = Distillation::new(&teacher, fresh, &data)
                 .settings(settings.clone())
                 .devices(devices.to_vec())
-                .runtime(options.clone())
-                .run(plan)?;
+                .runtime(options.clone());
+            if let Some(held_out) = &held_out {
+                distillation = distillation.held_out(held_out);
+            }
+            let out = distillation.run(plan)?;
             let seconds = start.elapsed().as_secs_f64();
             let idle = out.workers.iter().map(|w| w.idle_fraction).collect();
             Ok((seconds, out.spans, idle, resident_bytes("VmHWM:")))

@@ -12,7 +12,7 @@ use pipebd_kernels::DistillBackend;
 
 use crate::choose::SearchScores;
 use crate::config::RunConfig;
-use crate::data::DatasetSlice;
+use crate::data::held_out_split;
 use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
 use crate::eval::{
@@ -133,18 +133,10 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             self.zoo.workload::<B::InnerBackend>(config, device, true)?;
         let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
         let students = load_student_weights(config, students, device)?;
-        // A search run holds the last samples out to score its candidates on.
-        let held_out = if config.has_candidates() {
-            let n = train.len();
-            let held = ((n as f64 * config.search.held_out).round() as usize).clamp(1, n.saturating_sub(1));
-            Some(DatasetSlice::new(train.as_ref(), n - held, held))
-        } else {
-            None
-        };
-        let trained_on = match &held_out {
-            Some(held) => DatasetSlice::new(train.as_ref(), 0, train.len() - held.len()),
-            None => DatasetSlice::new(train.as_ref(), 0, train.len()),
-        };
+        // A search run holds the last samples out to score its candidates on
+        // (and a single-path search to train alpha on).
+        let (trained_on, held_out) =
+            held_out_split(train.as_ref(), config.has_candidates().then_some(config.search.held_out));
 
         let runtime = runtime_settings_for(config, self.out_dir, self.options, self.costs)?;
         let settings = config.train_settings();

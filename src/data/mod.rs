@@ -339,6 +339,23 @@ impl<'a, B: burn::tensor::backend::Backend> DatasetSlice<'a, B> {
     }
 }
 
+/// `data` split for a search: the first samples to train on and the last
+/// `held_out` fraction (at least one sample, and at least one left to train
+/// on) held out; `None` holds nothing out.
+pub fn held_out_split<'a, B: burn::tensor::backend::Backend>(
+    data: &'a dyn Dataset<B>,
+    held_out: Option<f64>,
+) -> (DatasetSlice<'a, B>, Option<DatasetSlice<'a, B>>) {
+    let n = data.len();
+    match held_out {
+        Some(fraction) => {
+            let held = ((n as f64 * fraction).round() as usize).clamp(1, n.saturating_sub(1));
+            (DatasetSlice::new(data, 0, n - held), Some(DatasetSlice::new(data, n - held, held)))
+        }
+        None => (DatasetSlice::new(data, 0, n), None),
+    }
+}
+
 impl<B: burn::tensor::backend::Backend> Dataset<B> for DatasetSlice<'_, B> {
     fn len(&self) -> usize {
         self.len
