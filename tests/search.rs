@@ -442,3 +442,31 @@ fn minilm_layers_search_among_pruned_encoders_and_skip() {
     let specs = Builtin.student_specs(&chosen, &teacher).unwrap();
     assert!(specs.iter().all(|s| s.name == "skip" && s.params == 0));
 }
+
+#[test]
+fn pipebd_bench_runs_a_single_path_search_on_its_training_split() {
+    // 640 samples: 64 held out for the architecture steps, 576 trained on
+    // (9 steps of 64 per epoch).
+    let dir = tempfile::tempdir().unwrap();
+    let config = write(dir.path(), "search.toml", &single_path_text(640, 1, 0.25));
+    let out = dir.path().join("bench");
+    run_ok(&[
+        "bench".as_ref(),
+        config.as_os_str(),
+        "--schedules".as_ref(),
+        "dp,tr-dpu".as_ref(),
+        "--devices".as_ref(),
+        "cpu,cpu".as_ref(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("bench.json")).unwrap()).unwrap();
+    assert_eq!(report["steps"], 9, "bench trains on the run's training split: {report}");
+    let rows = report["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["schedule"].as_str().unwrap()).collect();
+    assert_eq!(names, ["dp", "tr-dpu"]);
+    for row in rows {
+        assert!(row["seconds"].as_f64().unwrap() > 0.0, "{row}");
+    }
+}
