@@ -11,7 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
-use pipebd_core::Schedule;
+use pipebd_core::{LossKind, Schedule};
 use serde::{Deserialize, Serialize};
 
 use crate::data::text::ProbeConfig;
@@ -406,11 +406,26 @@ pub struct TrainConfig {
     /// gradient stops at its input, as in blockwise training).
     #[serde(default)]
     pub stitched_gradients: StitchedGradients,
+    /// An extra loss on the stitched student's final output against the
+    /// teacher's, added to the sum of the block losses of an `end-to-end`
+    /// stitched pass (default none): `pooled-cosine` (one minus the cosine of
+    /// the mean-pooled sentence embeddings, for sentence encoders: the
+    /// embedding cosine a text student is scored on), `mse` or
+    /// `soft-target-cross-entropy` (logits).
+    #[serde(default)]
+    pub stitched_output_loss: Option<LossKind>,
+    /// Weight of `stitched_output_loss` in the summed loss (default 1).
+    #[serde(default = "default_output_weight")]
+    pub stitched_output_weight: f64,
     /// Softmax temperature of the soft-target cross-entropy of logits
     /// blocks (default 1). Both logits are divided by it and the loss is
     /// multiplied by its square.
     #[serde(default = "default_temperature")]
     pub temperature: f64,
+}
+
+fn default_output_weight() -> f64 {
+    1.0
 }
 
 fn default_temperature() -> f64 {
@@ -568,6 +583,18 @@ impl RunConfig {
             if !(lr > 0.0 && lr.is_finite()) {
                 return fail("train", "stitched_lr", format!("must be a positive number, got {lr}"));
             }
+        }
+        if !(self.train.stitched_output_weight > 0.0 && self.train.stitched_output_weight.is_finite()) {
+            let message = format!("must be a positive number, got {}", self.train.stitched_output_weight);
+            return fail("train", "stitched_output_weight", message);
+        }
+        if self.train.stitched_output_loss.is_some() && self.train.stitched_gradients == StitchedGradients::Local {
+            return fail(
+                "train",
+                "stitched_output_loss",
+                "needs stitched_gradients = \"end-to-end\" (with `local` the output loss would reach the last block only)"
+                    .into(),
+            );
         }
         if self.checkpoint.keep == 0 {
             return fail("checkpoint", "keep", "must be at least 1".into());

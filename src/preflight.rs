@@ -26,6 +26,7 @@ pub fn preflight<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(Vec<DeviceSpec>
     }
     let teacher = zoo.teacher_specs(config)?;
     let students = zoo.student_specs(config, &teacher)?;
+    check_output_loss(config, &teacher)?;
     let plan = match config.schedule()? {
         Schedule::Auto => None,
         _ => Some(plan_for(config, &teacher, &students, devices.len())?),
@@ -40,6 +41,28 @@ pub fn preflight<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(Vec<DeviceSpec>
         }
     }
     Ok((devices, plan))
+}
+
+/// Fails unless the stitched pass's output loss, if any, can compare the
+/// teacher's final output (a pooled cosine needs token states).
+fn check_output_loss(config: &RunConfig, teacher: &[BlockSpec]) -> Result<()> {
+    let (Some(kind), Some(last)) = (config.train.stitched_output_loss, teacher.last()) else {
+        return Ok(());
+    };
+    if kind.accepts(&last.output_shape) {
+        return Ok(());
+    }
+    Err(Error::Config {
+        path: format!("config `{}`", config.name).into(),
+        line: None,
+        field: Some("train.stitched_output_loss".into()),
+        message: format!(
+            "`{}` cannot compare the teacher's final output (per-sample shape {:?}, block `{}`): `pooled-cosine` needs token states, `soft-target-cross-entropy` logits",
+            kind.name(),
+            last.output_shape,
+            last.name
+        ),
+    })
 }
 
 /// Fails, before any work, when the output folder of a run (`--out`), or a

@@ -53,6 +53,16 @@ pub struct StitchedReport {
     /// Per block, the mean loss over its last steps (against the teacher,
     /// from stitched inputs).
     pub final_losses: Vec<f32>,
+    /// The loss on the final output added to the block losses
+    /// (`train.stitched_output_loss`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_loss: Option<String>,
+    /// Its weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_weight: Option<f64>,
+    /// Its unweighted value averaged over the last epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_output_loss: Option<f32>,
 }
 
 /// Everything `pipebd run` measured, plus the config that produced it.

@@ -27,7 +27,7 @@ use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
 use crate::runtime::{concurrent_workers, threads_per_worker, Distillation};
 use crate::search::score::{block_scores, measure_candidates};
 use crate::trace::write_chrome_trace;
-use crate::train::stitch::StitchedPass;
+use crate::train::stitch::{OutputLoss, StitchedPass};
 use crate::train::{inference_blocks, Progress};
 use crate::zoo::{Workload, Zoo};
 
@@ -162,6 +162,10 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
                     optimizer: optimizer.clone(),
                     first_step: log.steps,
                     gradients: config.train.stitched_gradients,
+                    output_loss: config.train.stitched_output_loss.map(|kind| OutputLoss {
+                        kind,
+                        weight: config.train.stitched_output_weight,
+                    }),
                 };
                 let (students, pass) = crate::train::stitch::stitched_pass(
                     &teacher,
@@ -180,6 +184,9 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
                     lr: optimizer.lr,
                     seconds: pass.seconds,
                     final_losses: pass.final_losses,
+                    output_loss: config.train.stitched_output_loss.map(|kind| kind.name().to_string()),
+                    output_weight: config.train.stitched_output_loss.map(|_| config.train.stitched_output_weight),
+                    final_output_loss: pass.final_output_loss,
                 };
                 (students, Some(report))
             }

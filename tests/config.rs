@@ -237,3 +237,34 @@ fn unknown_generator_names_line_and_field() {
     let text = GOOD.replace("device = \"cpu\"", "device = \"cpu\"\ngenerator = \"numpy\"");
     assert_config_error(&text, 3, "generator", "unknown variant");
 }
+
+#[test]
+fn an_output_loss_needs_end_to_end_gradients_and_a_positive_weight() {
+    let local = GOOD.replace(
+        "batch_size = 32",
+        "batch_size = 32\nstitched_gradients = \"local\"\nstitched_output_loss = \"mse\"",
+    );
+    assert_config_error(&local, 16, "train.stitched_output_loss", "end-to-end");
+    let zero = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_output_weight = 0.0");
+    assert_config_error(&zero, 15, "train.stitched_output_weight", "positive");
+    let unknown = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"cosine\"");
+    assert_config_error(&unknown, 15, "train.stitched_output_loss", "pooled-cosine");
+}
+
+#[test]
+fn a_pooled_cosine_output_loss_on_an_image_teacher_is_refused_before_training() {
+    let text = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"pooled-cosine\"");
+    let config = parse(&text).unwrap();
+    let err = pipe_bd::preflight::preflight(&Builtin, &config).unwrap_err();
+    match &err {
+        Error::Config { field, .. } => {
+            assert_eq!(field.as_deref(), Some("train.stitched_output_loss"), "{err}")
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+    assert!(err.to_string().contains("token states"), "{err}");
+    let logits = GOOD
+        .replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"soft-target-cross-entropy\"");
+    let config = parse(&logits).unwrap();
+    assert!(pipe_bd::preflight::preflight(&Builtin, &config).is_ok(), "logits take a cross-entropy");
+}

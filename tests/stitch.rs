@@ -11,10 +11,10 @@ use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
-use pipe_bd::train::stitch::{stitched_pass, StitchedGradients, StitchedPass};
+use pipe_bd::train::stitch::{stitched_pass, OutputLoss, StitchedGradients, StitchedPass};
 use pipe_bd::train::TrainSettings;
 use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
-use pipe_bd::{forward_chain, Activation};
+use pipe_bd::{forward_chain, Activation, LossKind};
 
 mod common;
 
@@ -53,7 +53,13 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let mut optimizer = config.optimizer.clone();
     optimizer.lr /= 3.0;
     let mut steps = 0;
-    let local = StitchedPass { epochs: 2, optimizer, first_step: 40, gradients: StitchedGradients::Local };
+    let local = StitchedPass {
+        epochs: 2,
+        optimizer,
+        first_step: 40,
+        gradients: StitchedGradients::Local,
+        output_loss: None,
+    };
     let (stitched, log) =
         stitched_pass(&teacher, trained, &data, &settings, &local, &device, &mut |_| steps += 1).unwrap();
     assert_eq!((log.steps, steps), (40, 40));
@@ -78,4 +84,50 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     );
     assert!(after < control, "local {after} vs blockwise {control}: the stitched input should matter");
     assert!(end_to_end < control, "end-to-end {end_to_end} vs blockwise {control}");
+}
+
+#[test]
+fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
+    let config = RunConfig::parse(&common::small_config(640, 200, 1), Path::new("stitch.toml")).unwrap();
+    let device = Default::default();
+    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
+    let teacher = build_teacher::<Flex>(&config, &device).unwrap();
+    let settings = config.train_settings();
+    let trained = || {
+        let students = Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
+        Distillation::new(&teacher, students, &data)
+            .settings(settings.clone())
+            .run(&Plan::ideal(4))
+            .unwrap()
+            .students
+    };
+    // Mean squared distance of the stitched student's logits from the teacher's.
+    let indices: Vec<usize> = (0..test.len()).collect();
+    let images = test.images::<Flex>(&indices, &device);
+    let logits = |a: Activation<Flex>| match a {
+        Activation::Flat(t) => t,
+        other => panic!("expected logits, got {:?}", other.dims()),
+    };
+    let target = logits(forward_chain(&teacher.blocks, Activation::Maps(images.clone())).unwrap());
+    let gap = |students: &pipe_bd::Students<B, _>| -> f32 {
+        let blocks: Vec<_> =
+            students.blocks.iter().map(|b: &pipebd_students::StudentBlock<B>| b.valid()).collect();
+        let out = logits(forward_chain(&blocks, Activation::Maps(images.clone())).unwrap());
+        out.sub(target.clone()).powf_scalar(2.0).mean().into_scalar()
+    };
+    let plain =
+        StitchedPass { epochs: 2, optimizer: config.optimizer.clone(), first_step: 10, ..Default::default() };
+    let (without, log) =
+        stitched_pass(&teacher, trained(), &data, &settings, &plain, &device, &mut |_| {}).unwrap();
+    assert_eq!(log.final_output_loss, None);
+    let pulled =
+        StitchedPass { output_loss: Some(OutputLoss { kind: LossKind::Mse, weight: 10.0 }), ..plain };
+    let (with, log) =
+        stitched_pass(&teacher, trained(), &data, &settings, &pulled, &device, &mut |_| {}).unwrap();
+    let value = log.final_output_loss.expect("the output loss is reported");
+    assert!(value.is_finite() && value > 0.0, "{value}");
+    let (without, with) = (gap(&without), gap(&with));
+    eprintln!("logit gap: block losses only {without}, plus the output MSE {with}");
+    assert!(with < 0.9 * without, "the output loss should pull the logits closer: {without} -> {with}");
 }

@@ -16,6 +16,10 @@ pub enum LossKind {
     Mse,
     /// Soft-target cross-entropy against the teacher's softmax (logits blocks).
     SoftTargetCrossEntropy,
+    /// One minus the cosine of the mean-pooled sentence embeddings (token
+    /// states only): the embedding a sentence encoder is scored on. Used as
+    /// the stitched pass's output loss (`train.stitched_output_loss`).
+    PooledCosine,
 }
 
 impl LossKind {
@@ -27,6 +31,26 @@ impl LossKind {
             LossKind::SoftTargetCrossEntropy
         } else {
             LossKind::Mse
+        }
+    }
+
+    /// Whether this loss can compare outputs of per-sample shape `output`:
+    /// the MSE any, the cross-entropy flat logits, the pooled cosine token
+    /// states (`[tokens, hidden]`).
+    pub fn accepts(self, output: &[usize]) -> bool {
+        match self {
+            LossKind::Mse => true,
+            LossKind::SoftTargetCrossEntropy => output.len() == 1,
+            LossKind::PooledCosine => output.len() == 2,
+        }
+    }
+
+    /// The name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            LossKind::Mse => "mse",
+            LossKind::SoftTargetCrossEntropy => "soft-target-cross-entropy",
+            LossKind::PooledCosine => "pooled-cosine",
         }
     }
 }
@@ -86,6 +110,9 @@ impl Loss {
                 let scale = 1.0 / temperature;
                 let ce = loss::soft_target_cross_entropy(s.mul_scalar(scale), t.mul_scalar(scale));
                 Ok(ce.mul_scalar(temperature * temperature))
+            }
+            (LossKind::PooledCosine, Activation::Tokens { hidden: s, mask }, Activation::Tokens { hidden: t, .. }) => {
+                Ok(loss::pooled_cosine_distance(s, t, mask))
             }
             (kind, s, t) => {
                 Err(Error::block(format!("loss {kind:?} cannot compare {:?} with {:?}", s.dims(), t.dims())))

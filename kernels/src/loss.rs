@@ -49,6 +49,27 @@ pub fn masked_mse<B: FusedBackend>(
     mse(student * weights.clone(), teacher * weights).mul_scalar(tokens as f32)
 }
 
+/// One minus the cosine between the mean-pooled sentence embeddings of the
+/// student and the teacher, averaged over the batch: `student` and `teacher`
+/// are `[batch, tokens, hidden]`, `mask` is `[batch, tokens]` (1 for real
+/// tokens). The pooling is [`crate::encoder::mean_pool_normalized`], the
+/// sentence embedding of sentence-transformers models, so minimising this
+/// loss maximises exactly the embedding cosine that a text student is scored
+/// on. Padding reaches neither the loss nor its gradient; like
+/// [`masked_mse`] the loss of a batch is the mean of its sequences' losses.
+/// Plain burn ops (autodiff), no fused kernel: it runs once per step on the
+/// last block only.
+pub fn pooled_cosine_distance<B: burn::tensor::backend::Backend>(
+    student: Tensor<B, 3>,
+    teacher: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+) -> Tensor<B, 1> {
+    let student = crate::encoder::mean_pool_normalized(student, mask.clone());
+    let teacher = crate::encoder::mean_pool_normalized(teacher, mask);
+    let cosines = (student * teacher).sum_dim(1);
+    cosines.neg().add_scalar(1.0).mean()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,5 +106,26 @@ mod tests {
             .into_scalar()
         };
         assert!((0.5 * half(0) + 0.5 * half(1) - whole).abs() < 1e-5);
+    }
+
+    #[test]
+    fn pooled_cosine_distance_is_one_minus_the_cosine_of_the_real_token_means() {
+        let device = Default::default();
+        // Sequence 1: real tokens [1, 0] and [1, 2] (mean [1, 1]), padding huge;
+        // sequence 2: one real token [0, 3].
+        let student = Tensor::<Flex, 3>::from_floats(
+            [[[1.0, 0.0], [1.0, 2.0], [50.0, -90.0]], [[0.0, 3.0], [7.0, 7.0], [-4.0, 1.0]]],
+            &device,
+        );
+        // Teacher means: [2, 0] and [0, 1]; padding again different.
+        let teacher = Tensor::<Flex, 3>::from_floats(
+            [[[2.0, 0.0], [2.0, 0.0], [-3.0, 8.0]], [[0.0, 1.0], [0.0, -5.0], [9.0, 9.0]]],
+            &device,
+        );
+        let mask = Tensor::<Flex, 2>::from_floats([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], &device);
+        let loss = pooled_cosine_distance(student, teacher, mask).into_scalar();
+        // cos([1,1],[2,0]) = 1/sqrt(2); cos([0,3],[0,1]) = 1.
+        let expected = ((1.0 - 1.0 / 2f32.sqrt()) + 0.0) / 2.0;
+        assert!((loss - expected).abs() < 1e-6, "{loss} vs {expected}");
     }
 }

@@ -270,6 +270,10 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
                     s.seconds,
                     losses.join(" ")
                 );
+                if let (Some(kind), Some(value)) = (&s.output_loss, s.final_output_loss) {
+                    let weight = s.output_weight.unwrap_or(1.0);
+                    println!("  output loss {kind} (weight {weight}): {value:.5} over the last epoch");
+                }
             }
             print_resilience(&report.resilience);
             let trace_note = if trace { ", trace.json" } else { "" };

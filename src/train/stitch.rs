@@ -19,7 +19,7 @@
 
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor};
-use pipebd_core::{Activation, Block, Dataset, StudentModule, Students, Teacher};
+use pipebd_core::{Activation, Block, Dataset, Loss, LossKind, StudentModule, Students, Teacher};
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
@@ -39,6 +39,8 @@ pub struct StitchedLog {
     pub rows: Vec<MetricRow>,
     /// Per block, the mean loss over its last steps.
     pub final_losses: Vec<f32>,
+    /// The output loss (unweighted) averaged over the last epoch, if any.
+    pub final_output_loss: Option<f32>,
 }
 
 /// How gradients flow in the stitched passes (`train.stitched_gradients`).
@@ -75,6 +77,19 @@ pub struct StitchedPass {
     pub first_step: usize,
     /// Through the stitched chain, or stopped at each block's input.
     pub gradients: StitchedGradients,
+    /// An extra loss on the final output, added with its weight to the sum
+    /// of the block losses (end-to-end passes only).
+    pub output_loss: Option<OutputLoss>,
+}
+
+/// A loss on the stitched student's final output against the teacher's
+/// (`train.stitched_output_loss` and `stitched_output_weight`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OutputLoss {
+    /// Which loss.
+    pub kind: LossKind,
+    /// Its weight in the summed loss.
+    pub weight: f64,
 }
 
 impl Default for StitchedPass {
@@ -83,7 +98,13 @@ impl Default for StitchedPass {
     fn default() -> Self {
         let mut optimizer = OptimizerConfig::default();
         optimizer.lr /= 3.0;
-        Self { epochs: 1, optimizer, first_step: 0, gradients: StitchedGradients::EndToEnd }
+        Self {
+            epochs: 1,
+            optimizer,
+            first_step: 0,
+            gradients: StitchedGradients::EndToEnd,
+            output_loss: None,
+        }
     }
 }
 
@@ -108,6 +129,16 @@ where
     let per_epoch = steps_per_epoch(data.len(), settings.batch_size);
     let (epochs, first_step) = (pass.epochs, pass.first_step);
     let through_blocks = pass.gradients == StitchedGradients::EndToEnd;
+    if pass.output_loss.is_some() && !through_blocks {
+        return Err(Error::Training {
+            block: students.specs.len(),
+            step: 0,
+            message: "an output loss needs end-to-end stitched gradients".into(),
+        });
+    }
+    let output_loss =
+        pass.output_loss.map(|o| (Loss::new(o.kind).with_temperature(settings.temperature), o.weight));
+    let mut output_losses: Vec<f32> = Vec::new();
     let total = per_epoch * epochs;
     let Students { blocks, specs, .. } = students;
     let mut trainers: Vec<BlockTrainer<B, S>> = blocks
@@ -131,7 +162,13 @@ where
         let input = data.batch(&order[base..base + settings.batch_size], device)?;
         let lrs: Vec<f64> = trainers.iter().map(|t| t.current_lr()).collect();
         let losses = if through_blocks {
-            end_to_end_step(teacher, &mut trainers, input)?
+            let (losses, output) = end_to_end_step(teacher, &mut trainers, input, output_loss)?;
+            if let Some(value) = output {
+                if step / per_epoch + 1 == epochs {
+                    output_losses.push(value);
+                }
+            }
+            losses
         } else {
             local_step(teacher, &mut trainers, input)?
         };
@@ -151,6 +188,8 @@ where
         });
     }
     log.final_losses = trainers.iter().map(|t| t.recent_loss()).collect();
+    log.final_output_loss =
+        (!output_losses.is_empty()).then(|| output_losses.iter().sum::<f32>() / output_losses.len() as f32);
     log.seconds = start.elapsed().as_secs_f64();
     let modules: Vec<S> = trainers.into_iter().filter_map(|t| t.into_module()).collect();
     Ok((Students::new(modules, specs.clone(), &specs)?, log))
@@ -188,13 +227,16 @@ where
 }
 
 /// One step with gradients through the stitched chain: the sum of every
-/// block's loss against the teacher, backpropagated through all blocks;
-/// each block steps its own optimizer. Returns the per-block losses.
+/// block's loss against the teacher (plus `output_loss`, weighted, on the
+/// last block's output), backpropagated through all blocks; each block
+/// steps its own optimizer. Returns the per-block losses and the output
+/// loss's unweighted value.
 fn end_to_end_step<B, T, S>(
     teacher: &Teacher<B::InnerBackend, T>,
     trainers: &mut [BlockTrainer<B, S>],
     input: Activation<B::InnerBackend>,
-) -> Result<Vec<f32>>
+    output_loss: Option<(Loss, f64)>,
+) -> Result<(Vec<f32>, Option<f32>)>
 where
     B: DistillBackend,
     T: Block<B::InnerBackend>,
@@ -228,8 +270,24 @@ where
         student_x = output;
         teacher_x = target;
     }
+    let mut output_value = None;
+    if let (Some((loss, weight)), Some(last)) = (output_loss, trainers.last()) {
+        let block = trainers.len();
+        let extra =
+            loss.compute(student_x, Activation::from_inner(teacher_x)).map_err(|e| relabel(e, block))?;
+        let value: f32 = extra.clone().into_scalar().elem();
+        if !value.is_finite() {
+            return Err(Error::Training {
+                block,
+                step: last.step,
+                message: format!("output loss is {value}"),
+            });
+        }
+        output_value = Some(value);
+        total = total.map(|sum| sum.add(extra.mul_scalar(weight)));
+    }
     let Some(total) = total else {
-        return Ok(values);
+        return Ok((values, output_value));
     };
     let mut grads = total.backward();
     for (trainer, &value) in trainers.iter_mut().zip(&values) {
@@ -240,5 +298,5 @@ where
         };
         trainer.apply(vec![block_grads], &[value])?;
     }
-    Ok(values)
+    Ok((values, output_value))
 }
