@@ -14,8 +14,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use burn::optim::GradientsParams;
-use crossbeam_channel::Sender;
-use pipebd_core::{Activation, Block, StudentModule};
+use crossbeam_channel::{Receiver, Sender};
+use pipebd_core::{Activation, Block, Stage, StudentModule};
 use pipebd_kernels::DistillBackend;
 
 use super::phase::{PhaseContext, ProgressMsg};
@@ -24,7 +24,7 @@ use super::topology::{ActivationMsg, GradientMsg, ModuleMsg, Role, Worker};
 use crate::error::{relabel, Error};
 use crate::fault::FaultKind;
 use crate::trace::{SpanKind, SpanRecorder};
-use crate::train::{checkpoint, detached_copy, MetricRow};
+use crate::train::{checkpoint, detached_copy, BlockTrainer, MetricRow};
 
 /// The block a worker is in, for error messages after a panic (its step is
 /// on its heartbeat).
@@ -40,6 +40,34 @@ pub(super) struct LoopState<'a> {
     pub(super) position: &'a mut Position,
     pub(super) beat: &'a Heartbeat,
     pub(super) checkpoints_written: &'a mut usize,
+}
+
+/// What stays fixed during a worker's loop: its device, the teacher blocks
+/// it runs, its share of the batch, and how it waits and reports.
+struct Env<'a, B: DistillBackend, T> {
+    device: &'a B::Device,
+    stage: Stage,
+    /// The teacher blocks this worker runs, from `stage.teacher_start()`.
+    teacher_blocks: Vec<T>,
+    /// This replica's share of the batch (its loss weight).
+    weight: f32,
+    name: String,
+    /// The backstop of a wait for a peer (the watchdog acts first).
+    timeout: Duration,
+    stop: &'a Stop,
+    barrier: Option<&'a StepBarrier>,
+    progress: &'a Sender<ProgressMsg>,
+}
+
+/// Where a worker is in its data: the sample order of the current training
+/// epoch and held-out pass (computed once per pass), and when it last wrote
+/// a checkpoint.
+struct Cursor {
+    order: Vec<usize>,
+    order_epoch: usize,
+    held_order: Vec<usize>,
+    held_pass: usize,
+    last_checkpoint: Instant,
 }
 
 /// Trains `worker`'s blocks from `start_step` to the end of the run, or
@@ -60,14 +88,8 @@ where
     S: StudentModule<B>,
 {
     let device = &context.devices[worker.slot];
-    let settings = context.settings;
-    let batch = settings.batch_size;
-    // The watchdog declares a silent worker failed after `timeout`; a wait
-    // for a peer is only the backstop behind it.
-    let timeout = context.options.timeout * 2;
     let stage = worker.stage_spec.clone();
-    let teacher_start = stage.teacher_start();
-    let teacher_blocks: Vec<T> = context.teacher.blocks[teacher_start..stage.blocks.end]
+    let teacher_blocks = context.teacher.blocks[stage.teacher_start()..stage.blocks.end]
         .iter()
         .map(|b| b.clone().to_device(device))
         .collect();
@@ -76,263 +98,417 @@ where
             trainer.replace_module(module.fork(device));
         }
     }
-    let weight = worker.share.len() as f32 / batch as f32;
-    let name = worker.name();
-    let mut order: Vec<usize> = Vec::new();
-    let mut order_epoch = usize::MAX;
-    let mut held_order: Vec<usize> = Vec::new();
-    let mut held_epoch = usize::MAX;
-    let mut last_checkpoint = Instant::now();
-    let beat = state.beat;
-
+    let env = Env {
+        device,
+        stage,
+        teacher_blocks,
+        weight: worker.share.len() as f32 / context.settings.batch_size as f32,
+        name: worker.name(),
+        timeout: context.options.timeout * 2,
+        stop,
+        barrier,
+        progress,
+    };
+    let mut cursor = Cursor {
+        order: Vec::new(),
+        order_epoch: usize::MAX,
+        held_order: Vec::new(),
+        held_pass: usize::MAX,
+        last_checkpoint: Instant::now(),
+    };
     for step in start_step..context.total_steps {
         state.position.block = None;
-        beat.step.store(step, Ordering::SeqCst);
-        beat.beat();
+        state.beat.step.store(step, Ordering::SeqCst);
+        state.beat.beat();
         if stop.is_raised() {
             return Err(Halt::Stopped);
         }
         inject_fault(context, worker.slot, step, stop)?;
-        let epoch = step / context.per_epoch;
-        let in_epoch = step % context.per_epoch;
-        let arch_tick = match (context.held_out, &settings.single_path) {
+        let arch_tick = match (context.held_out, &context.settings.single_path) {
             (Some(_), Some(single_path)) => single_path.arch_step_at(step, context.total_steps),
             _ => None,
         };
-        let ticks = arch_tick.map(Tick::Arch).into_iter().chain([Tick::Train]);
-        for tick in ticks {
-            let is_arch = matches!(tick, Tick::Arch(_));
-            // A block ahead of this step (resumed from a newer checkpoint) only
-            // relays; an architecture tick trains the supernet blocks only.
-            let active: Vec<bool> =
-                worker.trainers.iter().map(|t| t.step == step && (!is_arch || t.searches_paths())).collect();
-            let any_active = active.iter().any(|&a| a);
-
-            // 1. Input: data or the previous stage's activation.
-            let mut x = if stage.loads_data {
-                let (data, indices) = match (tick, context.held_out) {
-                    (Tick::Arch(index), Some(held)) => {
-                        let per_pass = held.len() / batch;
-                        let pass = index / per_pass.max(1);
-                        if pass != held_epoch {
-                            held_order = context.order.epoch(held.len(), pass);
-                            held_epoch = pass;
-                        }
-                        let base = (index % per_pass.max(1)) * batch;
-                        (held, &held_order[base + worker.share.start..base + worker.share.end])
-                    }
-                    _ => {
-                        if epoch != order_epoch {
-                            order = context.order.epoch(context.data.len(), epoch);
-                            order_epoch = epoch;
-                        }
-                        let base = in_epoch * batch;
-                        (context.data, &order[base + worker.share.start..base + worker.share.end])
-                    }
-                };
-                state
-                    .recorder
-                    .time(SpanKind::DataLoad, None, || data.batch(indices, device))
-                    .map_err(|e| Halt::Failed(relabel(e, stage.blocks.start + 1)))?
-            } else {
-                let started = Instant::now();
-                let mut parts = Vec::with_capacity(worker.inbound.len());
-                for inbound in &worker.inbound {
-                    let _waiting = beat.waiting();
-                    let msg = receive(&inbound.rx, stop, timeout, || {
-                        format!(
-                            "{name} timed out waiting for the activation of step {step} from {}",
-                            inbound.from
-                        )
-                    })?;
-                    // Stages out of step are a bug in the runtime, not a lost
-                    // device: an `Error::Training` ends the run instead of
-                    // triggering a recovery (`Error::is_device_failure`).
-                    if msg.step != step || msg.arch != is_arch {
-                        return Err(Halt::Failed(Error::Training {
-                        block: stage.blocks.start + 1,
-                        step,
-                        message: format!(
-                            "{name} expected the {} activation of step {step} from {} but received the {} one of step {}",
-                            tick.name(),
-                            inbound.from,
-                            if msg.arch { "architecture" } else { "training" },
-                            msg.step
-                        ),
-                    }));
-                    }
-                    parts.push(msg.activation.to_device(device));
-                }
-                state.recorder.record(SpanKind::RecvWait, None, started);
-                Activation::cat_batch(parts).ok_or_else(|| {
-                    Error::block(stage.blocks.start + 1, "received activations of different kinds")
-                })?
-            };
-            beat.beat();
-
-            // 2. Teacher blocks; keep (input, output) of the blocks trained here.
-            let mut pairs = Vec::with_capacity(stage.blocks.len());
-            for (offset, block) in teacher_blocks.iter().enumerate() {
-                let k = teacher_start + offset;
-                state.position.block = Some(k + 1);
-                let y =
-                    state.recorder.time(SpanKind::TeacherForward, Some(k + 1), || block.forward(x.clone()));
-                let y = y.map_err(|e| relabel(e, k + 1))?;
-                if k >= stage.blocks.start && active[k - stage.blocks.start] {
-                    pairs.push((x, y.clone()));
-                }
-                x = y;
-                beat.beat();
-            }
-
-            // 3. Relay the boundary activation at once.
-            for out in &worker.outbound {
-                let started = Instant::now();
-                let msg = ActivationMsg {
-                    step,
-                    arch: is_arch,
-                    activation: x.clone().narrow_batch(out.start, out.len),
-                };
-                let _waiting = beat.waiting();
-                send(&out.tx, msg, stop, timeout, || {
-                    format!("{name} could not hand step {step} to {}", out.to)
-                })?;
-                state.recorder.record(SpanKind::SendWait, None, started);
-            }
-            drop(x);
-
-            // 4. Students: forward + backward per block.
-            let mut grads = Vec::with_capacity(pairs.len());
-            let mut weighted_losses = Vec::with_capacity(pairs.len());
-            let active_trainers = worker.trainers.iter().zip(&active).filter(|(_, &a)| a).map(|(t, _)| t);
-            for (trainer, (input, target)) in active_trainers.zip(pairs) {
-                state.position.block = Some(trainer.index + 1);
-                let block = Some(trainer.index + 1);
-                let (loss, g) = state.recorder.time(SpanKind::StudentForwardBackward, block, || {
-                    if is_arch {
-                        trainer.compute_arch_grads(input, target, weight)
-                    } else {
-                        trainer.compute_grads(input, target, weight)
-                    }
-                })?;
-                grads.push(g);
-                weighted_losses.push(loss * weight);
-                beat.beat();
-            }
-            state.position.block = None;
-
-            // 5. Gradient exchange, barrier, optimizer step.
-            if !any_active {
-                if let Some(barrier) = barrier {
-                    let _waiting = beat.waiting();
-                    barrier.wait(stop, timeout, &name)?;
-                }
-                if worker.is_leader() && !is_arch {
-                    let _ = progress.send(ProgressMsg { stage: worker.stage, step, losses: Vec::new() });
-                }
-                continue;
-            }
-            match &worker.role {
-                Role::Follower { to_leader, from_leader } => {
-                    let started = Instant::now();
-                    let _waiting = beat.waiting();
-                    send(to_leader, GradientMsg { step, grads, weighted_losses }, stop, timeout, || {
-                        format!("{name} could not hand its gradients of step {step} to replica 0")
-                    })?;
-                    if let Some(barrier) = barrier {
-                        barrier.wait(stop, timeout, &name)?;
-                    }
-                    let msg = receive(from_leader, stop, timeout, || {
-                        format!("{name} timed out waiting for replica 0's update of step {step}")
-                    })?;
-                    state.recorder.record(SpanKind::GradientAverage, None, started);
-                    debug_assert_eq!(msg.step, step);
-                    let active_trainers = worker.trainers.iter_mut().zip(&active).filter(|(_, &a)| a);
-                    for ((trainer, _), module) in active_trainers.zip(msg.modules) {
-                        trainer.replace_module(module.fork(device));
-                        if !is_arch {
-                            trainer.advance(f32::NAN);
-                        }
-                    }
-                }
-                Role::Solo | Role::Leader { .. } => {
-                    let mut per_replica = vec![grads.into_iter()];
-                    let mut losses = weighted_losses;
-                    if let Role::Leader { from_followers, .. } = &worker.role {
-                        let started = Instant::now();
-                        let _waiting = beat.waiting();
-                        for (i, rx) in from_followers.iter().enumerate() {
-                            let msg = receive(rx, stop, timeout, || {
-                                format!(
-                                    "{name} timed out waiting for the gradients of replica {} at step {step}",
-                                    i + 1
-                                )
-                            })?;
-                            debug_assert_eq!(msg.step, step);
-                            per_replica.push(msg.grads.into_iter());
-                            for (total, l) in losses.iter_mut().zip(msg.weighted_losses) {
-                                *total += l;
-                            }
-                        }
-                        state.recorder.record(SpanKind::GradientAverage, None, started);
-                    }
-                    if let Some(barrier) = barrier {
-                        let started = Instant::now();
-                        let _waiting = beat.waiting();
-                        barrier.wait(stop, timeout, &name)?;
-                        state.recorder.record(SpanKind::BarrierWait, None, started);
-                    }
-                    let log_this =
-                        !is_arch && (step % settings.log_every == 0 || step + 1 == context.total_steps);
-                    let mut report = Vec::with_capacity(worker.trainers.len());
-                    let active_trainers = worker.trainers.iter_mut().zip(&active).filter(|(_, &a)| a);
-                    for ((trainer, _), &loss) in active_trainers.zip(&losses) {
-                        state.position.block = Some(trainer.index + 1);
-                        let block_grads: Vec<GradientsParams> =
-                            per_replica.iter_mut().map(|g| g.next().unwrap_or_default()).collect();
-                        let lr = trainer.current_lr();
-                        state.recorder.time(SpanKind::OptimizerStep, Some(trainer.index + 1), || {
-                            if is_arch {
-                                trainer.apply_arch(block_grads)
-                            } else {
-                                trainer.apply(block_grads, &[loss])
-                            }
-                        })?;
-                        if log_this {
-                            state.rows.push(MetricRow { epoch, step, block: trainer.index + 1, loss, lr });
-                        }
-                        report.push((trainer.index, loss));
-                    }
-                    beat.beat();
-                    if let Role::Leader { to_followers, .. } = &worker.role {
-                        let started = Instant::now();
-                        let _waiting = beat.waiting();
-                        for (i, tx) in to_followers.iter().enumerate() {
-                            let modules: Vec<S> = worker
-                                .trainers
-                                .iter()
-                                .zip(&active)
-                                .filter(|(_, &a)| a)
-                                .filter_map(|(t, _)| t.module().map(detached_copy))
-                                .collect();
-                            send(tx, ModuleMsg { step, modules }, stop, timeout, || {
-                                format!(
-                                    "{name} could not hand the update of step {step} to replica {}",
-                                    i + 1
-                                )
-                            })?;
-                        }
-                        state.recorder.record(SpanKind::GradientAverage, None, started);
-                    }
-                    if !is_arch {
-                        write_checkpoints(context, worker, &active, &mut last_checkpoint, state, stop)?;
-                        let _ = progress.send(ProgressMsg { stage: worker.stage, step, losses: report });
-                    }
-                }
-            }
+        for tick in arch_tick.map(Tick::Arch).into_iter().chain([Tick::Train]) {
+            run_tick(context, &env, worker, state, &mut cursor, step, tick)?;
         }
     }
     Ok(())
+}
+
+/// One tick of `step`: the input, the teacher blocks, the relay to the next
+/// stage, the students' gradients, then the exchange with the other replicas
+/// and the optimizer step (and, after a training tick, the checkpoints and
+/// the progress report).
+fn run_tick<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    env: &Env<'_, B, T>,
+    worker: &mut Worker<B, S>,
+    state: &mut LoopState<'_>,
+    cursor: &mut Cursor,
+    step: usize,
+    tick: Tick,
+) -> Flow<()>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let is_arch = tick != Tick::Train;
+    // A block ahead of this step (resumed from a newer checkpoint) only
+    // relays; an architecture tick trains the supernet blocks only.
+    let active: Vec<bool> =
+        worker.trainers.iter().map(|t| t.step == step && (!is_arch || t.searches_paths())).collect();
+
+    let x = if env.stage.loads_data {
+        load_batch(context, env, worker, state, cursor, step, tick)?
+    } else {
+        receive_inputs(env, worker, state, step, tick)?
+    };
+    state.beat.beat();
+    let (x, pairs) = teacher_forward(env, &active, state, x)?;
+    relay(env, worker, state, step, is_arch, x)?;
+    let (grads, weighted_losses) = student_gradients(env, worker, &active, state, is_arch, pairs)?;
+    state.position.block = None;
+
+    if !active.iter().any(|&a| a) {
+        // Nothing to train here this tick: keep in step with the others.
+        if let Some(barrier) = env.barrier {
+            let _waiting = state.beat.waiting();
+            barrier.wait(env.stop, env.timeout, &env.name)?;
+        }
+        if worker.is_leader() && !is_arch {
+            let _ = env.progress.send(ProgressMsg { stage: worker.stage, step, losses: Vec::new() });
+        }
+        return Ok(());
+    }
+    match &worker.role {
+        Role::Follower { to_leader, from_leader } => {
+            let msg = GradientMsg { step, grads, weighted_losses };
+            follower_update(env, &mut worker.trainers, &active, state, (to_leader, from_leader), msg, is_arch)
+        }
+        role @ (Role::Solo | Role::Leader { .. }) => {
+            let epoch = step / context.per_epoch;
+            let log_this =
+                !is_arch && (step % context.settings.log_every == 0 || step + 1 == context.total_steps);
+            let mine = GradientMsg { step, grads, weighted_losses };
+            let report = leader_update(
+                env,
+                &mut worker.trainers,
+                role,
+                &active,
+                state,
+                mine,
+                is_arch,
+                |step, block, loss, lr| log_this.then_some(MetricRow { epoch, step, block, loss, lr }),
+            )?;
+            if !is_arch {
+                write_checkpoints(context, worker, &active, &mut cursor.last_checkpoint, state, env.stop)?;
+                let _ = env.progress.send(ProgressMsg { stage: worker.stage, step, losses: report });
+            }
+            Ok(())
+        }
+    }
+}
+
+/// A stage that reads the data: this replica's share of the tick's batch
+/// (a training batch, or an architecture tick's held-out batch).
+fn load_batch<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    env: &Env<'_, B, T>,
+    worker: &Worker<B, S>,
+    state: &mut LoopState<'_>,
+    cursor: &mut Cursor,
+    step: usize,
+    tick: Tick,
+) -> Flow<Activation<B::InnerBackend>>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let batch = context.settings.batch_size;
+    let share = &worker.share;
+    let (data, indices) = match (tick, context.held_out) {
+        (Tick::Arch(index), Some(held)) => {
+            let per_pass = (held.len() / batch).max(1);
+            let pass = index / per_pass;
+            if pass != cursor.held_pass {
+                cursor.held_order = context.order.epoch(held.len(), pass);
+                cursor.held_pass = pass;
+            }
+            let base = (index % per_pass) * batch;
+            (held, &cursor.held_order[base + share.start..base + share.end])
+        }
+        _ => {
+            let epoch = step / context.per_epoch;
+            if epoch != cursor.order_epoch {
+                cursor.order = context.order.epoch(context.data.len(), epoch);
+                cursor.order_epoch = epoch;
+            }
+            let base = (step % context.per_epoch) * batch;
+            (context.data, &cursor.order[base + share.start..base + share.end])
+        }
+    };
+    let x = state.recorder.time(SpanKind::DataLoad, None, || data.batch(indices, env.device));
+    x.map_err(|e| Halt::Failed(relabel(e, env.stage.blocks.start + 1)))
+}
+
+/// A stage fed by the previous one: the activations of `step`'s tick from
+/// every inbound replica, joined along the batch.
+fn receive_inputs<B, T, S>(
+    env: &Env<'_, B, T>,
+    worker: &Worker<B, S>,
+    state: &mut LoopState<'_>,
+    step: usize,
+    tick: Tick,
+) -> Flow<Activation<B::InnerBackend>>
+where
+    B: DistillBackend,
+    S: StudentModule<B>,
+{
+    let is_arch = tick != Tick::Train;
+    let name = &env.name;
+    let started = Instant::now();
+    let mut parts = Vec::with_capacity(worker.inbound.len());
+    for inbound in &worker.inbound {
+        let _waiting = state.beat.waiting();
+        let msg = receive(&inbound.rx, env.stop, env.timeout, || {
+            format!("{name} timed out waiting for the activation of step {step} from {}", inbound.from)
+        })?;
+        // Stages out of step are a bug in the runtime, not a lost device:
+        // an `Error::Training` ends the run instead of triggering a recovery
+        // (`Error::is_device_failure`).
+        if msg.step != step || msg.arch != is_arch {
+            let got = if msg.arch { "architecture" } else { "training" };
+            return Err(Halt::Failed(Error::Training {
+                block: env.stage.blocks.start + 1,
+                step,
+                message: format!(
+                    "{name} expected the {} activation of step {step} from {} but received the {got} one of step {}",
+                    tick.name(),
+                    inbound.from,
+                    msg.step
+                ),
+            }));
+        }
+        parts.push(msg.activation.to_device(env.device));
+    }
+    state.recorder.record(SpanKind::RecvWait, None, started);
+    Activation::cat_batch(parts).ok_or_else(|| {
+        Halt::Failed(Error::block(env.stage.blocks.start + 1, "received activations of different kinds"))
+    })
+}
+
+/// The teacher blocks of the stage on `x`: the boundary activation for the
+/// next stage, and the (input, output) pair of every active block.
+#[allow(clippy::type_complexity)]
+fn teacher_forward<B, T>(
+    env: &Env<'_, B, T>,
+    active: &[bool],
+    state: &mut LoopState<'_>,
+    mut x: Activation<B::InnerBackend>,
+) -> Flow<(Activation<B::InnerBackend>, Vec<(Activation<B::InnerBackend>, Activation<B::InnerBackend>)>)>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+{
+    let teacher_start = env.stage.teacher_start();
+    let mut pairs = Vec::with_capacity(env.stage.blocks.len());
+    for (offset, block) in env.teacher_blocks.iter().enumerate() {
+        let k = teacher_start + offset;
+        state.position.block = Some(k + 1);
+        let y = state.recorder.time(SpanKind::TeacherForward, Some(k + 1), || block.forward(x.clone()));
+        let y = y.map_err(|e| relabel(e, k + 1))?;
+        if k >= env.stage.blocks.start && active[k - env.stage.blocks.start] {
+            pairs.push((x, y.clone()));
+        }
+        x = y;
+        state.beat.beat();
+    }
+    Ok((x, pairs))
+}
+
+/// Hands the boundary activation `x` to every replica of the next stage
+/// (each its part of this worker's share), at once.
+fn relay<B, T, S>(
+    env: &Env<'_, B, T>,
+    worker: &Worker<B, S>,
+    state: &mut LoopState<'_>,
+    step: usize,
+    arch: bool,
+    x: Activation<B::InnerBackend>,
+) -> Flow<()>
+where
+    B: DistillBackend,
+    S: StudentModule<B>,
+{
+    for out in &worker.outbound {
+        let started = Instant::now();
+        let msg = ActivationMsg { step, arch, activation: x.clone().narrow_batch(out.start, out.len) };
+        let _waiting = state.beat.waiting();
+        send(&out.tx, msg, env.stop, env.timeout, || {
+            format!("{} could not hand step {step} to {}", env.name, out.to)
+        })?;
+        state.recorder.record(SpanKind::SendWait, None, started);
+    }
+    Ok(())
+}
+
+/// Forward and backward of every active student on its (input, target)
+/// pair: the gradients and the losses weighted by this replica's share.
+#[allow(clippy::type_complexity)]
+fn student_gradients<B, T, S>(
+    env: &Env<'_, B, T>,
+    worker: &Worker<B, S>,
+    active: &[bool],
+    state: &mut LoopState<'_>,
+    arch: bool,
+    pairs: Vec<(Activation<B::InnerBackend>, Activation<B::InnerBackend>)>,
+) -> Flow<(Vec<GradientsParams>, Vec<f32>)>
+where
+    B: DistillBackend,
+    S: StudentModule<B>,
+{
+    let mut grads = Vec::with_capacity(pairs.len());
+    let mut weighted_losses = Vec::with_capacity(pairs.len());
+    let active_trainers = worker.trainers.iter().zip(active).filter(|(_, &a)| a).map(|(t, _)| t);
+    for (trainer, (input, target)) in active_trainers.zip(pairs) {
+        let block = Some(trainer.index + 1);
+        state.position.block = block;
+        let (loss, g) = state.recorder.time(SpanKind::StudentForwardBackward, block, || {
+            if arch {
+                trainer.compute_arch_grads(input, target, env.weight)
+            } else {
+                trainer.compute_grads(input, target, env.weight)
+            }
+        })?;
+        grads.push(g);
+        weighted_losses.push(loss * env.weight);
+        state.beat.beat();
+    }
+    Ok((grads, weighted_losses))
+}
+
+/// A follower replica: hands its gradients to replica 0 and takes the
+/// updated modules back.
+fn follower_update<B, T, S>(
+    env: &Env<'_, B, T>,
+    trainers: &mut [BlockTrainer<B, S>],
+    active: &[bool],
+    state: &mut LoopState<'_>,
+    (to_leader, from_leader): (&Sender<GradientMsg>, &Receiver<ModuleMsg<S>>),
+    mine: GradientMsg,
+    arch: bool,
+) -> Flow<()>
+where
+    B: DistillBackend,
+    S: StudentModule<B>,
+{
+    let (name, step) = (&env.name, mine.step);
+    let started = Instant::now();
+    let _waiting = state.beat.waiting();
+    send(to_leader, mine, env.stop, env.timeout, || {
+        format!("{name} could not hand its gradients of step {step} to replica 0")
+    })?;
+    if let Some(barrier) = env.barrier {
+        barrier.wait(env.stop, env.timeout, name)?;
+    }
+    let msg = receive(from_leader, env.stop, env.timeout, || {
+        format!("{name} timed out waiting for replica 0's update of step {step}")
+    })?;
+    state.recorder.record(SpanKind::GradientAverage, None, started);
+    debug_assert_eq!(msg.step, step);
+    let active_trainers = trainers.iter_mut().zip(active).filter(|(_, &a)| a);
+    for ((trainer, _), module) in active_trainers.zip(msg.modules) {
+        trainer.replace_module(module.fork(env.device));
+        if !arch {
+            trainer.advance(f32::NAN);
+        }
+    }
+    Ok(())
+}
+
+/// Replica 0 (or the only one): gathers the followers' gradients, waits at
+/// the barrier, steps every active block's optimizer (or its architecture
+/// logits), and sends the updated modules to the followers. `row` turns a
+/// (step, block, loss, lr) into the metric row to keep, if any. Returns
+/// each stepped block's index and summed loss.
+#[allow(clippy::too_many_arguments)]
+fn leader_update<B, T, S>(
+    env: &Env<'_, B, T>,
+    trainers: &mut [BlockTrainer<B, S>],
+    role: &Role<S>,
+    active: &[bool],
+    state: &mut LoopState<'_>,
+    mine: GradientMsg,
+    arch: bool,
+    row: impl Fn(usize, usize, f32, f64) -> Option<MetricRow>,
+) -> Flow<Vec<(usize, f32)>>
+where
+    B: DistillBackend,
+    S: StudentModule<B>,
+{
+    let (name, step) = (&env.name, mine.step);
+    let mut per_replica = vec![mine.grads.into_iter()];
+    let mut losses = mine.weighted_losses;
+    if let Role::Leader { from_followers, .. } = role {
+        let started = Instant::now();
+        let _waiting = state.beat.waiting();
+        for (i, rx) in from_followers.iter().enumerate() {
+            let msg = receive(rx, env.stop, env.timeout, || {
+                format!("{name} timed out waiting for the gradients of replica {} at step {step}", i + 1)
+            })?;
+            debug_assert_eq!(msg.step, step);
+            per_replica.push(msg.grads.into_iter());
+            for (total, l) in losses.iter_mut().zip(msg.weighted_losses) {
+                *total += l;
+            }
+        }
+        state.recorder.record(SpanKind::GradientAverage, None, started);
+    }
+    if let Some(barrier) = env.barrier {
+        let started = Instant::now();
+        let _waiting = state.beat.waiting();
+        barrier.wait(env.stop, env.timeout, name)?;
+        state.recorder.record(SpanKind::BarrierWait, None, started);
+    }
+    let mut report = Vec::with_capacity(trainers.len());
+    let active_trainers = trainers.iter_mut().zip(active).filter(|(_, &a)| a);
+    for ((trainer, _), &loss) in active_trainers.zip(&losses) {
+        state.position.block = Some(trainer.index + 1);
+        let block_grads: Vec<GradientsParams> =
+            per_replica.iter_mut().map(|g| g.next().unwrap_or_default()).collect();
+        let lr = trainer.current_lr();
+        state.recorder.time(SpanKind::OptimizerStep, Some(trainer.index + 1), || {
+            if arch {
+                trainer.apply_arch(block_grads)
+            } else {
+                trainer.apply(block_grads, &[loss])
+            }
+        })?;
+        if let Some(r) = row(step, trainer.index + 1, loss, lr) {
+            state.rows.push(r);
+        }
+        report.push((trainer.index, loss));
+    }
+    state.beat.beat();
+    if let Role::Leader { to_followers, .. } = role {
+        let started = Instant::now();
+        let _waiting = state.beat.waiting();
+        for (i, tx) in to_followers.iter().enumerate() {
+            let modules: Vec<S> = trainers
+                .iter()
+                .zip(active)
+                .filter(|(_, &a)| a)
+                .filter_map(|(t, _)| t.module().map(detached_copy))
+                .collect();
+            send(tx, ModuleMsg { step, modules }, env.stop, env.timeout, || {
+                format!("{name} could not hand the update of step {step} to replica {}", i + 1)
+            })?;
+        }
+        state.recorder.record(SpanKind::GradientAverage, None, started);
+    }
+    Ok(report)
 }
 
 /// What a worker does within one step: an architecture tick (a held-out

@@ -234,8 +234,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             // Nothing to train (a `skip` student): no graph to walk back.
             return Ok((value, GradientsParams::new()));
         }
-        let loss = if weight == 1.0 { loss } else { loss.mul_scalar(weight) };
-        Ok((value, GradientsParams::from_grads(loss.backward(), module)))
+        Ok((value, scaled_grads(loss, weight, module)))
     }
 
     /// One architecture step's gradient on a held-out batch (a supernet
@@ -283,8 +282,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         let loss =
             module.loss(mixed, Activation::from_inner(target), &self.loss).map_err(|e| relabel(e, block))?;
         let value = self.finite(&loss)?;
-        let loss = if weight == 1.0 { loss } else { loss.mul_scalar(weight) };
-        Ok((value, GradientsParams::from_grads(loss.backward(), module)))
+        Ok((value, scaled_grads(loss, weight, module)))
     }
 
     /// One architecture step with every replica's gradients (summed in the
@@ -453,6 +451,17 @@ pub struct TrainerState {
     pub step: usize,
     /// The last losses (for the report's final loss).
     pub recent_losses: Vec<f32>,
+}
+
+/// The gradients of `loss` times `weight` (a replica's share of the batch)
+/// for `module`'s parameters.
+fn scaled_grads<B: DistillBackend, S: StudentModule<B>>(
+    loss: Tensor<B, 1>,
+    weight: f32,
+    module: &S,
+) -> GradientsParams {
+    let loss = if weight == 1.0 { loss } else { loss.mul_scalar(weight) };
+    GradientsParams::from_grads(loss.backward(), module)
 }
 
 /// One update of `module` by `optimizer` with the gradients of every
@@ -662,13 +671,16 @@ mod tests {
             let Activation::Maps(t) = a else { panic!() };
             t.into_data().iter::<f32>().map(f64::from).collect()
         };
-        let outputs: Vec<Vec<f64>> = module.candidates().iter().map(|c| flat(c.forward(x.clone()).unwrap())).collect();
+        let outputs: Vec<Vec<f64>> =
+            module.candidates().iter().map(|c| flat(c.forward(x.clone()).unwrap())).collect();
         let target = flat(y);
         let n = target.len() as f64;
         let d_out: Vec<f64> = outputs[path].iter().zip(&target).map(|(o, t)| 2.0 * (o - t) / n).collect();
-        let expected_loss: f64 = outputs[path].iter().zip(&target).map(|(o, t)| (o - t).powi(2)).sum::<f64>() / n;
+        let expected_loss: f64 =
+            outputs[path].iter().zip(&target).map(|(o, t)| (o - t).powi(2)).sum::<f64>() / n;
         assert!((loss as f64 - expected_loss).abs() <= 1e-5 * expected_loss, "{loss} vs {expected_loss}");
-        let d_gate: Vec<f64> = outputs.iter().map(|o| o.iter().zip(&d_out).map(|(a, b)| a * b).sum()).collect();
+        let d_gate: Vec<f64> =
+            outputs.iter().map(|o| o.iter().zip(&d_out).map(|(a, b)| a * b).sum()).collect();
         let expected: Vec<f64> = (0..p.len())
             .map(|i| (0..p.len()).map(|j| d_gate[j] * p[j] * (if i == j { 1.0 } else { 0.0 } - p[i])).sum())
             .collect();
