@@ -163,10 +163,8 @@ where
         let lrs: Vec<f64> = trainers.iter().map(|t| t.current_lr()).collect();
         let losses = if through_blocks {
             let (losses, output) = end_to_end_step(teacher, &mut trainers, input, output_loss)?;
-            if let Some(value) = output {
-                if step / per_epoch + 1 == epochs {
-                    output_losses.push(value);
-                }
+            if epoch + 1 == epochs {
+                output_losses.extend(output);
             }
             losses
         } else {
