@@ -74,6 +74,21 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// Processes of a multi-process run (MPI) cannot reach each other, or
+    /// sent something this build cannot read.
+    #[error("transport: {message}")]
+    Transport {
+        /// What failed, naming the ranks.
+        message: String,
+    },
+    /// Another process of a multi-process run failed or went silent.
+    #[error("rank {rank}: {message}")]
+    Peer {
+        /// The rank that failed.
+        rank: usize,
+        /// Its error, as it reported it (or the silence noticed).
+        message: String,
+    },
     /// A pipeline worker waited longer than the configured timeout.
     #[error("timeout: {message}")]
     Timeout {

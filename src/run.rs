@@ -5,7 +5,8 @@
 //! device string, everything below is generic over burn's backend.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use pipebd_core::{Block, BlockSpec, Dataset, Loss, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
@@ -24,7 +25,8 @@ use crate::planning::simulate::simulate_shared;
 use crate::preflight::{check_out_dir, preflight};
 use crate::profile::auto_plan;
 use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
-use crate::runtime::{concurrent_workers, threads_per_worker, Distillation};
+use crate::runtime::transport::{ranks_on_this_node, Tag, Transport};
+use crate::runtime::{concurrent_workers, cores, threads_per_worker, Distillation};
 use crate::search::score::{block_scores, measure_candidates};
 use crate::trace::write_chrome_trace;
 use crate::train::stitch::{OutputLoss, StitchedPass};
@@ -98,18 +100,100 @@ pub fn run<Z: Zoo>(
     options: &RunFlags,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<RunReport> {
+    run_rank(zoo, config, out_dir, options, None, observer)?
+        .ok_or_else(|| Error::Transport { message: "a single-process run ended without a report".into() })
+}
+
+/// [`run`] as one rank of a run spread over processes (`transport`; `None`:
+/// this process alone). Device slot `r` runs on rank `r`, so the plan must
+/// use exactly as many slots as there are ranks; a config with a single
+/// `device` gets one slot of it per rank. Every rank trains its workers
+/// and writes its stage leaders' checkpoints; rank 0 alone chooses an
+/// `auto` plan (and hands it to the others), then evaluates, stitches and
+/// writes the outputs, and returns the report (`None` on the other ranks).
+pub fn run_rank<Z: Zoo>(
+    zoo: &Z,
+    config: &RunConfig,
+    out_dir: &Path,
+    options: &RunFlags,
+    transport: Option<Arc<dyn Transport>>,
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<Option<RunReport>> {
     check_out_dir(out_dir)?;
+    let mut config = config.clone();
+    if let Some(t) = &transport {
+        let slots = config.device_slots();
+        if slots.len() == 1 {
+            config.devices = Some(vec![slots[0].clone(); t.ranks()]);
+        }
+    }
+    let config = &config;
     let (devices, plan) = preflight(zoo, config)?;
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    let (plan, costs) = match plan {
-        Some(plan) => (plan, None),
-        None => {
+    let (plan, costs) = match (plan, &transport) {
+        (Some(plan), _) => (plan, None),
+        (None, Some(t)) if t.rank() != 0 => (receive_plan(t.as_ref())?, None),
+        (None, _) => {
             let mut say = |line: &str| eprintln!("auto: {line}");
-            let (plan, costs) = auto_plan(zoo, config, &mut say)?;
+            let planned = auto_plan(zoo, config, &mut say);
+            if let Some(t) = &transport {
+                share_plan(t.as_ref(), planned.as_ref().map(|(plan, _)| plan).map_err(|e| e.to_string()))?;
+            }
+            let (plan, costs) = planned?;
             (plan, Some(costs))
         }
     };
-    dispatch(&devices, Job { zoo, config, plan: &plan, costs: costs.as_ref(), out_dir, options, observer })
+    if let Some(t) = &transport {
+        if plan.slots() != t.ranks() {
+            return Err(Error::Plan {
+                plan: plan.name.clone(),
+                message: format!(
+                    "{} uses {} device slots, one process (rank) each, but {} ranks were started: \
+                     start it with `mpirun -np {}`, or give the config {} device slots",
+                    plan.describe(),
+                    plan.slots(),
+                    t.ranks(),
+                    plan.slots(),
+                    t.ranks()
+                ),
+            });
+        }
+    }
+    let job = Job { zoo, config, plan: &plan, costs: costs.as_ref(), out_dir, options, observer, transport };
+    dispatch(&devices, job)
+}
+
+/// Rank 0's `auto` plan (or why it has none) for the other ranks.
+fn share_plan(transport: &dyn Transport, plan: std::result::Result<&Plan, String>) -> Result<()> {
+    let message = match plan {
+        Ok(plan) => serde_json::json!({ "plan": plan }),
+        Err(error) => serde_json::json!({ "error": error }),
+    };
+    let bytes = serde_json::to_vec(&message).unwrap_or_default();
+    for rank in 1..transport.ranks() {
+        transport.post(rank, Tag::Plan, bytes.clone())?;
+    }
+    Ok(())
+}
+
+/// How long a rank waits for rank 0 to profile and choose an `auto` plan.
+const PLAN_WAIT: Duration = Duration::from_secs(3600);
+
+/// The plan rank 0 chose.
+fn receive_plan(transport: &dyn Transport) -> Result<Plan> {
+    let bytes = transport.receive(0, Tag::Plan, PLAN_WAIT)?.ok_or_else(|| Error::Timeout {
+        message: format!(
+            "rank {} waited {} s for rank 0's `auto` plan",
+            transport.rank(),
+            PLAN_WAIT.as_secs()
+        ),
+    })?;
+    let bad = |e: String| Error::Transport { message: format!("rank 0's plan does not decode: {e}") };
+    let mut message: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+    if let Some(error) = message.get("error").and_then(|e| e.as_str()) {
+        return Err(Error::Peer { rank: 0, message: format!("could not choose a plan: {error}") });
+    }
+    serde_json::from_value(message["plan"].take()).map_err(|e| bad(e.to_string()))
 }
 
 struct Job<'a, Z> {
@@ -120,12 +204,13 @@ struct Job<'a, Z> {
     out_dir: &'a Path,
     options: &'a RunFlags,
     observer: &'a mut dyn FnMut(&Progress),
+    transport: Option<Arc<dyn Transport>>,
 }
 
 impl<Z: Zoo> BackendJob for Job<'_, Z> {
-    type Output = RunReport;
+    type Output = Option<RunReport>;
 
-    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<RunReport> {
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<Option<RunReport>> {
         let config = self.config;
         let start = Instant::now();
         let device = &devices[0];
@@ -138,7 +223,15 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let (trained_on, held_out) =
             held_out_split(train.as_ref(), config.has_candidates().then_some(config.search.held_out));
 
-        let runtime = runtime_settings_for(config, self.out_dir, self.options, self.costs)?;
+        let mut runtime = runtime_settings_for(config, self.out_dir, self.options, self.costs)?;
+        if let Some(transport) = &self.transport {
+            if runtime.threads_per_worker == 0 {
+                // The ranks on one machine share its cores.
+                runtime.threads_per_worker = (cores() / ranks_on_this_node()).max(1);
+            }
+            runtime.transport = Some(transport.clone());
+        }
+        let rank = self.transport.as_ref().map_or(0, |t| t.rank());
         let settings = config.train_settings();
         let mut distillation = Distillation::new(&teacher, students, &trained_on)
             .settings(settings.clone())
@@ -150,6 +243,11 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             distillation = distillation.held_out(held_out);
         }
         let output = distillation.run(self.plan)?;
+        if rank != 0 {
+            // Rank 0 holds every block too (each phase ends with the
+            // states exchanged) and writes the outputs.
+            return Ok(None);
+        }
         let mut log = output.log;
         let (students, stitched) = match config.train.stitched_epochs {
             0 => (output.students, None),
@@ -162,10 +260,10 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
                     optimizer: optimizer.clone(),
                     first_step: log.steps,
                     gradients: config.train.stitched_gradients,
-                    output_loss: config.train.stitched_output_loss.map(|kind| OutputLoss {
-                        kind,
-                        weight: config.train.stitched_output_weight,
-                    }),
+                    output_loss: config
+                        .train
+                        .stitched_output_loss
+                        .map(|kind| OutputLoss { kind, weight: config.train.stitched_output_weight }),
                 };
                 let (students, pass) = crate::train::stitch::stitched_pass(
                     &teacher,
@@ -185,7 +283,10 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
                     seconds: pass.seconds,
                     final_losses: pass.final_losses,
                     output_loss: config.train.stitched_output_loss.map(|kind| kind.name().to_string()),
-                    output_weight: config.train.stitched_output_loss.map(|_| config.train.stitched_output_weight),
+                    output_weight: config
+                        .train
+                        .stitched_output_loss
+                        .map(|_| config.train.stitched_output_weight),
                     final_output_loss: pass.final_output_loss,
                 };
                 (students, Some(report))
@@ -255,7 +356,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             config: config.clone(),
         };
         report.write(self.out_dir)?;
-        Ok(report)
+        Ok(Some(report))
     }
 }
 

@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::fsio::write_atomic;
 
 /// What a worker was doing during a span.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SpanKind {
     /// Building a batch from the dataset.
@@ -73,7 +73,7 @@ impl SpanKind {
 }
 
 /// One timed span of one worker.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Span {
     /// Worker number (thread id in the trace).
     pub worker: usize,

@@ -63,6 +63,11 @@ enum Command {
         /// Hide the progress bar.
         #[arg(long)]
         quiet: bool,
+        /// How the processes of a run talk: `auto` (MPI when started by
+        /// `mpirun`/`srun` with more than one rank), `local` (one process),
+        /// `mpi` (needs a build with `--features mpi`).
+        #[arg(long, default_value = "auto", value_parser = crate::runtime::transport::TransportChoice::parse)]
+        transport: crate::runtime::transport::TransportChoice,
     },
     /// Time the same workload under several schedules side by side, with the
     /// speedups the single-device block costs predict.
@@ -205,6 +210,22 @@ pub fn run_with<Z: Zoo>(zoo: Z) -> ExitCode {
     }
 }
 
+/// Ends this rank's part in a multi-process run: flushes its last messages
+/// and shuts MPI down. After a failure a peer may be gone, and shutting down
+/// waits for peers in some MPI libraries: the process then exits on its own
+/// after a grace period rather than hang.
+fn close_transport(transport: std::sync::Arc<dyn crate::runtime::transport::Transport>, failed: bool) {
+    if failed {
+        let rank = transport.rank();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_secs(15));
+            eprintln!("pipebd: rank {rank}: MPI did not shut down within 15 s of the failure; exiting");
+            std::process::exit(1);
+        });
+    }
+    drop(transport);
+}
+
 fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
     match command {
         Command::Run {
@@ -218,15 +239,23 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             trace,
             epochs,
             quiet,
+            transport,
         } => {
             let out = out.or_else(|| resume.clone()).unwrap_or_else(|| PathBuf::from("runs/latest"));
             let config = zoo.load_config(&config, Overrides { device, devices, schedule, epochs })?;
-            let mut view = ProgressView::new(quiet);
+            let transport = crate::runtime::transport::open(transport)?;
+            let rank = transport.as_ref().map_or(0, |t| t.rank());
+            let mut view = ProgressView::new(quiet || rank != 0);
             let mut observer = |p: &Progress| view.show(p);
             let options = crate::run::RunFlags { trace, resume, max_failures };
-            let report = crate::run::run(zoo, &config, &out, &options, &mut observer);
+            let report = crate::run::run_rank(zoo, &config, &out, &options, transport.clone(), &mut observer);
             view.finish();
-            let report = report?;
+            if let Some(transport) = transport {
+                close_transport(transport, report.is_err());
+            }
+            let Some(report) = report? else {
+                return Ok(());
+            };
             println!(
                 "run `{}`: schedule {} {} on {}",
                 report.name, report.schedule, report.plan, report.device
@@ -523,7 +552,8 @@ fn search_command<Z: Zoo>(
     use crate::choose::{self, Budget, CostKind, SearchScores};
     if choice.is_none() && pareto.is_none() {
         return Err(crate::error::Error::Search {
-            message: "give --budget flops=N|params=N|latency=MS, --argmax, or --pareto flops|params|latency".into(),
+            message: "give --budget flops=N|params=N|latency=MS, --argmax, or --pareto flops|params|latency"
+                .into(),
         });
     }
     let scores = SearchScores::read(run_dir)?;
@@ -531,7 +561,10 @@ fn search_command<Z: Zoo>(
         let (chosen, how) = match choice {
             Choice::Budget(text) => {
                 let budget: Budget = text.parse()?;
-                (choose::choose(&scores, run_dir, budget)?, format!("--budget {}={}", budget.kind.name(), budget.limit))
+                (
+                    choose::choose(&scores, run_dir, budget)?,
+                    format!("--budget {}={}", budget.kind.name(), budget.limit),
+                )
             }
             Choice::Argmax => (choose::argmax(&scores, run_dir)?, "--argmax".to_string()),
         };
@@ -551,7 +584,8 @@ fn search_command<Z: Zoo>(
         let mut reference = scores.point(&first);
         let mut points: Vec<choose::ParetoPoint> = front.iter().map(|(_, p)| p.clone()).collect();
         if evaluate {
-            let mut configs: Vec<_> = front.iter().map(|(s, _)| scores.chosen_config(run_dir, &s.choice)).collect();
+            let mut configs: Vec<_> =
+                front.iter().map(|(s, _)| scores.chosen_config(run_dir, &s.choice)).collect();
             configs.push(scores.chosen_config(run_dir, &first));
             eprintln!("scoring {} stitched students on the test set...", configs.len());
             let accuracies = crate::eval::score_configs(zoo, &configs)?;
@@ -559,7 +593,10 @@ fn search_command<Z: Zoo>(
                 point.accuracy = Some(accuracy);
             }
         }
-        println!("{:>14} {:>10} {:>12} {:>10} {:>12} {:>9}", "choice", "loss", "flops", "params", "latency_ms", "accuracy");
+        println!(
+            "{:>14} {:>10} {:>12} {:>10} {:>12} {:>9}",
+            "choice", "loss", "flops", "params", "latency_ms", "accuracy"
+        );
         for p in &points {
             let accuracy = p.accuracy.map(|a| format!("{:.2}%", 100.0 * a)).unwrap_or_default();
             println!(

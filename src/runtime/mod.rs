@@ -34,15 +34,21 @@
 //! `resume` (checkpoint identity and restore), [`recovery`] (what a lost
 //! device changes).
 
+mod cluster;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod phase;
 pub mod recovery;
 mod resume;
 mod sync;
 mod topology;
+pub mod transport;
+mod wire;
 mod worker;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use phase::{run_phase, PhaseContext};
@@ -84,6 +90,11 @@ pub struct RuntimeSettings {
     pub costs: Option<CostTable>,
     /// Memory per device slot for re-planning.
     pub memory_per_device: Option<u64>,
+    /// A run spread over processes: this process is one rank and runs the
+    /// workers of device slot `rank` (none: every worker is a thread here).
+    /// A failure anywhere ends the run on every rank (no re-plan within the
+    /// run; `resume_from` continues it, on any number of ranks).
+    pub transport: Option<Arc<dyn transport::Transport>>,
 }
 
 impl Default for RuntimeSettings {
@@ -98,6 +109,7 @@ impl Default for RuntimeSettings {
             faults: Vec::new(),
             costs: None,
             memory_per_device: None,
+            transport: None,
         }
     }
 }
@@ -275,6 +287,18 @@ where
     if plan.slots() > devices.len() {
         return Err(plan_error(format!("needs {} device slots, {} given", plan.slots(), devices.len())));
     }
+    if let Some(transport) = &options.transport {
+        if plan.slots() > transport.ranks() {
+            return Err(plan_error(format!(
+                "{} needs {} device slots, one process (rank) each, but the run has {} ranks: start it with `mpirun -np {}`, or choose a plan for {} slots",
+                plan.describe(),
+                plan.slots(),
+                transport.ranks(),
+                plan.slots(),
+                transport.ranks()
+            )));
+        }
+    }
     let blocks = students.blocks.len();
     for phase in &plan.phases {
         for stage in &phase.stages {
@@ -301,11 +325,13 @@ where
     let held_out = match held_out {
         _ if arch_steps == 0 => None,
         Some(held) if held.len() >= batch => Some(held),
-        found => return Err(plan_error(format!(
+        found => {
+            return Err(plan_error(format!(
             "a single-path search takes its {arch_steps} architecture steps on held-out batches of {batch}, \
                  but {} held-out samples were given",
             found.map_or(0, |h| h.len())
-        ))),
+        )))
+        }
     };
     let Students { blocks: modules, specs, .. } = students;
     let order = DataOrder::new(settings.generator, settings.seed, specs.iter().map(|s| s.params).sum());
@@ -397,6 +423,11 @@ where
             phase_index += 1;
             continue;
         };
+        if options.transport.is_some() {
+            // Across processes a lost rank cannot be replaced within the
+            // run: every rank stops; the checkpoints resume it.
+            return Err(failure.error);
+        }
         let recovered = recover(failure, &plan, phase_index, &resilience.failures, &recovery)?;
         for trainer in recovered.trainers {
             let k = trainer.index;

@@ -12,8 +12,9 @@ use crossbeam_channel::{unbounded, RecvTimeoutError, Sender};
 use pipebd_core::{Block, Dataset, StudentModule, Teacher};
 use pipebd_kernels::DistillBackend;
 
+use super::cluster::{ClusterWatch, PhaseEnd};
 use super::sync::{Halt, Heartbeat, StepBarrier, Stop, POLL};
-use super::topology::{build_workers, Worker};
+use super::topology::{build_workers, Peer, Worker};
 use super::worker::{worker_loop, LoopState, Position};
 use super::{threads_per_worker, RuntimeSettings};
 use crate::error::{Error, Result};
@@ -106,14 +107,34 @@ where
     let who: Vec<(usize, usize, usize)> = workers.iter().map(|w| (w.stage, w.replica, w.slot)).collect();
     let heartbeats: Vec<Heartbeat> = (0..count).map(|_| Heartbeat::new(Instant::now())).collect();
     let stop = Stop::new();
-    let barrier = context.phase.barrier.then(|| StepBarrier::new(count));
+    let cluster = context.options.transport.clone();
+    let barrier = context.phase.barrier.then(|| match &cluster {
+        // One worker per rank: the barrier is with the other ranks of the phase.
+        Some(transport) => {
+            let mut ranks: Vec<usize> = context.phase.stages.iter().flat_map(|s| s.slots.clone()).collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            let peers = ranks
+                .into_iter()
+                .filter(|&r| r != transport.rank())
+                .map(|rank| Peer { transport: transport.clone(), rank })
+                .collect();
+            StepBarrier::across(peers)
+        }
+        None => StepBarrier::new(count),
+    });
+    let mut watch = cluster.map(|t| ClusterWatch::new(t, context.options.timeout.as_secs_f64()));
     let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
     let stages = context.phase.stages.len();
-    let phase_blocks: usize = context.phase.stages.iter().map(|s| s.blocks.len()).sum();
     let threads = threads_per_worker(context.options.threads_per_worker, count);
     let stall_limit = context.options.timeout.as_secs_f64();
-    let mut target_reached_at = None;
-    let mut completed = start_step;
+    let mut tally = Tally {
+        stage_step: vec![start_step; stages],
+        losses: vec![f32::NAN; context.phase.stages.iter().map(|s| s.blocks.len()).sum()],
+        first_block: context.phase.stages.first().map_or(0, |s| s.blocks.start),
+        reported: start_step,
+        target_reached_at: None,
+    };
 
     let results: Vec<std::thread::Result<WorkerResult<B, S>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = workers
@@ -136,40 +157,27 @@ where
         drop(progress_tx);
         // Forward progress to the observer until every worker has hung up,
         // and watch for workers that stopped moving.
-        let mut stage_step = vec![start_step; stages];
-        let mut losses = vec![f32::NAN; phase_blocks];
-        let first_block = context.phase.stages.first().map_or(0, |s| s.blocks.start);
-        let mut reported = start_step;
         loop {
+            let mut arrived = Vec::new();
+            let mut hung_up = false;
             match progress_rx.recv_timeout(POLL * 5) {
-                Ok(msg) => {
-                    stage_step[msg.stage] = stage_step[msg.stage].max(msg.step + 1);
-                    for (block, loss) in msg.losses {
-                        block_steps.insert(block, msg.step + 1);
-                        if let Some(slot) = losses.get_mut(block.saturating_sub(first_block)) {
-                            *slot = loss;
-                        }
-                    }
-                    let done = stage_step.iter().copied().min().unwrap_or(0);
-                    while reported < done {
-                        observer(&Progress {
-                            phase: context.phase_index,
-                            phases: context.phases,
-                            epoch: reported / context.per_epoch,
-                            epochs: context.settings.epochs,
-                            step_in_epoch: reported % context.per_epoch,
-                            steps_per_epoch: context.per_epoch,
-                            losses: losses.clone(),
-                        });
-                        reported += 1;
-                    }
-                    completed = reported;
-                    if context.recovery_target.is_some_and(|t| reported >= t) {
-                        target_reached_at.get_or_insert_with(Instant::now);
+                Ok(msg) => arrived.push(msg),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => hung_up = true,
+            }
+            if let Some(watch) = watch.as_mut() {
+                for msg in arrived.iter().filter(|_| watch.rank() != 0) {
+                    if let Err(e) = watch.forward(msg) {
+                        stop.raise(e);
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => break,
+                arrived.extend(watch.tick(&stop));
+            }
+            for msg in arrived {
+                tally.take(msg, context, observer, &mut block_steps);
+            }
+            if hung_up {
+                break;
             }
             if stop.is_raised() {
                 continue;
@@ -197,7 +205,7 @@ where
         spans: Vec::new(),
         workers: Vec::new(),
         checkpoints_written: 0,
-        target_reached_at,
+        target_reached_at: None,
         failure: None,
     };
     // The worker named by the first error is the failed one (its device is
@@ -231,10 +239,108 @@ where
         ));
         outcome.spans.extend(result.spans);
     }
+    // Across processes: every rank hands the others its leaders' block
+    // states and its records, and takes theirs.
+    if let (Some(watch), None) = (watch.as_mut(), &first) {
+        let local_leaders: Vec<usize> = context
+            .phase
+            .stages
+            .iter()
+            .filter(|s| s.slots.first() == Some(&watch.rank()))
+            .flat_map(|s| s.blocks.clone())
+            .collect();
+        let mine = PhaseEnd::collect(trainers, &local_leaders, Vec::new(), Vec::new(), Vec::new(), 0)?;
+        let mine = PhaseEnd {
+            rows: outcome.rows.clone(),
+            spans: outcome.spans.clone(),
+            workers: outcome.workers.clone(),
+            checkpoints_written: outcome.checkpoints_written,
+            ..mine
+        };
+        let mut on_progress = |msg| tally.take(msg, context, observer, &mut block_steps);
+        let ends = watch.finish_phase(&mine, &stop, &mut on_progress);
+        match ends {
+            Ok(Some(ends)) => {
+                let device = &context.devices[watch.rank().min(context.devices.len() - 1)];
+                for end in ends {
+                    for (k, state) in end.states {
+                        let trainer =
+                            trainers.get_mut(k).and_then(|t| t.as_mut()).ok_or_else(|| Error::Transport {
+                                message: format!(
+                                    "received the state of block {}, which this rank does not hold",
+                                    k + 1
+                                ),
+                            })?;
+                        trainer.load_state(state, device).map_err(|message| Error::Transport {
+                            message: format!(
+                                "the state of block {} received at the end of the phase: {message}",
+                                k + 1
+                            ),
+                        })?;
+                    }
+                    outcome.rows.extend(end.rows);
+                    outcome.spans.extend(end.spans);
+                    outcome.workers.extend(end.workers);
+                    outcome.checkpoints_written += end.checkpoints_written;
+                }
+                outcome.workers.sort_by_key(|w| w.worker);
+            }
+            Ok(None) => {}
+            Err(e) => stop.raise(e),
+        }
+    }
+    let first = first.or_else(|| stop.take());
+    outcome.target_reached_at = tally.target_reached_at;
     if let Some((error, detected_at)) = first {
+        let completed = tally.reported;
         outcome.failure = Some(PhaseFailure { error, detected_at, lost_blocks, block_steps, completed });
     }
     Ok(outcome)
+}
+
+/// Stage leaders' progress of a phase, turned into one observer call per
+/// step that every stage has completed.
+struct Tally {
+    stage_step: Vec<usize>,
+    losses: Vec<f32>,
+    first_block: usize,
+    reported: usize,
+    /// When every stage had completed the phase's recovery target.
+    target_reached_at: Option<Instant>,
+}
+
+impl Tally {
+    fn take<B: DistillBackend, T: Block<B::InnerBackend>>(
+        &mut self,
+        msg: ProgressMsg,
+        context: &PhaseContext<'_, B, T>,
+        observer: &mut dyn FnMut(&Progress),
+        block_steps: &mut BTreeMap<usize, usize>,
+    ) {
+        self.stage_step[msg.stage] = self.stage_step[msg.stage].max(msg.step + 1);
+        for (block, loss) in msg.losses {
+            block_steps.insert(block, msg.step + 1);
+            if let Some(slot) = self.losses.get_mut(block.saturating_sub(self.first_block)) {
+                *slot = loss;
+            }
+        }
+        let done = self.stage_step.iter().copied().min().unwrap_or(0);
+        while self.reported < done {
+            observer(&Progress {
+                phase: context.phase_index,
+                phases: context.phases,
+                epoch: self.reported / context.per_epoch,
+                epochs: context.settings.epochs,
+                step_in_epoch: self.reported % context.per_epoch,
+                steps_per_epoch: context.per_epoch,
+                losses: self.losses.clone(),
+            });
+            self.reported += 1;
+        }
+        if context.recovery_target.is_some_and(|t| self.reported >= t) {
+            self.target_reached_at.get_or_insert_with(Instant::now);
+        }
+    }
 }
 
 /// What a worker hands back when it returns.

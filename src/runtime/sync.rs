@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
-use crate::error::Error;
+use super::topology::{Peer, Sink, Source};
+use super::transport::{Tag, Transport};
+use crate::error::{Error, Result};
 
 /// How often a waiting worker looks at the stop signal.
 pub(super) const POLL: Duration = Duration::from_millis(20);
@@ -32,6 +34,10 @@ impl Stop {
     }
     pub(super) fn is_raised(&self) -> bool {
         self.raised.load(Ordering::SeqCst)
+    }
+    /// The first error's message, leaving it in place.
+    pub(super) fn describe(&self) -> Option<String> {
+        self.first.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(e, _)| e.to_string())
     }
     pub(super) fn take(&self) -> Option<(Error, Instant)> {
         self.first.lock().unwrap_or_else(|p| p.into_inner()).take()
@@ -100,18 +106,34 @@ impl From<Error> for Halt {
 pub(super) type Flow<T> = std::result::Result<T, Halt>;
 
 /// A global barrier with a timeout that also gives way to the stop signal.
+/// In a multi-process run each rank has one worker of the phase, and the
+/// barrier is an exchange of arrival messages with the other ranks.
 pub(super) struct StepBarrier {
     parties: usize,
     state: Mutex<(u64, usize)>,
     turned: Condvar,
+    /// The other ranks of the phase, in a multi-process run.
+    peers: Vec<Peer>,
 }
 
 impl StepBarrier {
     pub(super) fn new(parties: usize) -> Self {
-        Self { parties, state: Mutex::new((0, 0)), turned: Condvar::new() }
+        Self { parties, state: Mutex::new((0, 0)), turned: Condvar::new(), peers: Vec::new() }
+    }
+
+    /// The barrier of this rank's one worker with the workers of `peers`.
+    pub(super) fn across(peers: Vec<Peer>) -> Self {
+        Self { peers, ..Self::new(1) }
     }
 
     pub(super) fn wait(&self, stop: &Stop, timeout: Duration, who: &str) -> Flow<()> {
+        for peer in &self.peers {
+            peer.transport.post(peer.rank, Tag::Barrier, Vec::new())?;
+        }
+        for peer in &self.peers {
+            let what = || format!("{who} waited at the step barrier for rank {}", peer.rank);
+            receive_remote(peer, Tag::Barrier, stop, timeout, what)?;
+        }
         let start = Instant::now();
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let generation = state.0;
@@ -194,4 +216,70 @@ pub(super) fn send<M>(
             Err(SendTimeoutError::Disconnected(_)) => return Err(Halt::Stopped),
         }
     }
+}
+
+/// Receives the next message under `tag` from `peer`, polling the stop
+/// signal; gives up after `timeout`.
+pub(super) fn receive_remote(
+    peer: &Peer,
+    tag: Tag,
+    stop: &Stop,
+    timeout: Duration,
+    what: impl Fn() -> String,
+) -> Flow<Vec<u8>> {
+    let start = Instant::now();
+    loop {
+        if let Some(bytes) = peer.transport.receive(peer.rank, tag, POLL)? {
+            return Ok(bytes);
+        }
+        if stop.is_raised() {
+            return Err(Halt::Stopped);
+        }
+        if start.elapsed() > timeout {
+            return Err(Halt::Failed(Error::Timeout {
+                message: format!("{} (waited {:.0} s)", what(), timeout.as_secs_f64()),
+            }));
+        }
+    }
+}
+
+/// Sends `message` to a sink: on its channel, or encoded (`encode`) to
+/// another rank under `tag` (which never blocks).
+pub(super) fn send_to<M>(
+    sink: &Sink<M>,
+    message: M,
+    tag: Tag,
+    encode: impl FnOnce(M) -> Result<Vec<u8>>,
+    stop: &Stop,
+    timeout: Duration,
+    what: impl Fn() -> String,
+) -> Flow<()> {
+    match sink {
+        Sink::Local(tx) => send(tx, message, stop, timeout, what),
+        Sink::Remote(peer) => Ok(peer.transport.post(peer.rank, tag, encode(message)?)?),
+    }
+}
+
+/// Receives a message from a source: its channel, or another rank's
+/// message under `tag`, decoded by `decode`.
+pub(super) fn receive_from<M>(
+    source: &Source<M>,
+    tag: Tag,
+    decode: impl FnOnce(Vec<u8>) -> Result<M>,
+    stop: &Stop,
+    timeout: Duration,
+    what: impl Fn() -> String,
+) -> Flow<M> {
+    match source {
+        Source::Local(rx) => receive(rx, stop, timeout, what),
+        Source::Remote(peer) => Ok(decode(receive_remote(peer, tag, stop, timeout, what)?)?),
+    }
+}
+
+/// Posts `bytes` under `tag` to every rank in `ranks` but this one.
+pub(super) fn post_all(transport: &dyn Transport, ranks: &[usize], tag: Tag, bytes: &[u8]) -> Result<()> {
+    for &rank in ranks.iter().filter(|&&r| r != transport.rank()) {
+        transport.post(rank, tag, bytes.to_vec())?;
+    }
+    Ok(())
 }

@@ -4,6 +4,7 @@
 //! replica group's gradient exchange.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
@@ -12,6 +13,7 @@ use pipebd_core::{Activation, Block, StudentModule};
 use pipebd_kernels::DistillBackend;
 
 use super::phase::PhaseContext;
+use super::transport::Transport;
 use crate::error::{Error, Result};
 use crate::plan::Stage;
 use crate::train::BlockTrainer;
@@ -37,22 +39,63 @@ pub(super) struct ModuleMsg<S> {
     pub(super) modules: Vec<S>,
 }
 
+/// A worker in another process (rank) of a multi-process run.
+#[derive(Clone)]
+pub(super) struct Peer {
+    pub(super) transport: Arc<dyn Transport>,
+    pub(super) rank: usize,
+}
+
+/// Where a worker sends one kind of message: a channel to a worker of this
+/// process, or a worker of another rank (the message is encoded for the
+/// transport).
+pub(super) enum Sink<M> {
+    Local(Sender<M>),
+    Remote(Peer),
+}
+
+/// Where a worker receives one kind of message from.
+pub(super) enum Source<M> {
+    Local(Receiver<M>),
+    Remote(Peer),
+}
+
+/// Both ends of a link between two workers: channels if both are in this
+/// process, else each end names the other's rank.
+fn link<M>(
+    transport: Option<&Arc<dyn Transport>>,
+    from_rank: usize,
+    to_rank: usize,
+    capacity: usize,
+) -> (Sink<M>, Source<M>) {
+    match transport {
+        Some(t) if from_rank != to_rank => (
+            Sink::Remote(Peer { transport: t.clone(), rank: to_rank }),
+            Source::Remote(Peer { transport: t.clone(), rank: from_rank }),
+        ),
+        _ => {
+            let (tx, rx) = bounded(capacity);
+            (Sink::Local(tx), Source::Local(rx))
+        }
+    }
+}
+
 /// A worker's part in its replica group's gradient exchange.
 pub(super) enum Role<S> {
     Solo,
-    Leader { from_followers: Vec<Receiver<GradientMsg>>, to_followers: Vec<Sender<ModuleMsg<S>>> },
-    Follower { to_leader: Sender<GradientMsg>, from_leader: Receiver<ModuleMsg<S>> },
+    Leader { from_followers: Vec<Source<GradientMsg>>, to_followers: Vec<Sink<ModuleMsg<S>>> },
+    Follower { to_leader: Sink<GradientMsg>, from_leader: Source<ModuleMsg<S>> },
 }
 
 /// An activation channel from a replica of the previous stage.
 pub(super) struct Inbound<IB: Backend> {
-    pub(super) rx: Receiver<ActivationMsg<IB>>,
+    pub(super) rx: Source<ActivationMsg<IB>>,
     pub(super) from: String,
 }
 
 /// An activation channel to a replica of the next stage.
 pub(super) struct Outbound<IB: Backend> {
-    pub(super) tx: Sender<ActivationMsg<IB>>,
+    pub(super) tx: Sink<ActivationMsg<IB>>,
     /// Sub-range of this worker's share to send, relative to the share.
     pub(super) start: usize,
     pub(super) len: usize,
@@ -93,7 +136,12 @@ fn overlap(a: &Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
     (start < end).then_some(start..end)
 }
 
-/// Builds the workers of a phase and the channels between them.
+/// Builds the workers of a phase and the channels between them. In a
+/// multi-process run (`options.transport`), the worker of device slot `r`
+/// runs on rank `r`: only this rank's workers are returned, links to the
+/// others go through the transport, and the trainers of the other ranks'
+/// stage leaders stay in `trainers` (as the copies their state is loaded
+/// into at the end of the phase).
 pub(super) fn build_workers<B, T, S>(
     context: &PhaseContext<'_, B, T>,
     trainers: &mut [Option<BlockTrainer<B, S>>],
@@ -105,6 +153,7 @@ where
 {
     let batch = context.settings.batch_size;
     let capacity = context.options.channel_capacity.max(1);
+    let transport = context.options.transport.as_ref();
     let mut workers: Vec<Worker<B, S>> = Vec::new();
     let mut stage_workers: Vec<Vec<usize>> = Vec::new();
     for (s, stage) in context.phase.stages.iter().enumerate() {
@@ -143,9 +192,11 @@ where
         if g > 1 {
             let mut from_followers = Vec::new();
             let mut to_followers = Vec::new();
+            let leader_rank = workers[ids[0]].slot;
             for &w in &ids[1..] {
-                let (grad_tx, grad_rx) = bounded(1);
-                let (module_tx, module_rx) = bounded(1);
+                let rank = workers[w].slot;
+                let (grad_tx, grad_rx) = link(transport, rank, leader_rank, 1);
+                let (module_tx, module_rx) = link(transport, leader_rank, rank, 1);
                 from_followers.push(grad_rx);
                 to_followers.push(module_tx);
                 workers[w].role = Role::Follower { to_leader: grad_tx, from_leader: module_rx };
@@ -164,7 +215,7 @@ where
                 let Some(common) = overlap(&workers[up].share, &workers[down].share) else {
                     continue;
                 };
-                let (tx, rx) = bounded(capacity);
+                let (tx, rx) = link(transport, workers[up].slot, workers[down].slot, capacity);
                 let from = workers[up].name();
                 let to = workers[down].name();
                 let up_start = workers[up].share.start;
@@ -178,5 +229,19 @@ where
             }
         }
     }
-    Ok(workers)
+    let Some(transport) = transport else {
+        return Ok(workers);
+    };
+    let mut local = Vec::new();
+    for mut worker in workers {
+        if worker.slot == transport.rank() {
+            local.push(worker);
+        } else if worker.is_leader() {
+            for trainer in worker.trainers.drain(..) {
+                let k = trainer.index;
+                trainers[k] = Some(trainer);
+            }
+        }
+    }
+    Ok(local)
 }

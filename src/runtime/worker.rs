@@ -14,13 +14,15 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use burn::optim::GradientsParams;
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Sender;
 use pipebd_core::{Activation, Block, Stage, StudentModule};
 use pipebd_kernels::DistillBackend;
 
 use super::phase::{PhaseContext, ProgressMsg};
-use super::sync::{receive, send, Flow, Halt, Heartbeat, StepBarrier, Stop, POLL};
-use super::topology::{ActivationMsg, GradientMsg, ModuleMsg, Role, Worker};
+use super::sync::{receive_from, send_to, Flow, Halt, Heartbeat, StepBarrier, Stop, POLL};
+use super::topology::{ActivationMsg, GradientMsg, ModuleMsg, Role, Sink, Source, Worker};
+use super::transport::Tag;
+use super::wire;
 use crate::error::{relabel, Error};
 use crate::fault::FaultKind;
 use crate::trace::{SpanKind, SpanRecorder};
@@ -272,7 +274,8 @@ where
     let mut parts = Vec::with_capacity(worker.inbound.len());
     for inbound in &worker.inbound {
         let _waiting = state.beat.waiting();
-        let msg = receive(&inbound.rx, env.stop, env.timeout, || {
+        let decode = |bytes| wire::decode_activation_msg(bytes, env.device);
+        let msg = receive_from(&inbound.rx, Tag::Activation, decode, env.stop, env.timeout, || {
             format!("{name} timed out waiting for the activation of step {step} from {}", inbound.from)
         })?;
         // Stages out of step are a bug in the runtime, not a lost device:
@@ -346,7 +349,7 @@ where
         let started = Instant::now();
         let msg = ActivationMsg { step, arch, activation: x.clone().narrow_batch(out.start, out.len) };
         let _waiting = state.beat.waiting();
-        send(&out.tx, msg, env.stop, env.timeout, || {
+        send_to(&out.tx, msg, Tag::Activation, wire::encode_activation_msg, env.stop, env.timeout, || {
             format!("{} could not hand step {step} to {}", env.name, out.to)
         })?;
         state.recorder.record(SpanKind::SendWait, None, started);
@@ -396,7 +399,7 @@ fn follower_update<B, T, S>(
     trainers: &mut [BlockTrainer<B, S>],
     active: &[bool],
     state: &mut LoopState<'_>,
-    (to_leader, from_leader): (&Sender<GradientMsg>, &Receiver<ModuleMsg<S>>),
+    (to_leader, from_leader): (&Sink<GradientMsg>, &Source<ModuleMsg<S>>),
     mine: GradientMsg,
     arch: bool,
 ) -> Flow<()>
@@ -407,13 +410,16 @@ where
     let (name, step) = (&env.name, mine.step);
     let started = Instant::now();
     let _waiting = state.beat.waiting();
-    send(to_leader, mine, env.stop, env.timeout, || {
+    let modules: Vec<&S> = active_modules(trainers, active);
+    let encode = |msg| wire::encode_gradient_msg::<B, S>(msg, &modules);
+    send_to(to_leader, mine, Tag::Gradients, encode, env.stop, env.timeout, || {
         format!("{name} could not hand its gradients of step {step} to replica 0")
     })?;
     if let Some(barrier) = env.barrier {
         barrier.wait(env.stop, env.timeout, name)?;
     }
-    let msg = receive(from_leader, env.stop, env.timeout, || {
+    let decode = |bytes| wire::decode_module_msg::<B, S>(bytes, &modules, env.device);
+    let msg = receive_from(from_leader, Tag::Modules, decode, env.stop, env.timeout, || {
         format!("{name} timed out waiting for replica 0's update of step {step}")
     })?;
     state.recorder.record(SpanKind::GradientAverage, None, started);
@@ -454,8 +460,10 @@ where
     if let Role::Leader { from_followers, .. } = role {
         let started = Instant::now();
         let _waiting = state.beat.waiting();
+        let modules: Vec<&S> = active_modules(trainers, active);
         for (i, rx) in from_followers.iter().enumerate() {
-            let msg = receive(rx, env.stop, env.timeout, || {
+            let decode = |bytes| wire::decode_gradient_msg::<B, S>(bytes, &modules, env.device);
+            let msg = receive_from(rx, Tag::Gradients, decode, env.stop, env.timeout, || {
                 format!("{name} timed out waiting for the gradients of replica {} at step {step}", i + 1)
             })?;
             debug_assert_eq!(msg.step, step);
@@ -502,13 +510,23 @@ where
                 .filter(|(_, &a)| a)
                 .filter_map(|(t, _)| t.module().map(detached_copy))
                 .collect();
-            send(tx, ModuleMsg { step, modules }, env.stop, env.timeout, || {
+            let msg = ModuleMsg { step, modules };
+            send_to(tx, msg, Tag::Modules, wire::encode_module_msg::<B, S>, env.stop, env.timeout, || {
                 format!("{name} could not hand the update of step {step} to replica {}", i + 1)
             })?;
         }
         state.recorder.record(SpanKind::GradientAverage, None, started);
     }
     Ok(report)
+}
+
+/// The modules of the active blocks, in order (what a gradient or module
+/// message of this step holds).
+fn active_modules<'a, B: DistillBackend, S: StudentModule<B>>(
+    trainers: &'a [BlockTrainer<B, S>],
+    active: &[bool],
+) -> Vec<&'a S> {
+    trainers.iter().zip(active).filter(|(_, &a)| a).filter_map(|(t, _)| t.module()).collect()
 }
 
 /// What a worker does within one step: an architecture tick (a held-out

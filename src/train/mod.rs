@@ -19,7 +19,7 @@ use burn::tensor::backend::DeviceOps;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::data::ImageDataset;
 use crate::error::{relabel, Error, Result};
@@ -490,7 +490,7 @@ pub fn detached_copy<B: DistillBackend, S: StudentModule<B>>(module: &S) -> S {
 }
 
 /// One row of `metrics.csv`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MetricRow {
     /// Zero-based epoch.
     pub epoch: usize,

@@ -1,0 +1,246 @@
+//! What a phase of a multi-process run adds on each rank's main thread:
+//! heartbeats to and from the other ranks, the stop signal carried across
+//! processes, stage leaders' progress forwarded to rank 0, and at the end of
+//! the phase the exchange that leaves every rank with every block's state
+//! and rank 0 with every rank's metric rows, spans and worker summaries.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pipebd_core::StudentModule;
+use pipebd_kernels::DistillBackend;
+
+use super::phase::ProgressMsg;
+use super::sync::{post_all, Stop, POLL};
+use super::transport::{Tag, Transport};
+use super::wire::{decode_state, encode_state, Reader, Writer};
+use crate::error::{Error, Result};
+use crate::trace::{Span, WorkerSummary};
+use crate::train::{BlockTrainer, MetricRow};
+
+/// How often a rank tells the others it is alive.
+const HEARTBEAT: Duration = Duration::from_millis(500);
+
+/// One rank's watch over the others during a phase.
+pub(super) struct ClusterWatch {
+    transport: Arc<dyn Transport>,
+    others: Vec<usize>,
+    last_heard: BTreeMap<usize, Instant>,
+    last_sent: Option<Instant>,
+    silence_limit: f64,
+    /// The stop signal was raised here and told to the others (or came from them).
+    announced: bool,
+}
+
+impl ClusterWatch {
+    pub(super) fn new(transport: Arc<dyn Transport>, silence_limit: f64) -> Self {
+        let me = transport.rank();
+        let others: Vec<usize> = (0..transport.ranks()).filter(|&r| r != me).collect();
+        let now = Instant::now();
+        Self {
+            last_heard: others.iter().map(|&r| (r, now)).collect(),
+            others,
+            transport,
+            last_sent: None,
+            silence_limit,
+            announced: false,
+        }
+    }
+
+    pub(super) fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// Sends this rank's heartbeat when due, takes the others' heartbeats
+    /// and stop messages, raises `stop` for a peer's failure or silence,
+    /// tells the others about a failure here, and returns the progress
+    /// messages that reached rank 0.
+    pub(super) fn tick(&mut self, stop: &Stop) -> Vec<ProgressMsg> {
+        match self.exchange(stop) {
+            Ok(progress) => progress,
+            Err(error) => {
+                stop.raise(error);
+                self.announce(stop);
+                Vec::new()
+            }
+        }
+    }
+
+    fn exchange(&mut self, stop: &Stop) -> Result<Vec<ProgressMsg>> {
+        let now = Instant::now();
+        if self.last_sent.is_none_or(|t| now.duration_since(t) >= HEARTBEAT) {
+            post_all(self.transport.as_ref(), &self.all(), Tag::Heartbeat, &[])?;
+            self.last_sent = Some(now);
+        }
+        while let Some((rank, _)) = self.transport.receive_any(Tag::Heartbeat, Duration::ZERO)? {
+            self.last_heard.insert(rank, Instant::now());
+        }
+        while let Some((rank, bytes)) = self.transport.receive_any(Tag::Stop, Duration::ZERO)? {
+            self.announced = true;
+            stop.raise(Error::Peer { rank, message: String::from_utf8_lossy(&bytes).into_owned() });
+        }
+        if !stop.is_raised() {
+            let silent = self
+                .last_heard
+                .iter()
+                .map(|(&r, t)| (r, t.elapsed().as_secs_f64()))
+                .find(|&(_, s)| s > self.silence_limit);
+            if let Some((rank, seconds)) = silent {
+                stop.raise(Error::Peer {
+                    rank,
+                    message: format!(
+                        "no heartbeat for {seconds:.0} s (process killed, or its node or link lost)"
+                    ),
+                });
+            }
+        }
+        self.announce(stop);
+        let mut progress = Vec::new();
+        while let Some((_, bytes)) = self.transport.receive_any(Tag::Progress, Duration::ZERO)? {
+            progress.push(decode_progress(&bytes)?);
+        }
+        Ok(progress)
+    }
+
+    fn all(&self) -> Vec<usize> {
+        (0..self.transport.ranks()).collect()
+    }
+
+    /// Tells every other rank why this one stopped (once).
+    fn announce(&mut self, stop: &Stop) {
+        if self.announced || !stop.is_raised() {
+            return;
+        }
+        self.announced = true;
+        let message = stop.describe().unwrap_or_else(|| "stopped".into());
+        let _ = post_all(self.transport.as_ref(), &self.all(), Tag::Stop, message.as_bytes());
+    }
+
+    /// A stage leader's step done on this rank, for rank 0.
+    pub(super) fn forward(&self, msg: &ProgressMsg) -> Result<()> {
+        self.transport.post(0, Tag::Progress, encode_progress(msg))
+    }
+
+    /// Sends this rank's end of the phase to every other rank, then waits
+    /// for theirs while keeping up heartbeats (and progress, on rank 0, fed
+    /// to `on_progress`): a rank still training is alive, so there is no
+    /// timeout but the others' silence. Returns the others' ends, or `None`
+    /// when the stop signal was raised meanwhile.
+    pub(super) fn finish_phase(
+        &mut self,
+        mine: &PhaseEnd,
+        stop: &Stop,
+        on_progress: &mut dyn FnMut(ProgressMsg),
+    ) -> Result<Option<Vec<PhaseEnd>>> {
+        post_all(self.transport.as_ref(), &self.all(), Tag::PhaseEnd, &mine.encode())?;
+        let mut ends = BTreeMap::new();
+        while ends.len() < self.others.len() {
+            for msg in self.tick(stop) {
+                on_progress(msg);
+            }
+            if stop.is_raised() {
+                return Ok(None);
+            }
+            for &rank in &self.others {
+                if ends.contains_key(&rank) {
+                    continue;
+                }
+                if let Some(bytes) = self.transport.receive(rank, Tag::PhaseEnd, Duration::ZERO)? {
+                    ends.insert(rank, PhaseEnd::decode(&bytes)?);
+                }
+            }
+            std::thread::sleep(POLL / 4);
+        }
+        for msg in self.tick(stop) {
+            on_progress(msg);
+        }
+        Ok(Some(ends.into_values().collect()))
+    }
+}
+
+/// What one rank hands the others at the end of a phase.
+pub(super) struct PhaseEnd {
+    /// The state of every block whose stage leader ran here (zero-based block, state).
+    pub(super) states: Vec<(usize, crate::train::TrainerState)>,
+    pub(super) rows: Vec<MetricRow>,
+    pub(super) spans: Vec<Span>,
+    pub(super) workers: Vec<WorkerSummary>,
+    pub(super) checkpoints_written: usize,
+}
+
+impl PhaseEnd {
+    /// The states of `blocks` from `trainers`, with this rank's records.
+    pub(super) fn collect<B: DistillBackend, S: StudentModule<B>>(
+        trainers: &[Option<BlockTrainer<B, S>>],
+        blocks: &[usize],
+        rows: Vec<MetricRow>,
+        spans: Vec<Span>,
+        workers: Vec<WorkerSummary>,
+        checkpoints_written: usize,
+    ) -> Result<Self> {
+        let mut states = Vec::new();
+        for &k in blocks {
+            if let Some(trainer) = trainers.get(k).and_then(|t| t.as_ref()) {
+                states.push((k, trainer.save_state()?));
+            }
+        }
+        Ok(Self { states, rows, spans, workers, checkpoints_written })
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.states.len() as u64);
+        for (k, state) in &self.states {
+            w.u64(*k as u64);
+            encode_state(&mut w, state);
+        }
+        let json = |v: serde_json::Result<Vec<u8>>| v.unwrap_or_default();
+        w.bytes(&json(serde_json::to_vec(&self.rows)))
+            .bytes(&json(serde_json::to_vec(&self.spans)))
+            .bytes(&json(serde_json::to_vec(&self.workers)))
+            .u64(self.checkpoints_written as u64);
+        w.0
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader::new(bytes, "end of phase");
+        let count = r.u64()? as usize;
+        let mut states = Vec::with_capacity(count.min(1024));
+        for _ in 0..count {
+            let k = r.u64()? as usize;
+            states.push((k, decode_state(&mut r)?));
+        }
+        let bad = |e: serde_json::Error| Error::Transport {
+            message: format!("an end-of-phase message does not decode: {e}"),
+        };
+        let rows = serde_json::from_slice(r.bytes()?).map_err(bad)?;
+        let spans = serde_json::from_slice(r.bytes()?).map_err(bad)?;
+        let workers = serde_json::from_slice(r.bytes()?).map_err(bad)?;
+        let checkpoints_written = r.u64()? as usize;
+        r.finish()?;
+        Ok(Self { states, rows, spans, workers, checkpoints_written })
+    }
+}
+
+fn encode_progress(msg: &ProgressMsg) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(msg.stage as u64).u64(msg.step as u64).u64(msg.losses.len() as u64);
+    for (block, loss) in &msg.losses {
+        w.u64(*block as u64).u64(loss.to_bits() as u64);
+    }
+    w.0
+}
+
+fn decode_progress(bytes: &[u8]) -> Result<ProgressMsg> {
+    let mut r = Reader::new(bytes, "progress");
+    let stage = r.u64()? as usize;
+    let step = r.u64()? as usize;
+    let count = r.u64()? as usize;
+    let mut losses = Vec::with_capacity(count.min(1024));
+    for _ in 0..count {
+        losses.push((r.u64()? as usize, f32::from_bits(r.u64()? as u32)));
+    }
+    r.finish()?;
+    Ok(ProgressMsg { stage, step, losses })
+}

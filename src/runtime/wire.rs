@@ -1,0 +1,459 @@
+//! How the runtime's messages become bytes for a [`super::transport`] and
+//! back: activations with their masks, gradients, updated blocks and block
+//! states. Tensors travel as their shape and little-endian `f32` values, so
+//! a decoded tensor equals the sent one bit for bit; gradients and modules
+//! are matched to the receiver's copy of the block by parameter id.
+
+use burn::module::{ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use pipebd_core::{Activation, StudentModule};
+use pipebd_kernels::DistillBackend;
+
+use super::topology::{ActivationMsg, GradientMsg, ModuleMsg};
+use crate::error::{Error, Result};
+use crate::train::TrainerState;
+
+/// Appends length-prefixed fields to a message.
+#[derive(Default)]
+pub(crate) struct Writer(pub(crate) Vec<u8>);
+
+impl Writer {
+    pub(crate) fn u64(&mut self, value: u64) -> &mut Self {
+        self.0.extend_from_slice(&value.to_le_bytes());
+        self
+    }
+    pub(crate) fn bytes(&mut self, value: &[u8]) -> &mut Self {
+        self.u64(value.len() as u64);
+        self.0.extend_from_slice(value);
+        self
+    }
+    pub(crate) fn f32s(&mut self, values: &[f32]) -> &mut Self {
+        self.u64(values.len() as u64);
+        for v in values {
+            self.0.extend_from_slice(&v.to_le_bytes());
+        }
+        self
+    }
+    /// A tensor's shape and values.
+    fn tensor<B: Backend, const D: usize>(&mut self, tensor: Tensor<B, D>) -> Result<&mut Self> {
+        let dims = tensor.dims();
+        let values: Vec<f32> =
+            tensor.into_data().convert::<f32>().to_vec().map_err(|e| Error::Transport {
+                message: format!("cannot read a tensor for sending: {e:?}"),
+            })?;
+        self.u64(D as u64);
+        for d in dims {
+            self.u64(d as u64);
+        }
+        Ok(self.f32s(&values))
+    }
+}
+
+/// Reads the fields a [`Writer`] wrote, in order; every read checks the length.
+pub(crate) struct Reader<'a> {
+    bytes: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(bytes: &'a [u8], what: &'static str) -> Self {
+        Self { bytes, what }
+    }
+    fn short(&self) -> Error {
+        Error::Transport {
+            message: format!("a {} message ended early (corrupt, or another version)", self.what),
+        }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.bytes.len() < n {
+            return Err(self.short());
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        Ok(head)
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64> {
+        let raw = self.take(8)?;
+        Ok(u64::from_le_bytes(raw.try_into().map_err(|_| self.short())?))
+    }
+    fn len(&mut self, width: usize) -> Result<usize> {
+        let n = self.u64()? as usize;
+        if n.checked_mul(width).is_none_or(|total| total > self.bytes.len()) {
+            return Err(self.short());
+        }
+        Ok(n)
+    }
+    pub(crate) fn bytes(&mut self) -> Result<&'a [u8]> {
+        let n = self.len(1)?;
+        self.take(n)
+    }
+    pub(crate) fn f32s(&mut self) -> Result<Vec<f32>> {
+        let n = self.len(4)?;
+        let raw = self.take(n * 4)?;
+        Ok(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+    /// A tensor of rank `D` on `device`.
+    fn tensor<B: Backend, const D: usize>(&mut self, device: &B::Device) -> Result<Tensor<B, D>> {
+        let rank = self.u64()? as usize;
+        if rank != D {
+            return Err(Error::Transport {
+                message: format!(
+                    "a {} message holds a rank-{rank} tensor where rank {D} was expected",
+                    self.what
+                ),
+            });
+        }
+        let shape: Vec<usize> = (0..D).map(|_| self.u64().map(|d| d as usize)).collect::<Result<_>>()?;
+        let values = self.f32s()?;
+        if values.len() != shape.iter().product::<usize>() {
+            return Err(self.short());
+        }
+        Ok(Tensor::from_data(TensorData::new(values, shape), device))
+    }
+    pub(crate) fn finish(&self) -> Result<()> {
+        if self.bytes.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Transport {
+                message: format!("a {} message has {} bytes too many", self.what, self.bytes.len()),
+            })
+        }
+    }
+}
+
+/// An activation (with its mask) as bytes.
+pub(crate) fn encode_activation<B: Backend>(writer: &mut Writer, activation: Activation<B>) -> Result<()> {
+    match activation {
+        Activation::Flat(t) => {
+            writer.u64(0).tensor(t)?;
+        }
+        Activation::Tokens { hidden, mask } => {
+            writer.u64(1).tensor(hidden)?.tensor(mask)?;
+        }
+        Activation::Maps(t) => {
+            writer.u64(2).tensor(t)?;
+        }
+    }
+    Ok(())
+}
+
+/// The activation [`encode_activation`] wrote, on `device`.
+pub(crate) fn decode_activation<B: Backend>(
+    reader: &mut Reader<'_>,
+    device: &B::Device,
+) -> Result<Activation<B>> {
+    Ok(match reader.u64()? {
+        0 => Activation::Flat(reader.tensor(device)?),
+        1 => Activation::Tokens { hidden: reader.tensor(device)?, mask: reader.tensor(device)? },
+        2 => Activation::Maps(reader.tensor(device)?),
+        other => {
+            return Err(Error::Transport { message: format!("unknown activation kind {other} in a message") })
+        }
+    })
+}
+
+/// Writes the gradient of every parameter of a module, in the module's
+/// parameter order (`None` for a parameter without one).
+struct GradientWriter<'a> {
+    grads: &'a GradientsParams,
+    entries: Vec<Option<Writer>>,
+    failure: Option<Error>,
+}
+
+impl<B: DistillBackend> ModuleVisitor<B> for GradientWriter<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) else {
+            self.entries.push(None);
+            return;
+        };
+        let mut w = Writer::default();
+        match w.tensor(grad) {
+            Ok(_) => self.entries.push(Some(w)),
+            Err(e) => {
+                self.failure.get_or_insert(e);
+            }
+        }
+    }
+}
+
+/// Registers the received gradients under the receiver's parameters, in
+/// the same order (each process draws its own parameter ids).
+struct GradientReader<'a, IB: Backend> {
+    entries: std::vec::IntoIter<Option<&'a [u8]>>,
+    device: &'a IB::Device,
+    grads: GradientsParams,
+    failure: Option<Error>,
+}
+
+impl<B: DistillBackend> ModuleVisitor<B> for GradientReader<'_, B::InnerBackend> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(entry) = self.entries.next() else {
+            self.failure.get_or_insert(Error::Transport {
+                message: "received gradients for fewer parameters than this copy of the block has".into(),
+            });
+            return;
+        };
+        let Some(raw) = entry else { return };
+        let mut reader = Reader::new(raw, "gradients");
+        match reader.tensor::<B::InnerBackend, D>(self.device) {
+            Ok(t) => self.grads.register::<B::InnerBackend, D>(param.id, t),
+            Err(e) => {
+                self.failure.get_or_insert(e);
+            }
+        }
+    }
+}
+
+/// The gradients of `module`'s parameters in `grads` as bytes, in the
+/// module's parameter order.
+pub(crate) fn encode_gradients<B: DistillBackend, S: StudentModule<B>>(
+    writer: &mut Writer,
+    module: &S,
+    grads: &GradientsParams,
+) -> Result<()> {
+    let mut visitor = GradientWriter { grads, entries: Vec::new(), failure: None };
+    module.visit(&mut visitor);
+    if let Some(e) = visitor.failure {
+        return Err(e);
+    }
+    writer.u64(visitor.entries.len() as u64);
+    for entry in visitor.entries {
+        match entry {
+            Some(entry) => writer.u64(1).bytes(&entry.0),
+            None => writer.u64(0),
+        };
+    }
+    Ok(())
+}
+
+/// The gradients [`encode_gradients`] wrote, for the receiver's copy
+/// `module` of the same block (matched by parameter order).
+pub(crate) fn decode_gradients<B: DistillBackend, S: StudentModule<B>>(
+    reader: &mut Reader<'_>,
+    module: &S,
+    device: &B::Device,
+) -> Result<GradientsParams> {
+    let count = reader.u64()? as usize;
+    let mut entries = Vec::with_capacity(count.min(1 << 16));
+    for _ in 0..count {
+        entries.push(match reader.u64()? {
+            0 => None,
+            _ => Some(reader.bytes()?),
+        });
+    }
+    let mut visitor = GradientReader::<B::InnerBackend> {
+        entries: entries.into_iter(),
+        device,
+        grads: GradientsParams::new(),
+        failure: None,
+    };
+    module.visit(&mut visitor);
+    if let Some(e) = visitor.failure {
+        return Err(e);
+    }
+    if visitor.entries.next().is_some() {
+        return Err(Error::Transport {
+            message: "received gradients for more parameters than this copy of the block has".into(),
+        });
+    }
+    Ok(visitor.grads)
+}
+
+fn recorder() -> NamedMpkBytesRecorder<FullPrecisionSettings> {
+    NamedMpkBytesRecorder::<FullPrecisionSettings>::new()
+}
+
+/// A block's weights as bytes (burn's named MessagePack, full precision).
+pub(crate) fn encode_module<B: DistillBackend, S: StudentModule<B>>(
+    writer: &mut Writer,
+    module: &S,
+) -> Result<()> {
+    let bytes = Recorder::<B>::record(&recorder(), module.clone().into_record(), ())
+        .map_err(|e| Error::Transport { message: format!("cannot serialise a block for sending: {e}") })?;
+    writer.bytes(&bytes);
+    Ok(())
+}
+
+/// The weights [`encode_module`] wrote, loaded into a copy of `template`
+/// (which keeps its autodiff setting) on `device`.
+pub(crate) fn decode_module<B: DistillBackend, S: StudentModule<B>>(
+    reader: &mut Reader<'_>,
+    template: &S,
+    device: &B::Device,
+) -> Result<S> {
+    let bytes = reader.bytes()?.to_vec();
+    let record = Recorder::<B>::load(&recorder(), bytes, device)
+        .map_err(|e| Error::Transport { message: format!("a received block does not decode: {e}") })?;
+    let module =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| template.clone().load_record(record)))
+            .map_err(|_| Error::Transport {
+                message: "a received block does not fit this copy (other shapes?)".into(),
+            })?;
+    Ok(module.fork(device))
+}
+
+/// A block's whole state (weights, optimizer, step, recent losses) as bytes.
+pub(crate) fn encode_state(writer: &mut Writer, state: &TrainerState) {
+    writer.bytes(&state.weights).bytes(&state.optimizer);
+    match &state.arch_optimizer {
+        Some(arch) => writer.u64(1).bytes(arch),
+        None => writer.u64(0),
+    };
+    writer.u64(state.step as u64).f32s(&state.recent_losses);
+}
+
+/// The state [`encode_state`] wrote.
+pub(crate) fn decode_state(reader: &mut Reader<'_>) -> Result<TrainerState> {
+    let weights = reader.bytes()?.to_vec();
+    let optimizer = reader.bytes()?.to_vec();
+    let arch_optimizer = match reader.u64()? {
+        0 => None,
+        _ => Some(reader.bytes()?.to_vec()),
+    };
+    let step = reader.u64()? as usize;
+    let recent_losses = reader.f32s()?;
+    Ok(TrainerState { weights, optimizer, arch_optimizer, step, recent_losses })
+}
+
+/// A boundary activation of one step, for a worker of another rank.
+pub(super) fn encode_activation_msg<IB: Backend>(msg: ActivationMsg<IB>) -> Result<Vec<u8>> {
+    let mut w = Writer::default();
+    w.u64(msg.step as u64).u64(msg.arch as u64);
+    encode_activation(&mut w, msg.activation)?;
+    Ok(w.0)
+}
+
+/// The activation message [`encode_activation_msg`] wrote, on `device`.
+pub(super) fn decode_activation_msg<IB: Backend>(
+    bytes: Vec<u8>,
+    device: &IB::Device,
+) -> Result<ActivationMsg<IB>> {
+    let mut r = Reader::new(&bytes, "activation");
+    let step = r.u64()? as usize;
+    let arch = r.u64()? != 0;
+    let activation = decode_activation(&mut r, device)?;
+    r.finish()?;
+    Ok(ActivationMsg { step, arch, activation })
+}
+
+/// A follower's gradients of one step; `modules` are its active blocks, in
+/// the order of `msg.grads`.
+pub(super) fn encode_gradient_msg<B: DistillBackend, S: StudentModule<B>>(
+    msg: GradientMsg,
+    modules: &[&S],
+) -> Result<Vec<u8>> {
+    let mut w = Writer::default();
+    w.u64(msg.step as u64).u64(msg.grads.len() as u64);
+    for (grads, module) in msg.grads.iter().zip(modules) {
+        encode_gradients::<B, S>(&mut w, module, grads)?;
+    }
+    w.f32s(&msg.weighted_losses);
+    Ok(w.0)
+}
+
+/// The gradients [`encode_gradient_msg`] wrote, for the leader's copies
+/// `modules` of the same blocks.
+pub(super) fn decode_gradient_msg<B: DistillBackend, S: StudentModule<B>>(
+    bytes: Vec<u8>,
+    modules: &[&S],
+    device: &B::Device,
+) -> Result<GradientMsg> {
+    let mut r = Reader::new(&bytes, "gradients");
+    let step = r.u64()? as usize;
+    let count = r.u64()? as usize;
+    if count != modules.len() {
+        return Err(Error::Transport {
+            message: format!(
+                "received gradients of {count} blocks at step {step}, expected {}",
+                modules.len()
+            ),
+        });
+    }
+    let grads = modules.iter().map(|m| decode_gradients::<B, S>(&mut r, m, device)).collect::<Result<_>>()?;
+    let weighted_losses = r.f32s()?;
+    r.finish()?;
+    Ok(GradientMsg { step, grads, weighted_losses })
+}
+
+/// A leader's updated blocks of one step.
+pub(super) fn encode_module_msg<B: DistillBackend, S: StudentModule<B>>(
+    msg: ModuleMsg<S>,
+) -> Result<Vec<u8>> {
+    let mut w = Writer::default();
+    w.u64(msg.step as u64).u64(msg.modules.len() as u64);
+    for module in &msg.modules {
+        encode_module::<B, S>(&mut w, module)?;
+    }
+    Ok(w.0)
+}
+
+/// The blocks [`encode_module_msg`] wrote, loaded into copies of the
+/// follower's `templates` on `device`.
+pub(super) fn decode_module_msg<B: DistillBackend, S: StudentModule<B>>(
+    bytes: Vec<u8>,
+    templates: &[&S],
+    device: &B::Device,
+) -> Result<ModuleMsg<S>> {
+    let mut r = Reader::new(&bytes, "blocks");
+    let step = r.u64()? as usize;
+    let count = r.u64()? as usize;
+    if count != templates.len() {
+        return Err(Error::Transport {
+            message: format!("received {count} updated blocks at step {step}, expected {}", templates.len()),
+        });
+    }
+    let modules =
+        templates.iter().map(|t| decode_module::<B, S>(&mut r, t, device)).collect::<Result<_>>()?;
+    r.finish()?;
+    Ok(ModuleMsg { step, modules })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+
+    #[test]
+    fn an_activation_survives_the_wire_bit_for_bit() {
+        let device = Default::default();
+        let hidden =
+            Tensor::<Flex, 3>::random([2, 3, 4], burn::tensor::Distribution::Normal(0.0, 1.0), &device);
+        let mask = Tensor::<Flex, 2>::from_data([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], &device);
+        let mut w = Writer::default();
+        encode_activation(&mut w, Activation::Tokens { hidden: hidden.clone(), mask: mask.clone() }).unwrap();
+        let mut r = Reader::new(&w.0, "activation");
+        let Activation::Tokens { hidden: h, mask: m } = decode_activation::<Flex>(&mut r, &device).unwrap()
+        else {
+            panic!("wrong kind decoded");
+        };
+        r.finish().unwrap();
+        assert_eq!(h.into_data(), hidden.into_data());
+        assert_eq!(m.into_data(), mask.into_data());
+        // A truncated message is an error, not a panic.
+        let mut short = Reader::new(&w.0[..w.0.len() - 3], "activation");
+        assert!(decode_activation::<Flex>(&mut short, &device).is_err());
+    }
+
+    #[test]
+    fn a_state_survives_the_wire() {
+        let state = TrainerState {
+            weights: vec![1, 2, 3],
+            optimizer: vec![4],
+            arch_optimizer: Some(vec![5, 6]),
+            step: 17,
+            recent_losses: vec![0.5, 0.25],
+        };
+        let mut w = Writer::default();
+        encode_state(&mut w, &state);
+        let mut r = Reader::new(&w.0, "state");
+        let back = decode_state(&mut r).unwrap();
+        r.finish().unwrap();
+        assert_eq!(
+            (back.weights, back.optimizer, back.arch_optimizer, back.step, back.recent_losses),
+            (state.weights, state.optimizer, state.arch_optimizer, state.step, state.recent_losses)
+        );
+    }
+}
