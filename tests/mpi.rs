@@ -1,0 +1,259 @@
+//! `mpirun -np N pipebd run`: real processes on OpenMPI (loopback, one
+//! machine, `--oversubscribe`), against the same run in one process; a rank
+//! killed with SIGKILL mid-run, then `--resume` on fewer ranks; a plan that
+//! needs more ranks than were started. Needs the `mpi` feature and
+//! `mpirun` (`scripts/setup-mpi.sh`).
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{backend::Backend, Tensor};
+use pipe_bd::eval::load_students;
+use pipe_bd::report::RunReport;
+use pipe_bd::zoo::{Builtin, Zoo};
+
+mod common;
+
+/// The MPI runs compete for two cores; one test at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `mpirun` with the flags a one-machine test needs (root allowed, more
+/// ranks than cores, no pinning).
+fn mpirun(ranks: usize) -> Command {
+    let mut command = Command::new("mpirun");
+    command
+        .args(["--oversubscribe", "--bind-to", "none", "-np", &ranks.to_string()])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env_remove(pipe_bd::fault::ENV)
+        .arg(env!("CARGO_BIN_EXE_pipebd"));
+    command
+}
+
+fn one_process() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_pipebd"));
+    command.env_remove(pipe_bd::fault::ENV);
+    command
+}
+
+fn run_args(command: &mut Command, config: &Path, out: &Path) -> &mut Command {
+    command.arg("run").arg(config).arg("--out").arg(out).arg("--quiet")
+}
+
+fn succeed(output: Output, what: &str) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// A small MNIST run on CPU slots, with `extra` appended (schedule, checkpoints).
+fn write_config(dir: &Path, name: &str, train_limit: usize, epochs: usize, extra: &str) -> PathBuf {
+    let text = common::small_config(train_limit, 100, epochs)
+        .replace("device = \"cpu\"\n", &format!("device = \"cpu\"\n{extra}\n"))
+        .replace("log_every = 1", "log_every = 1\n\n[runtime]\ntimeout_seconds = 30");
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Every float parameter of every saved student block, flattened.
+fn student_weights(run_dir: &Path) -> Vec<Vec<f32>> {
+    struct Flatten(Vec<f32>);
+    impl<B: Backend> ModuleVisitor<B> for Flatten {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.extend(param.val().into_data().iter::<f32>());
+        }
+    }
+    let report = RunReport::read(run_dir).unwrap();
+    let teacher = Builtin.teacher_specs(&report.config).unwrap();
+    let (blocks, _) = load_students(&Builtin, run_dir, &report.config, &teacher).unwrap();
+    blocks
+        .iter()
+        .map(|b| {
+            let mut v = Flatten(Vec::new());
+            b.visit(&mut v);
+            v.0
+        })
+        .collect()
+}
+
+#[test]
+fn mpirun_on_two_and_three_ranks_trains_what_one_process_trains() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), "run.toml", 512, 1, "");
+    // hybrid: 2 replicas of block 1, then blocks 2-4 (3 slots); on 2 slots
+    // blocks 1-4 on 2 replicas.
+    let cases: [(&str, usize, &str); 6] = [
+        ("tr", 2, ""),
+        ("dp", 2, ""),
+        ("hybrid", 2, "1,2,3,4x2"),
+        ("tr-dpu", 3, ""),
+        ("ls", 3, ""),
+        ("hybrid", 3, "1x2;2,3,4"),
+    ];
+    for (schedule, ranks, stages) in cases {
+        let config = if schedule == "hybrid" {
+            let stages: String = stages
+                .split(';')
+                .map(|s| {
+                    let (blocks, replicas) = s.split_once('x').unwrap_or((s, "1"));
+                    format!("\n[[stages]]\nblocks = [{blocks}]\nreplicas = {replicas}\n")
+                })
+                .collect();
+            let text = std::fs::read_to_string(&config).unwrap() + &stages;
+            let path = dir.path().join(format!("hybrid-{ranks}.toml"));
+            std::fs::write(&path, text).unwrap();
+            path
+        } else {
+            config.clone()
+        };
+        let mpi_out = dir.path().join(format!("{schedule}-{ranks}-mpi"));
+        let local_out = dir.path().join(format!("{schedule}-{ranks}-local"));
+        let slots = vec!["cpu"; ranks].join(",");
+        let what = format!("{schedule} on {ranks} ranks");
+        let stdout = succeed(
+            run_args(&mut mpirun(ranks), &config, &mpi_out).args(["--schedule", schedule]).output().unwrap(),
+            &what,
+        );
+        assert_eq!(stdout.matches("wrote ").count(), 1, "{what}: only rank 0 writes outputs:\n{stdout}");
+        succeed(
+            run_args(&mut one_process(), &config, &local_out)
+                .args(["--schedule", schedule, "--devices", &slots, "--transport", "local"])
+                .output()
+                .unwrap(),
+            &format!("{what} (one process)"),
+        );
+        let (mpi, local) = (RunReport::read(&mpi_out).unwrap(), RunReport::read(&local_out).unwrap());
+        assert_eq!(mpi.plan, local.plan, "{what}: not the same plan");
+        assert_eq!(
+            mpi.workers.len(),
+            local.workers.len(),
+            "{what}: a rank's workers are missing from the report"
+        );
+        let metrics = |d: &Path| std::fs::read_to_string(d.join("metrics.csv")).unwrap();
+        assert_eq!(metrics(&mpi_out), metrics(&local_out), "{what}: the loss curves differ");
+        let diff = common::max_abs_diff(&student_weights(&local_out), &student_weights(&mpi_out));
+        assert!(diff <= 1e-6, "{what}: the students differ from one process by {diff}");
+    }
+}
+
+/// The pids of the processes `mpirun` started as ranks of `config`'s run, by rank.
+fn rank_pids(config: &Path) -> Vec<(usize, u32)> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return found };
+    for entry in entries.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if !cmdline.contains(&*config.to_string_lossy()) || !cmdline.starts_with(env!("CARGO_BIN_EXE_pipebd"))
+        {
+            continue;
+        }
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else { continue };
+        let rank = String::from_utf8_lossy(&environ)
+            .split('\0')
+            .find_map(|v| v.strip_prefix("OMPI_COMM_WORLD_RANK=").and_then(|r| r.parse().ok()));
+        if let Some(rank) = rank {
+            found.push((rank, pid));
+        }
+    }
+    found.sort();
+    found
+}
+
+#[test]
+fn a_rank_killed_mid_run_stops_the_others_and_resume_continues_on_fewer_ranks() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "schedule = \"tr-dpu\"\n\n[checkpoint]\nevery_steps = 2\nevery_minutes = 0.0";
+    let config = write_config(dir.path(), "kill.toml", 1280, 8, extra);
+    let killed = dir.path().join("killed");
+    let mut child = run_args(&mut mpirun(3), &config, &killed)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Once every block has a checkpoint past step 10, SIGKILL rank 1.
+    let checkpoints = killed.join("checkpoints");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while (1..=4).any(|b| common::newest_step(&checkpoints, b).unwrap_or(0) < 10) {
+        assert!(Instant::now() < deadline, "no checkpoints after 120 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pids = rank_pids(&config);
+    assert_eq!(pids.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 1, 2], "ranks found: {pids:?}");
+    let killed_at = Instant::now();
+    let status = Command::new("kill").args(["-9", &pids[1].1.to_string()]).status().unwrap();
+    assert!(status.success());
+    // The others stop within the progress timeout (30 s), and none is left behind.
+    let deadline = Instant::now() + Duration::from_secs(45);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("mpirun still running 45 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success(), "mpirun reported success after a rank was killed");
+    assert!(killed_at.elapsed() < Duration::from_secs(45));
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(rank_pids(&config).is_empty(), "ranks left running: {:?}", rank_pids(&config));
+    assert!(!killed.join("report.json").exists(), "the run had finished: not killed mid-run");
+
+    // Resume on 2 ranks: tr-dpu re-planned for 2 slots from the checkpoints.
+    let stdout = succeed(
+        run_args(&mut mpirun(2), &config, &killed).arg("--resume").arg(&killed).output().unwrap(),
+        "resume on 2 ranks",
+    );
+    let resumed = RunReport::read(&killed).unwrap();
+    assert!(resumed.steps_run < resumed.steps, "nothing came from the checkpoints:\n{stdout}");
+    assert_eq!(resumed.plan.matches('|').count(), 1, "not re-planned for 2 slots: {}", resumed.plan);
+
+    // The uninterrupted run, in one process.
+    let reference = dir.path().join("reference");
+    succeed(
+        run_args(&mut one_process(), &config, &reference).args(["--transport", "local"]).output().unwrap(),
+        "uninterrupted run",
+    );
+    let diff = common::max_abs_diff(&student_weights(&reference), &student_weights(&killed));
+    assert!(diff <= 1e-5, "the resumed students differ from the uninterrupted run by {diff}");
+}
+
+#[test]
+fn a_plan_needing_more_ranks_than_started_fails_before_training() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        "three.toml",
+        512,
+        1,
+        "devices = [\"cpu\", \"cpu\", \"cpu\"]\nschedule = \"tr\"",
+    );
+    let out = dir.path().join("out");
+    let started = Instant::now();
+    let output = run_args(&mut mpirun(2), &config, &out).output().unwrap();
+    assert!(!output.status.success(), "a 3-slot plan ran on 2 ranks");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("3 device slots") && stderr.contains("2 ranks were started"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(60));
+    assert!(!out.join("report.json").exists() && !out.join("checkpoints").exists(), "it trained");
+}
