@@ -4,12 +4,16 @@
 # then runs every test of the workspace in release mode (burn's kernels are
 # far too slow unoptimised; one release build serves both the quickstart and
 # the tests), with the wgpu backend compiled in so that our CubeCL kernels are
-# tested on it; before that, a type check of the CUDA build and the three
-# library examples.
+# tested on it, and with the MPI transport (OpenMPI, installed here too) so
+# that multi-process runs are tested through mpirun; before that, a type
+# check of the CUDA build and the three library examples.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup-data.sh
 bash scripts/setup-vulkan.sh
+bash scripts/setup-mpi.sh
+# One feature set for every build below, so that they share one build.
+features="wgpu,mpi"
 # Mesa complains when XDG_RUNTIME_DIR is unset or unusable.
 if [ -z "${XDG_RUNTIME_DIR:-}" ] || [ ! -w "${XDG_RUNTIME_DIR}" ]; then
   XDG_RUNTIME_DIR="$(mktemp -d)"
@@ -19,12 +23,12 @@ fi
 # cudarc loads the driver at run time).
 CUDARC_CUDA_VERSION=13000 cargo check --release --features cuda 2>&1
 # The library examples, at smoke sizes, run as a user would run them.
-cargo run --release --features wgpu --example custom_student -- --train-limit 1280 2>&1
-cargo run --release --features wgpu --example custom_teacher -- --train-limit 3000 2>&1
+cargo run --release --features "$features" --example custom_student -- --train-limit 1280 2>&1
+cargo run --release --features "$features" --example custom_teacher -- --train-limit 3000 2>&1
 # A user's own zoo behind the whole command line: check, run (with
 # checkpoints), resume and eval, as a user would call them.
 zoo_out="$(mktemp -d)/custom-zoo"
-cargo run --release --features wgpu --example custom_zoo -- check examples/custom-zoo.toml 2>&1
-cargo run --release --features wgpu --example custom_zoo -- run examples/custom-zoo.toml --out "$zoo_out" 2>&1
-cargo run --release --features wgpu --example custom_zoo -- eval "$zoo_out" 2>&1
-cargo test --release --workspace --features wgpu 2>&1
+cargo run --release --features "$features" --example custom_zoo -- check examples/custom-zoo.toml 2>&1
+cargo run --release --features "$features" --example custom_zoo -- run examples/custom-zoo.toml --out "$zoo_out" 2>&1
+cargo run --release --features "$features" --example custom_zoo -- eval "$zoo_out" 2>&1
+cargo test --release --workspace --features "$features" 2>&1

@@ -15,7 +15,7 @@ use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::fault::{Fault, FaultKind};
 use pipe_bd::flat_parameters;
 use pipe_bd::plan::{flops_cost, Plan, StageSpec};
-use pipe_bd::runtime::transport::{Loopback, Transport};
+use pipe_bd::runtime::transport::{Loopback, Tag, Transport};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 
@@ -51,8 +51,18 @@ fn one_process(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
 /// The same run as `ranks` ranks (threads here), each with its own copies of
 /// teacher, students and data, as separate processes would have.
 fn ranks(plan: &Plan, ranks: usize, faults: Vec<Fault>) -> Vec<Result<Vec<Vec<f32>>, String>> {
+    ranks_over(plan, Loopback::group(ranks), faults, Duration::from_secs(20))
+}
+
+fn ranks_over(
+    plan: &Plan,
+    transports: Vec<Arc<dyn Transport>>,
+    faults: Vec<Fault>,
+    timeout: Duration,
+) -> Vec<Result<Vec<Vec<f32>>, String>> {
+    let ranks = transports.len();
     let slots = plan.slots().max(ranks);
-    let handles: Vec<_> = Loopback::group(ranks)
+    let handles: Vec<_> = transports
         .into_iter()
         .map(|transport: Arc<dyn Transport>| {
             let plan = plan.clone();
@@ -60,7 +70,7 @@ fn ranks(plan: &Plan, ranks: usize, faults: Vec<Fault>) -> Vec<Result<Vec<Vec<f3
             std::thread::spawn(move || {
                 let options = RuntimeSettings {
                     threads_per_worker: 1,
-                    timeout: Duration::from_secs(20),
+                    timeout,
                     transport: Some(transport),
                     faults,
                     ..Default::default()
@@ -142,5 +152,51 @@ fn a_plan_needing_more_slots_than_ranks_is_refused_before_training() {
     for result in ranks(&plan, 2, Vec::new()) {
         let error = result.expect_err("a 3-slot plan ran on 2 ranks");
         assert!(error.contains("3 device slots") && error.contains("2 ranks"), "{error}");
+    }
+}
+
+/// A rank whose messages stop leaving after `after` (its process frozen, or
+/// its link cut), while it still hears the others.
+#[derive(Debug)]
+struct CutOff {
+    inner: Arc<dyn Transport>,
+    after: Instant,
+}
+
+impl Transport for CutOff {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn ranks(&self) -> usize {
+        self.inner.ranks()
+    }
+    fn post(&self, to: usize, tag: Tag, bytes: Vec<u8>) -> pipe_bd::Result<()> {
+        if Instant::now() < self.after {
+            self.inner.post(to, tag, bytes)?;
+        }
+        Ok(())
+    }
+    fn receive(&self, from: usize, tag: Tag, wait: Duration) -> pipe_bd::Result<Option<Vec<u8>>> {
+        self.inner.receive(from, tag, wait)
+    }
+    fn receive_any(&self, tag: Tag, wait: Duration) -> pipe_bd::Result<Option<(usize, Vec<u8>)>> {
+        self.inner.receive_any(tag, wait)
+    }
+}
+
+#[test]
+fn a_silent_rank_is_noticed_within_the_timeout_and_the_others_stop() {
+    let plan = Plan::tr(&[1.0; 4], 3, true);
+    let mut transports = Loopback::group(3);
+    let silent = CutOff { inner: transports[2].clone(), after: Instant::now() };
+    transports[2] = Arc::new(silent);
+    let timeout = Duration::from_secs(3);
+    let started = Instant::now();
+    let results = ranks_over(&plan, transports, Vec::new(), timeout);
+    assert!(started.elapsed() < Duration::from_secs(20), "ranks took {:?} to stop", started.elapsed());
+    // Rank 2 itself hears everything and may finish; the others cannot.
+    for (rank, result) in results.into_iter().enumerate().take(2) {
+        let error = result.expect_err("a rank finished although rank 2 went silent");
+        assert!(error.contains("rank 2") && error.contains("no heartbeat"), "rank {rank}: {error}");
     }
 }

@@ -44,7 +44,7 @@ fn one_process() -> Command {
     command
 }
 
-fn run_args(command: &mut Command, config: &Path, out: &Path) -> &mut Command {
+fn run_args<'a>(command: &'a mut Command, config: &Path, out: &Path) -> &'a mut Command {
     command.arg("run").arg(config).arg("--out").arg(out).arg("--quiet")
 }
 
