@@ -43,6 +43,7 @@ pub mod eval;
 pub mod fault;
 pub mod fsio;
 pub mod kernels;
+pub mod link;
 pub use pipebd_core::plan;
 pub mod planning;
 pub mod preflight;

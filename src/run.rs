@@ -124,7 +124,7 @@ pub fn run_rank<Z: Zoo>(
     if let Some(t) = &transport {
         let slots = config.device_slots();
         if slots.len() == 1 {
-            config.devices = Some(vec![slots[0].clone(); t.ranks()]);
+            config.devices = Some(rank_devices(&slots[0], t.ranks(), ranks_on_this_node()));
         }
     }
     let config = &config;
@@ -161,6 +161,17 @@ pub fn run_rank<Z: Zoo>(
     }
     let job = Job { zoo, config, plan: &plan, costs: costs.as_ref(), out_dir, options, observer, transport };
     dispatch(&devices, job)
+}
+
+/// One device slot per rank from a config's single `device`: `cpu` for
+/// every rank; a GPU kind without an index (`cuda`, `wgpu`) as the GPU of
+/// the rank's index on its node (ranks fill nodes in order, `per_node` each,
+/// as `mpirun` and `srun` place them by default).
+pub fn rank_devices(device: &str, ranks: usize, per_node: usize) -> Vec<String> {
+    if device == "cpu" || device.contains(':') {
+        return vec![device.to_string(); ranks];
+    }
+    (0..ranks).map(|r| format!("{device}:{}", r % per_node.max(1))).collect()
 }
 
 /// Rank 0's `auto` plan (or why it has none) for the other ranks.
@@ -441,5 +452,17 @@ fn block_report(k: usize, teacher: &BlockSpec, student: &BlockSpec, final_loss: 
         flops_reduction: (teacher.flops > 0 && student.flops > 0)
             .then(|| teacher.flops as f64 / student.flops as f64),
         final_loss,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_devices;
+
+    #[test]
+    fn each_rank_gets_its_gpu_on_its_node() {
+        assert_eq!(rank_devices("cpu", 3, 3), vec!["cpu"; 3]);
+        assert_eq!(rank_devices("cuda:1", 2, 2), vec!["cuda:1"; 2]);
+        assert_eq!(rank_devices("cuda", 4, 2), vec!["cuda:0", "cuda:1", "cuda:0", "cuda:1"]);
     }
 }

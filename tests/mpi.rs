@@ -144,10 +144,27 @@ fn mpirun_on_two_and_three_ranks_trains_what_one_process_trains() {
             local.workers.len(),
             "{what}: a rank's workers are missing from the report"
         );
-        let metrics = |d: &Path| std::fs::read_to_string(d.join("metrics.csv")).unwrap();
-        assert_eq!(metrics(&mpi_out), metrics(&local_out), "{what}: the loss curves differ");
+        assert_same_losses(&mpi_out, &local_out, &what);
         let diff = common::max_abs_diff(&student_weights(&local_out), &student_weights(&mpi_out));
         assert!(diff <= 1e-6, "{what}: the students differ from one process by {diff}");
+    }
+}
+
+/// The loss curves of two runs agree (every row of `metrics.csv`; replicas
+/// sum their gradients in one order, but a replicated run on one machine is
+/// reproducible to about 1e-7 only).
+fn assert_same_losses(a: &Path, b: &Path, what: &str) {
+    let rows = |d: &Path| -> Vec<Vec<f64>> {
+        let text = std::fs::read_to_string(d.join("metrics.csv")).unwrap();
+        text.lines().skip(1).map(|l| l.split(',').map(|v| v.parse().unwrap()).collect()).collect()
+    };
+    let (ra, rb) = (rows(a), rows(b));
+    assert_eq!(ra.len(), rb.len(), "{what}: not the same number of metric rows");
+    assert!(ra.len() > 4, "{what}: no metric rows");
+    for (x, y) in ra.iter().zip(&rb) {
+        assert_eq!(x[..3], y[..3], "{what}: rows of other steps or blocks");
+        let loss = (x[3] - y[3]).abs() / x[3].abs().max(1e-12);
+        assert!(loss <= 1e-5, "{what}: step {} block {}: loss {} against {}", x[1], x[2], x[3], y[3]);
     }
 }
 

@@ -95,6 +95,19 @@ enum Command {
         #[arg(long, default_value = "runs/profile.json")]
         out: PathBuf,
     },
+    /// What a hand-off costs between threads and, under `mpirun -np 2`,
+    /// between processes; the link fitted to it; and the simulated step time
+    /// of 8, 16 and 64 ranks on that link and on 10 and 100 Gb/s links.
+    Link {
+        /// The run config (teacher, students, batch size).
+        config: PathBuf,
+        /// Round trips per message.
+        #[arg(long, default_value_t = 20)]
+        rounds: usize,
+        /// Folder that receives link.json.
+        #[arg(long, default_value = "runs/link")]
+        out: PathBuf,
+    },
     /// Choose stage cuts and replica counts for W device slots from a profile (AHD).
     Plan {
         /// A profile written by `pipebd profile`.
@@ -321,6 +334,21 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
                         ""
                     }
                 );
+            }
+            Ok(())
+        }
+        Command::Link { config, rounds, out } => {
+            let config = zoo.load_config(&config, Overrides::default())?;
+            let transport =
+                crate::runtime::transport::open(crate::runtime::transport::TransportChoice::Auto)?;
+            let mut say = |line: &str| eprintln!("link: {line}");
+            let report = crate::link::link_bench(zoo, &config, transport.clone(), rounds, &out, &mut say);
+            if let Some(transport) = transport {
+                close_transport(transport, report.is_err());
+            }
+            if let Some(report) = report? {
+                print::print_link(&report);
+                println!("wrote {}", out.join("link.json").display());
             }
             Ok(())
         }

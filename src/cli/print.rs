@@ -132,3 +132,49 @@ pub(super) fn print_blocks(blocks: &[crate::report::BlockReport]) {
         );
     }
 }
+
+/// The hand-offs measured by `pipebd link`, the fitted link, and the
+/// simulated cluster step times.
+pub(super) fn print_link(report: &crate::link::LinkReport) {
+    println!(
+        "hand-offs of `{}` at batch {} (one way, measured side by side):",
+        report.name, report.batch_size
+    );
+    println!("{:<28} {:>10} {:>14} {:>14} {:>8}", "message", "bytes", "threads (ms)", "ranks (ms)", "ratio");
+    for h in &report.handoffs {
+        let ranks = h.rank_seconds.map_or("-".to_string(), |s| format!("{:.3}", 1e3 * s));
+        let ratio =
+            h.rank_seconds.map_or("-".to_string(), |s| format!("{:.0}x", s / h.thread_seconds.max(1e-12)));
+        println!(
+            "{:<28} {:>10} {:>14.4} {:>14} {:>8}",
+            h.message,
+            h.bytes,
+            1e3 * h.thread_seconds,
+            ranks,
+            ratio
+        );
+    }
+    match &report.measured {
+        Some(link) => println!(
+            "link between ranks here: {:.1} us + bytes / {:.2} GB/s",
+            1e6 * link.latency,
+            link.bytes_per_second / 1e9
+        ),
+        None => {
+            println!("(no ranks: run `mpirun -np 2 pipebd link <config>` for the column between processes)")
+        }
+    }
+    println!("simulated (not measured): ranks with this machine's block costs");
+    println!("{:>5}  {:<24} {:>10} {:>10} {:>8}  plan", "ranks", "link", "step (ms)", "dp (ms)", "vs dp");
+    for p in &report.predictions {
+        println!(
+            "{:>5}  {:<24} {:>10.2} {:>10.2} {:>7.2}x  {}",
+            p.ranks,
+            p.link,
+            1e3 * p.step_seconds,
+            1e3 * p.dp_step_seconds,
+            p.dp_step_seconds / p.step_seconds.max(1e-12),
+            p.plan
+        );
+    }
+}

@@ -43,7 +43,7 @@ mod resume;
 mod sync;
 mod topology;
 pub mod transport;
-mod wire;
+pub(crate) mod wire;
 mod worker;
 
 use std::collections::BTreeMap;

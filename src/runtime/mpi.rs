@@ -16,14 +16,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
+use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use mpi::request::{Request, StaticScope};
 use mpi::traits::{Communicator, Destination, MatchedReceiveVec, Source};
 
 use super::transport::{Inbox, Tag, Transport};
 use crate::error::{Error, Result};
 
-/// How long the loop sleeps when it found nothing to do.
+/// How long the loop waits for a post when it found nothing to do.
 const IDLE: Duration = Duration::from_micros(100);
 /// How long a closing transport waits for its last sends to complete.
 const FLUSH: Duration = Duration::from_secs(10);
@@ -163,10 +163,25 @@ fn pump<C: Communicator>(
 ) -> std::result::Result<(), String> {
     let mut in_flight: Vec<InFlight> = Vec::new();
     let mut closing: Option<Instant> = None;
+    let mut idle = false;
+    let mut pending: Option<Command> = None;
     loop {
         let mut busy = false;
+        if idle {
+            // Nothing moved last time: wait for a post (or the idle time,
+            // then look for arrivals again).
+            match queue.recv_timeout(IDLE) {
+                Ok(command) => pending = Some(command),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => closing = closing.or(Some(Instant::now())),
+            }
+        }
         while closing.is_none() {
-            match queue.try_recv() {
+            let next = match pending.take() {
+                Some(command) => Ok(command),
+                None => queue.try_recv(),
+            };
+            match next {
                 Ok(Command::Send { to, tag, bytes }) => {
                     in_flight.push(start_send(world, to, tag, bytes));
                     busy = true;
@@ -209,8 +224,6 @@ fn pump<C: Communicator>(
                 ));
             }
         }
-        if !busy {
-            std::thread::sleep(IDLE);
-        }
+        idle = !busy;
     }
 }

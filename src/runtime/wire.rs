@@ -8,7 +8,7 @@ use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use pipebd_core::{Activation, StudentModule};
 use pipebd_kernels::DistillBackend;
 
@@ -37,18 +37,23 @@ impl Writer {
         }
         self
     }
-    /// A tensor's shape and values.
+    /// A tensor's shape and its values as little-endian `f32`s.
     fn tensor<B: Backend, const D: usize>(&mut self, tensor: Tensor<B, D>) -> Result<&mut Self> {
         let dims = tensor.dims();
-        let values: Vec<f32> =
-            tensor.into_data().convert::<f32>().to_vec().map_err(|e| Error::Transport {
-                message: format!("cannot read a tensor for sending: {e:?}"),
-            })?;
+        let data = tensor.into_data().convert::<f32>();
         self.u64(D as u64);
         for d in dims {
             self.u64(d as u64);
         }
-        Ok(self.f32s(&values))
+        if cfg!(target_endian = "little") {
+            // The values' memory is already the wire format.
+            return Ok(self.bytes(data.as_bytes()));
+        }
+        let values: Vec<f32> = data
+            .to_vec()
+            .map_err(|e| Error::Transport { message: format!("cannot read a tensor for sending: {e:?}") })?;
+        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Ok(self.bytes(&raw))
     }
 }
 
@@ -107,11 +112,18 @@ impl<'a> Reader<'a> {
             });
         }
         let shape: Vec<usize> = (0..D).map(|_| self.u64().map(|d| d as usize)).collect::<Result<_>>()?;
-        let values = self.f32s()?;
-        if values.len() != shape.iter().product::<usize>() {
+        let raw = self.bytes()?;
+        if Some(raw.len()) != shape.iter().product::<usize>().checked_mul(4) {
             return Err(self.short());
         }
-        Ok(Tensor::from_data(TensorData::new(values, shape), device))
+        let data = if cfg!(target_endian = "little") {
+            TensorData::from_bytes_vec(raw.to_vec(), shape, DType::F32)
+        } else {
+            let values: Vec<f32> =
+                raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            TensorData::new(values, shape)
+        };
+        Ok(Tensor::from_data(data, device))
     }
     pub(crate) fn finish(&self) -> Result<()> {
         if self.bytes.is_empty() {
