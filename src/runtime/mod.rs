@@ -23,16 +23,17 @@
 //!
 //! Multi-GPU and multi-node: activations cross devices with `to_device` on
 //! the receiving side, and gradient averaging is a leader/follower exchange
-//! of `GradientsParams` summed by burn's `step_multi`. A multi-node engine
-//! (MPI point-to-point for activations, per-stage all-reduce groups for
-//! gradients) replaces the channels and the leader exchange; the worker
-//! loop stays as it is.
+//! of `GradientsParams` summed by burn's `step_multi`. Across processes
+//! (`RuntimeSettings::transport`, e.g. MPI), slot `r` runs on rank `r` and
+//! the links between ranks carry the same messages as bytes
+//! ([`transport`]); the worker loop stays as it is.
 //!
 //! Code map: `sync` (stop signal, heartbeats, barrier, channel waits),
 //! `topology` (the workers of a phase and their channels), `phase` (a
 //! phase's threads and watchdog), `worker` (one worker's training loop),
 //! `resume` (checkpoint identity and restore), [`recovery`] (what a lost
-//! device changes).
+//! device changes), [`transport`], `wire`, `cluster` and `mpi` (runs
+//! across processes).
 
 mod cluster;
 #[cfg(feature = "mpi")]
