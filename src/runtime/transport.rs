@@ -82,10 +82,13 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn receive_any(&self, tag: Tag, wait: Duration) -> Result<Option<(usize, Vec<u8>)>>;
 }
 
+/// Messages waiting to be taken, by (sender, tag), in order.
+type Queues = HashMap<(usize, Tag), VecDeque<Vec<u8>>>;
+
 /// Messages that have arrived at one rank, by (sender, tag), in order.
 #[derive(Default)]
 pub(crate) struct Inbox {
-    queues: Mutex<HashMap<(usize, Tag), VecDeque<Vec<u8>>>>,
+    queues: Mutex<Queues>,
     arrived: Condvar,
 }
 
