@@ -33,6 +33,9 @@ fn mpirun(ranks: usize) -> Command {
         .args(["--oversubscribe", "--bind-to", "none", "-np", &ranks.to_string()])
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // Containers often forbid the cross-process memory copy of the
+        // shared-memory transport; plain copies work everywhere.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .env_remove(pipe_bd::fault::ENV)
         .arg(env!("CARGO_BIN_EXE_pipebd"));
     command
