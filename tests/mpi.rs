@@ -10,11 +10,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{backend::Backend, Tensor};
-use pipe_bd::eval::load_students;
 use pipe_bd::report::RunReport;
-use pipe_bd::zoo::{Builtin, Zoo};
 
 mod common;
 
@@ -72,27 +68,6 @@ fn write_config(dir: &Path, name: &str, train_limit: usize, epochs: usize, extra
     path
 }
 
-/// Every float parameter of every saved student block, flattened.
-fn student_weights(run_dir: &Path) -> Vec<Vec<f32>> {
-    struct Flatten(Vec<f32>);
-    impl<B: Backend> ModuleVisitor<B> for Flatten {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.extend(param.val().into_data().iter::<f32>());
-        }
-    }
-    let report = RunReport::read(run_dir).unwrap();
-    let teacher = Builtin.teacher_specs(&report.config).unwrap();
-    let (blocks, _) = load_students(&Builtin, run_dir, &report.config, &teacher).unwrap();
-    blocks
-        .iter()
-        .map(|b| {
-            let mut v = Flatten(Vec::new());
-            b.visit(&mut v);
-            v.0
-        })
-        .collect()
-}
-
 #[test]
 fn mpirun_on_two_and_three_ranks_trains_what_one_process_trains() {
     let _serial = serial();
@@ -148,7 +123,8 @@ fn mpirun_on_two_and_three_ranks_trains_what_one_process_trains() {
             "{what}: a rank's workers are missing from the report"
         );
         assert_same_losses(&mpi_out, &local_out, &what);
-        let diff = common::max_abs_diff(&student_weights(&local_out), &student_weights(&mpi_out));
+        let diff =
+            common::max_abs_diff(&common::student_weights(&local_out), &common::student_weights(&mpi_out));
         assert!(diff <= 1e-6, "{what}: the students differ from one process by {diff}");
     }
 }
@@ -253,7 +229,7 @@ fn a_rank_killed_mid_run_stops_the_others_and_resume_continues_on_fewer_ranks() 
         run_args(&mut one_process(), &config, &reference).args(["--transport", "local"]).output().unwrap(),
         "uninterrupted run",
     );
-    let diff = common::max_abs_diff(&student_weights(&reference), &student_weights(&killed));
+    let diff = common::max_abs_diff(&common::student_weights(&reference), &common::student_weights(&killed));
     assert!(diff <= 1e-5, "the resumed students differ from the uninterrupted run by {diff}");
 }
 

@@ -12,13 +12,10 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{backend::Backend, Tensor};
 use pipe_bd::config::RunConfig;
-use pipe_bd::eval::load_students;
 use pipe_bd::report::RunReport;
 use pipe_bd::run::{run, RunFlags};
-use pipe_bd::zoo::{Builtin, Zoo};
+use pipe_bd::zoo::Builtin;
 
 mod common;
 
@@ -67,29 +64,8 @@ fn run_to_end_with(config: &Path, out: &Path, resume: bool, extra: &[&str]) -> R
     RunReport::read(out).unwrap()
 }
 
-/// Every float parameter of every saved student block, flattened.
-fn student_weights(run_dir: &Path) -> Vec<Vec<f32>> {
-    struct Flatten(Vec<f32>);
-    impl<B: Backend> ModuleVisitor<B> for Flatten {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.extend(param.val().into_data().iter::<f32>());
-        }
-    }
-    let report = RunReport::read(run_dir).unwrap();
-    let teacher = Builtin.teacher_specs(&report.config).unwrap();
-    let (blocks, _) = load_students(&Builtin, run_dir, &report.config, &teacher).unwrap();
-    blocks
-        .iter()
-        .map(|b| {
-            let mut v = Flatten(Vec::new());
-            b.visit(&mut v);
-            v.0
-        })
-        .collect()
-}
-
 fn assert_same_weights(a: &Path, b: &Path) {
-    let (wa, wb) = (student_weights(a), student_weights(b));
+    let (wa, wb) = (common::student_weights(a), common::student_weights(b));
     assert_eq!(wa.len(), wb.len());
     for (k, (x, y)) in wa.iter().zip(&wb).enumerate() {
         assert_eq!(x.len(), y.len());
@@ -97,7 +73,6 @@ fn assert_same_weights(a: &Path, b: &Path) {
         assert!(worst <= 1e-5, "block {}: weights differ by {worst} from the uninterrupted run", k + 1);
     }
 }
-
 
 #[test]
 fn sigkill_mid_run_and_mid_checkpoint_write_then_resume_reproduces_the_uninterrupted_run() {

@@ -170,7 +170,8 @@ pub(super) struct PhaseEnd {
 }
 
 impl PhaseEnd {
-    /// The states of `blocks` from `trainers`, with this rank's records.
+    /// The states of `blocks` from `trainers`, with this rank's records of
+    /// the phase (metric rows, spans, worker summaries, checkpoints written).
     pub(super) fn collect<B: DistillBackend, S: StudentModule<B>>(
         trainers: &[Option<BlockTrainer<B, S>>],
         blocks: &[usize],

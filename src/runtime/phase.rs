@@ -249,14 +249,14 @@ where
             .filter(|s| s.slots.first() == Some(&watch.rank()))
             .flat_map(|s| s.blocks.clone())
             .collect();
-        let mine = PhaseEnd::collect(trainers, &local_leaders, Vec::new(), Vec::new(), Vec::new(), 0)?;
-        let mine = PhaseEnd {
-            rows: outcome.rows.clone(),
-            spans: outcome.spans.clone(),
-            workers: outcome.workers.clone(),
-            checkpoints_written: outcome.checkpoints_written,
-            ..mine
-        };
+        let mine = PhaseEnd::collect(
+            trainers,
+            &local_leaders,
+            outcome.rows.clone(),
+            outcome.spans.clone(),
+            outcome.workers.clone(),
+            outcome.checkpoints_written,
+        )?;
         let mut on_progress = |msg| tally.take(msg, context, observer, &mut block_steps);
         let ends = watch.finish_phase(&mine, &stop, &mut on_progress);
         match ends {

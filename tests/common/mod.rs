@@ -170,3 +170,29 @@ pub fn kill_after_checkpoint(child: &mut std::process::Child, checkpoints: &std:
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
 }
+
+/// Every float parameter of every student block saved in a run folder,
+/// flattened (for comparing two runs' students).
+pub fn student_weights(run_dir: &std::path::Path) -> Vec<Vec<f32>> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::{backend::Backend, Tensor};
+    use pipe_bd::zoo::Zoo;
+    struct Flatten(Vec<f32>);
+    impl<B: Backend> ModuleVisitor<B> for Flatten {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.extend(param.val().into_data().iter::<f32>());
+        }
+    }
+    let report = pipe_bd::report::RunReport::read(run_dir).unwrap();
+    let teacher = pipe_bd::zoo::Builtin.teacher_specs(&report.config).unwrap();
+    let (blocks, _) =
+        pipe_bd::eval::load_students(&pipe_bd::zoo::Builtin, run_dir, &report.config, &teacher).unwrap();
+    blocks
+        .iter()
+        .map(|b| {
+            let mut v = Flatten(Vec::new());
+            b.visit(&mut v);
+            v.0
+        })
+        .collect()
+}
