@@ -148,13 +148,13 @@ pub fn run_rank<Z: Zoo>(
             return Err(Error::Plan {
                 plan: plan.name.clone(),
                 message: format!(
-                    "{} uses {} device slots, one process (rank) each, but {} ranks were started: \
-                     start it with `mpirun -np {}`, or give the config {} device slots",
+                    "{} uses {}, one process (rank) each, but {} ranks were started: \
+                     start it with `mpirun -np {}`, or give the config {}",
                     plan.describe(),
-                    plan.slots(),
+                    device_slots(plan.slots()),
                     t.ranks(),
                     plan.slots(),
-                    t.ranks()
+                    device_slots(t.ranks())
                 ),
             });
         }
@@ -172,6 +172,11 @@ pub fn rank_devices(device: &str, ranks: usize, per_node: usize) -> Vec<String> 
         return vec![device.to_string(); ranks];
     }
     (0..ranks).map(|r| format!("{device}:{}", r % per_node.max(1))).collect()
+}
+
+/// "1 device slot", "3 device slots".
+fn device_slots(n: usize) -> String {
+    format!("{n} device slot{}", if n == 1 { "" } else { "s" })
 }
 
 /// Rank 0's `auto` plan (or why it has none) for the other ranks.

@@ -213,7 +213,10 @@ pub fn run_with<Z: Zoo>(zoo: Z) -> ExitCode {
     match execute(&zoo, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            match crate::runtime::transport::launcher_rank() {
+                Some(rank) => eprintln!("error (rank {rank}): {e}"),
+                None => eprintln!("error: {e}"),
+            }
             if e.is_user_error() {
                 ExitCode::from(2)
             } else {

@@ -207,6 +207,17 @@ pub fn launcher_ranks() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok().and_then(|n| n.parse().ok()))
 }
 
+/// This process's rank as the launcher's environment gives it, in a run of
+/// more than one rank (for labelling messages before MPI is up).
+pub fn launcher_rank() -> Option<usize> {
+    if launcher_ranks().is_none_or(|n| n < 2) {
+        return None;
+    }
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().and_then(|n| n.parse().ok()))
+}
+
 /// How many ranks of this run share this machine (for dividing its cores),
 /// from the launcher's environment; 1 when unknown.
 pub fn ranks_on_this_node() -> usize {
