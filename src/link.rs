@@ -22,7 +22,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::backend::Flex;
-use burn::tensor::{Distribution, Tensor};
 use pipebd_core::{Activation, BlockSpec};
 use serde::{Deserialize, Serialize};
 
@@ -121,7 +120,7 @@ pub fn link_bench<Z: Zoo>(
     let students = zoo.student_specs(config, &teacher)?;
     let batch = config.train.batch_size;
     let rounds = rounds.max(1);
-    let messages = messages(&teacher, &students, batch);
+    let messages = messages(&teacher, &students, batch)?;
     if let Some(t) = &transport {
         if t.ranks() != 2 {
             return Err(Error::Transport {
@@ -165,34 +164,24 @@ pub fn link_bench<Z: Zoo>(
 }
 
 /// The messages of a pipelined run: the activation after each teacher block
-/// but the last (the full batch), and each block's gradients (a tensor of
-/// its parameter count).
-fn messages(teacher: &[BlockSpec], students: &[BlockSpec], batch: usize) -> Vec<(String, Activation<Flex>)> {
+/// but the last (the full batch), and each block's gradients (a flat tensor
+/// of its parameter count). Their values do not change what moving them costs.
+fn messages(
+    teacher: &[BlockSpec],
+    students: &[BlockSpec],
+    batch: usize,
+) -> Result<Vec<(String, Activation<Flex>)>> {
     let device = Default::default();
-    let random = |dims: Vec<usize>| -> Activation<Flex> {
-        let normal = Distribution::Normal(0.0, 1.0);
-        match dims.len() {
-            2 => Activation::Flat(Tensor::random([dims[0], dims[1]], normal, &device)),
-            3 => Activation::Tokens {
-                hidden: Tensor::random([dims[0], dims[1], dims[2]], normal, &device),
-                mask: Tensor::ones([dims[0], dims[1]], &device),
-            },
-            _ => Activation::Maps(Tensor::random(
-                [dims[0], dims[1], *dims.get(2).unwrap_or(&1), *dims.get(3).unwrap_or(&1)],
-                normal,
-                &device,
-            )),
-        }
-    };
     let mut out = Vec::new();
     for (k, spec) in teacher.iter().enumerate().take(teacher.len().saturating_sub(1)) {
-        let dims: Vec<usize> = std::iter::once(batch).chain(spec.output_shape.iter().copied()).collect();
-        out.push((format!("activation after block {}", k + 1), random(dims)));
+        let activation = Activation::zeros(batch, &spec.output_shape, &device)?;
+        out.push((format!("activation after block {}", k + 1), activation));
     }
     for (k, spec) in students.iter().enumerate() {
-        out.push((format!("gradients of block {}", k + 1), random(vec![1, spec.params.max(1)])));
+        let gradients = Activation::zeros(1, &[spec.params.max(1)], &device)?;
+        out.push((format!("gradients of block {}", k + 1), gradients));
     }
-    out
+    Ok(out)
 }
 
 fn encoded(activation: &Activation<Flex>) -> Result<Vec<u8>> {

@@ -25,7 +25,7 @@ use crate::planning::simulate::simulate_shared;
 use crate::preflight::{check_out_dir, preflight};
 use crate::profile::auto_plan;
 use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
-use crate::runtime::transport::{ranks_on_this_node, Tag, Transport};
+use crate::runtime::transport::{rank_mismatch, ranks_on_this_node, Tag, Transport};
 use crate::runtime::{concurrent_workers, cores, threads_per_worker, Distillation};
 use crate::search::score::{block_scores, measure_candidates};
 use crate::trace::write_chrome_trace;
@@ -143,21 +143,8 @@ pub fn run_rank<Z: Zoo>(
             (plan, Some(costs))
         }
     };
-    if let Some(t) = &transport {
-        if plan.slots() != t.ranks() {
-            return Err(Error::Plan {
-                plan: plan.name.clone(),
-                message: format!(
-                    "{} uses {}, one process (rank) each, but {} ranks were started: \
-                     start it with `mpirun -np {}`, or give the config {}",
-                    plan.describe(),
-                    device_slots(plan.slots()),
-                    t.ranks(),
-                    plan.slots(),
-                    device_slots(t.ranks())
-                ),
-            });
-        }
+    if let Some(t) = transport.as_ref().filter(|t| plan.slots() != t.ranks()) {
+        return Err(rank_mismatch(&plan, t.ranks()));
     }
     let job = Job { zoo, config, plan: &plan, costs: costs.as_ref(), out_dir, options, observer, transport };
     dispatch(&devices, job)
@@ -172,11 +159,6 @@ pub fn rank_devices(device: &str, ranks: usize, per_node: usize) -> Vec<String> 
         return vec![device.to_string(); ranks];
     }
     (0..ranks).map(|r| format!("{device}:{}", r % per_node.max(1))).collect()
-}
-
-/// "1 device slot", "3 device slots".
-fn device_slots(n: usize) -> String {
-    format!("{n} device slot{}", if n == 1 { "" } else { "s" })
 }
 
 /// Rank 0's `auto` plan (or why it has none) for the other ranks.

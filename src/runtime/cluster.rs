@@ -12,7 +12,7 @@ use pipebd_core::StudentModule;
 use pipebd_kernels::DistillBackend;
 
 use super::phase::ProgressMsg;
-use super::sync::{post_all, Stop, POLL};
+use super::sync::{Stop, POLL};
 use super::transport::{Tag, Transport};
 use super::wire::{decode_state, encode_state, Reader, Writer};
 use crate::error::{Error, Result};
@@ -70,7 +70,7 @@ impl ClusterWatch {
     fn exchange(&mut self, stop: &Stop) -> Result<Vec<ProgressMsg>> {
         let now = Instant::now();
         if self.last_sent.is_none_or(|t| now.duration_since(t) >= HEARTBEAT) {
-            post_all(self.transport.as_ref(), &self.all(), Tag::Heartbeat, &[])?;
+            self.post_others(Tag::Heartbeat, &[])?;
             self.last_sent = Some(now);
         }
         while let Some((rank, _)) = self.transport.receive_any(Tag::Heartbeat, Duration::ZERO)? {
@@ -103,8 +103,12 @@ impl ClusterWatch {
         Ok(progress)
     }
 
-    fn all(&self) -> Vec<usize> {
-        (0..self.transport.ranks()).collect()
+    /// Posts `bytes` under `tag` to every other rank.
+    fn post_others(&self, tag: Tag, bytes: &[u8]) -> Result<()> {
+        for &rank in &self.others {
+            self.transport.post(rank, tag, bytes.to_vec())?;
+        }
+        Ok(())
     }
 
     /// Tells every other rank why this one stopped (once).
@@ -114,7 +118,7 @@ impl ClusterWatch {
         }
         self.announced = true;
         let message = stop.describe().unwrap_or_else(|| "stopped".into());
-        let _ = post_all(self.transport.as_ref(), &self.all(), Tag::Stop, message.as_bytes());
+        let _ = self.post_others(Tag::Stop, message.as_bytes());
     }
 
     /// A stage leader's step done on this rank, for rank 0.
@@ -133,7 +137,7 @@ impl ClusterWatch {
         stop: &Stop,
         on_progress: &mut dyn FnMut(ProgressMsg),
     ) -> Result<Option<Vec<PhaseEnd>>> {
-        post_all(self.transport.as_ref(), &self.all(), Tag::PhaseEnd, &mine.encode())?;
+        self.post_others(Tag::PhaseEnd, &mine.encode())?;
         let mut ends = BTreeMap::new();
         while ends.len() < self.others.len() {
             for msg in self.tick(stop) {

@@ -288,17 +288,8 @@ where
     if plan.slots() > devices.len() {
         return Err(plan_error(format!("needs {} device slots, {} given", plan.slots(), devices.len())));
     }
-    if let Some(transport) = &options.transport {
-        if plan.slots() > transport.ranks() {
-            return Err(plan_error(format!(
-                "{} needs {} device slots, one process (rank) each, but the run has {} ranks: start it with `mpirun -np {}`, or choose a plan for {} slots",
-                plan.describe(),
-                plan.slots(),
-                transport.ranks(),
-                plan.slots(),
-                transport.ranks()
-            )));
-        }
+    if let Some(transport) = options.transport.as_ref().filter(|t| plan.slots() > t.ranks()) {
+        return Err(transport::rank_mismatch(plan, transport.ranks()));
     }
     let blocks = students.blocks.len();
     for phase in &plan.phases {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
 use super::topology::{Peer, Sink, Source};
-use super::transport::{Tag, Transport};
+use super::transport::Tag;
 use crate::error::{Error, Result};
 
 /// How often a waiting worker looks at the stop signal.
@@ -170,21 +170,34 @@ pub(super) fn receive<M>(
     timeout: Duration,
     what: impl Fn() -> String,
 ) -> Flow<M> {
+    let attempt = || match rx.recv_timeout(POLL) {
+        Ok(m) => Ok(Some(m)),
+        Err(RecvTimeoutError::Timeout) => Ok(None),
+        Err(RecvTimeoutError::Disconnected) => Err(Halt::Stopped),
+    };
+    wait_for(attempt, stop, timeout, what)
+}
+
+/// Repeats `attempt` (each waits up to one poll) until it yields a message,
+/// the stop signal is raised, or `timeout` has passed.
+fn wait_for<M>(
+    mut attempt: impl FnMut() -> Flow<Option<M>>,
+    stop: &Stop,
+    timeout: Duration,
+    what: impl Fn() -> String,
+) -> Flow<M> {
     let start = Instant::now();
     loop {
-        match rx.recv_timeout(POLL) {
-            Ok(m) => return Ok(m),
-            Err(RecvTimeoutError::Timeout) => {
-                if stop.is_raised() {
-                    return Err(Halt::Stopped);
-                }
-                if start.elapsed() > timeout {
-                    return Err(Halt::Failed(Error::Timeout {
-                        message: format!("{} (waited {:.0} s)", what(), timeout.as_secs_f64()),
-                    }));
-                }
-            }
-            Err(RecvTimeoutError::Disconnected) => return Err(Halt::Stopped),
+        if let Some(m) = attempt()? {
+            return Ok(m);
+        }
+        if stop.is_raised() {
+            return Err(Halt::Stopped);
+        }
+        if start.elapsed() > timeout {
+            return Err(Halt::Failed(Error::Timeout {
+                message: format!("{} (waited {:.0} s)", what(), timeout.as_secs_f64()),
+            }));
         }
     }
 }
@@ -227,20 +240,7 @@ pub(super) fn receive_remote(
     timeout: Duration,
     what: impl Fn() -> String,
 ) -> Flow<Vec<u8>> {
-    let start = Instant::now();
-    loop {
-        if let Some(bytes) = peer.transport.receive(peer.rank, tag, POLL)? {
-            return Ok(bytes);
-        }
-        if stop.is_raised() {
-            return Err(Halt::Stopped);
-        }
-        if start.elapsed() > timeout {
-            return Err(Halt::Failed(Error::Timeout {
-                message: format!("{} (waited {:.0} s)", what(), timeout.as_secs_f64()),
-            }));
-        }
-    }
+    wait_for(|| Ok(peer.transport.receive(peer.rank, tag, POLL)?), stop, timeout, what)
 }
 
 /// Sends `message` to a sink: on its channel, or encoded (`encode`) to
@@ -274,12 +274,4 @@ pub(super) fn receive_from<M>(
         Source::Local(rx) => receive(rx, stop, timeout, what),
         Source::Remote(peer) => Ok(decode(receive_remote(peer, tag, stop, timeout, what)?)?),
     }
-}
-
-/// Posts `bytes` under `tag` to every rank in `ranks` but this one.
-pub(super) fn post_all(transport: &dyn Transport, ranks: &[usize], tag: Tag, bytes: &[u8]) -> Result<()> {
-    for &rank in ranks.iter().filter(|&&r| r != transport.rank()) {
-        transport.post(rank, tag, bytes.to_vec())?;
-    }
-    Ok(())
 }

@@ -202,9 +202,7 @@ impl TransportChoice {
 /// The number of ranks an MPI launcher started, judged by the environment
 /// the launchers set (OpenMPI, MPICH/Intel MPI's PMI, Slurm), if any.
 pub fn launcher_ranks() -> Option<usize> {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok().and_then(|n| n.parse().ok()))
+    env_number(&["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"])
 }
 
 /// This process's rank as the launcher's environment gives it, in a run of
@@ -213,18 +211,34 @@ pub fn launcher_rank() -> Option<usize> {
     if launcher_ranks().is_none_or(|n| n < 2) {
         return None;
     }
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok().and_then(|n| n.parse().ok()))
+    env_number(&["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"])
 }
 
 /// How many ranks of this run share this machine (for dividing its cores),
 /// from the launcher's environment; 1 when unknown.
 pub fn ranks_on_this_node() -> usize {
-    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok().and_then(|n| n.parse().ok()))
-        .unwrap_or(1)
+    env_number(&["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"]).unwrap_or(1)
+}
+
+/// The first of the environment variables `names` that holds a number.
+fn env_number(names: &[&str]) -> Option<usize> {
+    names.iter().find_map(|v| std::env::var(v).ok().and_then(|n| n.parse().ok()))
+}
+
+/// A plan whose device slots do not match the run's ranks (one rank per slot).
+pub fn rank_mismatch(plan: &crate::plan::Plan, ranks: usize) -> Error {
+    let slots = |n: usize| format!("{n} device slot{}", if n == 1 { "" } else { "s" });
+    Error::Plan {
+        plan: plan.name.clone(),
+        message: format!(
+            "{} uses {}, one process (rank) each, but {ranks} ranks were started: \
+             start it with `mpirun -np {}`, or give the config {}",
+            plan.describe(),
+            slots(plan.slots()),
+            plan.slots(),
+            slots(ranks)
+        ),
+    }
 }
 
 /// The transport `choice` gives in this process: `None` for one process.

@@ -1,12 +1,12 @@
 //! How the runtime's messages become bytes for a [`super::transport`] and
 //! back: activations with their masks, gradients, updated blocks and block
 //! states. Tensors travel as their shape and little-endian `f32` values, so
-//! a decoded tensor equals the sent one bit for bit; gradients and modules
-//! are matched to the receiver's copy of the block by parameter id.
+//! a decoded tensor equals the sent one bit for bit; gradients are matched
+//! to the receiver's copy of the block by parameter order (each process
+//! draws its own parameter ids), blocks travel as their records.
 
 use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use pipebd_core::{Activation, StudentModule};
@@ -14,7 +14,7 @@ use pipebd_kernels::DistillBackend;
 
 use super::topology::{ActivationMsg, GradientMsg, ModuleMsg};
 use crate::error::{Error, Result};
-use crate::train::TrainerState;
+use crate::train::{load_module_bytes, module_bytes, TrainerState};
 
 /// Appends length-prefixed fields to a message.
 #[derive(Default)]
@@ -32,9 +32,7 @@ impl Writer {
     }
     pub(crate) fn f32s(&mut self, values: &[f32]) -> &mut Self {
         self.u64(values.len() as u64);
-        for v in values {
-            self.0.extend_from_slice(&v.to_le_bytes());
-        }
+        self.0.extend(values.iter().flat_map(|v| v.to_le_bytes()));
         self
     }
     /// A tensor's shape and its values as little-endian `f32`s.
@@ -52,8 +50,9 @@ impl Writer {
         let values: Vec<f32> = data
             .to_vec()
             .map_err(|e| Error::Transport { message: format!("cannot read a tensor for sending: {e:?}") })?;
-        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Ok(self.bytes(&raw))
+        self.u64(4 * values.len() as u64);
+        self.0.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        Ok(self)
     }
 }
 
@@ -97,8 +96,7 @@ impl<'a> Reader<'a> {
     }
     pub(crate) fn f32s(&mut self) -> Result<Vec<f32>> {
         let n = self.len(4)?;
-        let raw = self.take(n * 4)?;
-        Ok(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        Ok(f32s_from_le(self.take(n * 4)?))
     }
     /// A tensor of rank `D` on `device`.
     fn tensor<B: Backend, const D: usize>(&mut self, device: &B::Device) -> Result<Tensor<B, D>> {
@@ -119,9 +117,7 @@ impl<'a> Reader<'a> {
         let data = if cfg!(target_endian = "little") {
             TensorData::from_bytes_vec(raw.to_vec(), shape, DType::F32)
         } else {
-            let values: Vec<f32> =
-                raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            TensorData::new(values, shape)
+            TensorData::new(f32s_from_le(raw), shape)
         };
         Ok(Tensor::from_data(data, device))
     }
@@ -134,6 +130,11 @@ impl<'a> Reader<'a> {
             })
         }
     }
+}
+
+/// Little-endian `f32`s, four bytes each.
+fn f32s_from_le(raw: &[u8]) -> Vec<f32> {
+    raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
 /// An activation (with its mask) as bytes.
@@ -274,16 +275,12 @@ pub(crate) fn decode_gradients<B: DistillBackend, S: StudentModule<B>>(
     Ok(visitor.grads)
 }
 
-fn recorder() -> NamedMpkBytesRecorder<FullPrecisionSettings> {
-    NamedMpkBytesRecorder::<FullPrecisionSettings>::new()
-}
-
-/// A block's weights as bytes (burn's named MessagePack, full precision).
+/// A block's weights as bytes (as a checkpoint keeps them).
 pub(crate) fn encode_module<B: DistillBackend, S: StudentModule<B>>(
     writer: &mut Writer,
     module: &S,
 ) -> Result<()> {
-    let bytes = Recorder::<B>::record(&recorder(), module.clone().into_record(), ())
+    let bytes = module_bytes(module)
         .map_err(|e| Error::Transport { message: format!("cannot serialise a block for sending: {e}") })?;
     writer.bytes(&bytes);
     Ok(())
@@ -296,14 +293,8 @@ pub(crate) fn decode_module<B: DistillBackend, S: StudentModule<B>>(
     template: &S,
     device: &B::Device,
 ) -> Result<S> {
-    let bytes = reader.bytes()?.to_vec();
-    let record = Recorder::<B>::load(&recorder(), bytes, device)
-        .map_err(|e| Error::Transport { message: format!("a received block does not decode: {e}") })?;
-    let module =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| template.clone().load_record(record)))
-            .map_err(|_| Error::Transport {
-                message: "a received block does not fit this copy (other shapes?)".into(),
-            })?;
+    let module = load_module_bytes(template.clone(), reader.bytes()?.to_vec(), device)
+        .map_err(|message| Error::Transport { message: format!("a received block: {message}") })?;
     Ok(module.fork(device))
 }
 

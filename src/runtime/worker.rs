@@ -504,12 +504,7 @@ where
         let started = Instant::now();
         let _waiting = state.beat.waiting();
         for (i, tx) in to_followers.iter().enumerate() {
-            let modules: Vec<S> = trainers
-                .iter()
-                .zip(active)
-                .filter(|(_, &a)| a)
-                .filter_map(|(t, _)| t.module().map(detached_copy))
-                .collect();
+            let modules: Vec<S> = active_modules(trainers, active).into_iter().map(detached_copy).collect();
             let msg = ModuleMsg { step, modules };
             send_to(tx, msg, Tag::Modules, wire::encode_module_msg::<B, S>, env.stop, env.timeout, || {
                 format!("{name} could not hand the update of step {step} to replica {}", i + 1)

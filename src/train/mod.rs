@@ -377,14 +377,12 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     pub fn save_state(&self) -> Result<TrainerState> {
         let block = self.index + 1;
         let module = self.module.as_ref().ok_or_else(|| self.lost())?;
-        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
         let record_error = |what: &str, e: RecorderError| Error::Training {
             block,
             step: self.step,
             message: format!("cannot serialise the {what} for a checkpoint: {e}"),
         };
-        let weights = Recorder::<B>::record(&recorder, module.clone().into_record(), ())
-            .map_err(|e| record_error("weights", e))?;
+        let weights = module_bytes(module).map_err(|e| record_error("weights", e))?;
         let optimizer = self.optimizer.to_bytes().map_err(|e| record_error("optimizer state", e))?;
         let arch_optimizer = match &self.arch {
             Some(arch) => {
@@ -400,9 +398,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     /// error the trainer is left as it was.
     pub fn load_state(&mut self, state: TrainerState, device: &B::Device) -> std::result::Result<(), String> {
         let module = self.module.clone().ok_or("the block has no module to load into")?;
-        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
-        let record = Recorder::<B>::load(&recorder, state.weights, device)
-            .map_err(|e| format!("weights do not decode: {e}"))?;
+        let module = load_module_bytes(module, state.weights, device)?;
         let optimizer = self
             .optimizer
             .clone()
@@ -421,8 +417,6 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             }
             (None, _) => None,
         };
-        let module = catch_unwind(AssertUnwindSafe(|| module.load_record(record)))
-            .map_err(|_| "weights do not fit the block (other shapes?)".to_string())?;
         self.module = Some(module);
         self.optimizer = optimizer;
         self.arch = arch;
@@ -435,6 +429,29 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     pub fn into_module(self) -> Option<S> {
         self.module
     }
+}
+
+/// A block's weights as bytes (burn's named MessagePack, full precision):
+/// what a checkpoint keeps and what crosses to another process.
+pub(crate) fn module_bytes<B: DistillBackend, S: StudentModule<B>>(
+    module: &S,
+) -> std::result::Result<Vec<u8>, RecorderError> {
+    let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+    Recorder::<B>::record(&recorder, module.clone().into_record(), ())
+}
+
+/// `template` with the weights [`module_bytes`] wrote, loaded on `device`
+/// (it keeps its autodiff setting); an error says why they do not load.
+pub(crate) fn load_module_bytes<B: DistillBackend, S: StudentModule<B>>(
+    template: S,
+    bytes: Vec<u8>,
+    device: &B::Device,
+) -> std::result::Result<S, String> {
+    let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+    let record =
+        Recorder::<B>::load(&recorder, bytes, device).map_err(|e| format!("weights do not decode: {e}"))?;
+    catch_unwind(AssertUnwindSafe(|| template.load_record(record)))
+        .map_err(|_| "weights do not fit the block (other shapes?)".to_string())
 }
 
 /// What a checkpoint keeps of one block (see [`crate::checkpoint`]).
