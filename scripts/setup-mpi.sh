@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes sure OpenMPI (the `mpirun` launcher, the library and its headers) and
 # libclang (rsmpi reads the MPI headers with bindgen) are present, for the
-# `mpi` cargo feature and its tests (tests/mpi.rs). Debian packages
+# `mpi` cargo feature and its tests (tests/integration/mpi.rs). Debian packages
 # openmpi-bin, libopenmpi-dev and libclang-dev. Idempotent: does nothing when
 # they are installed. Only builds with `--features mpi` need this.
 set -euo pipefail

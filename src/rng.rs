@@ -17,6 +17,22 @@ use burn::tensor::{Tensor, TensorData};
 use rand_mt::Mt;
 use serde::{Deserialize, Serialize};
 
+/// Holds burn's process-wide random generator for the caller.
+///
+/// burn's CPU backend draws every random tensor of the process (module
+/// initialisers among them, lazily, at a parameter's first use) from one
+/// generator. Hold this guard from seeding it to the last draw, as the
+/// built-in zoo does when it builds students, so that modules built on other
+/// threads at the same time neither take draws from your sequence nor leave
+/// theirs in it: a seed then gives the same weights however many runs, checks
+/// or tests share the process. A [`Zoo`](crate::zoo::Zoo) of your own that
+/// seeds and builds in `students` should hold it there too. Not reentrant:
+/// do not call back into the built-in zoo while holding it.
+pub fn burn_rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static BURN_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    BURN_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// The generator of a run's initial weights and epoch orders (config key
 /// `generator`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -146,7 +162,8 @@ impl TorchInit<'_> {
                 let (d_in, d_out) = (*d_in, *d_out);
                 self.fan_in = Some(d_in);
                 let bound = kaiming_bound(d_in);
-                let torch_order: Vec<f32> = (0..d_in * d_out).map(|_| self.rng.uniform(-bound, bound)).collect();
+                let torch_order: Vec<f32> =
+                    (0..d_in * d_out).map(|_| self.rng.uniform(-bound, bound)).collect();
                 let mut burn_order = vec![0.0; d_in * d_out];
                 for o in 0..d_out {
                     for i in 0..d_in {
@@ -156,7 +173,10 @@ impl TorchInit<'_> {
                 Ok(burn_order)
             }
             ("Conv2d" | "Linear", [n]) => {
-                let fan_in = self.fan_in.take().ok_or_else(|| format!("{}: a bias before its weight", self.where_()))?;
+                let fan_in = self
+                    .fan_in
+                    .take()
+                    .ok_or_else(|| format!("{}: a bias before its weight", self.where_()))?;
                 let bound = 1.0 / (fan_in as f64).sqrt();
                 Ok((0..*n).map(|_| self.rng.uniform(-bound, bound)).collect())
             }

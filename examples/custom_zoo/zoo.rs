@@ -1,5 +1,5 @@
 //! The zoo of `examples/custom_zoo`: a teacher cut and student kinds of our
-//! own (also used by `tests/zoo.rs`).
+//! own (also used by `tests/integration/zoo.rs`).
 
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -253,6 +253,9 @@ impl Zoo for MyZoo {
         device: &B::Device,
     ) -> pipe_bd::Result<Students<B, MyStudent<B>>> {
         let kinds: Vec<StudentKind> = parse_students(config).map_err(ConfigIssue::into_plain_error)?;
+        // burn draws from one process-wide generator: keep other threads'
+        // draws out of this seeded sequence until the blocks are built.
+        let rng = pipe_bd::rng::burn_rng_lock();
         B::seed(device, config.seed);
         let blocks = kinds
             .iter()
@@ -260,6 +263,7 @@ impl Zoo for MyZoo {
             .map(|(kind, spec)| kind.init::<B>(&spec.input_shape, &spec.output_shape, device))
             .collect::<BlockResult<Vec<_>>>()?;
         let students = Students::from_blocks(blocks, teacher, device)?;
+        drop(rng);
         // FLOPs per sample, for the report and the planner (0 = unknown).
         let specs =
             students.specs.iter().zip(&kinds).map(|(s, kind)| s.clone().with_flops(kind.flops(s))).collect();

@@ -9,8 +9,8 @@ use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Students, Teacher};
 use pipebd_kernels::encoder::top_indices;
-use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_kernels::encoder::EncoderLayer;
+use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_students::{Candidate, EncoderInit, StudentBlock, StudentBlockConfig};
 use pipebd_teachers::blocks::{minilm_blocks, minilm_specs, mnist_specs};
 use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
@@ -107,6 +107,8 @@ fn load_workload<B: FusedBackend>(
 /// teacher's input shapes. Fails on a block whose shapes do not match.
 /// Students initialised from the teacher are checked against it too.
 fn specs_of(configs: &[StudentBlockConfig], teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
+    // Building draws initial weights: not from under a concurrent build.
+    let _rng = crate::rng::burn_rng_lock();
     let (_, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &Default::default())?;
     Ok(specs)
 }
@@ -245,11 +247,10 @@ fn build_students<B: DistillBackend>(
 ) -> Result<Students<B, StudentBlock<B>>> {
     let (configs, seed) = (&student_configs(config)?, config.seed);
     let cpu = Default::default();
-    // burn's CPU backend draws from one process-wide generator: hold a lock
-    // from seeding to the last module built, so that concurrent builds (and
-    // the target modules below, built on that backend too) stay reproducible.
-    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
+    // burn's CPU backend draws from one process-wide generator: hold it from
+    // seeding to the last module built (the target modules below, built on
+    // that backend too, included), so that concurrent builds stay reproducible.
+    let _rng = crate::rng::burn_rng_lock();
     let (cpu_blocks, specs) = {
         <burn::backend::Flex as burn::tensor::backend::Backend>::seed(&cpu, seed);
         let (mut blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
@@ -487,6 +488,7 @@ impl Zoo for Builtin {
         let configs = student_configs(config)?;
         check_block_count(configs.len(), teacher.len())?;
         let device = Default::default();
+        let _rng = crate::rng::burn_rng_lock();
         configs
             .iter()
             .zip(teacher)

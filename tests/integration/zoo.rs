@@ -11,7 +11,7 @@ use pipe_bd::train::{accuracy, inference_blocks};
 use pipe_bd::zoo::{Builtin, Evaluation, Zoo};
 use pipe_bd::Error;
 
-#[path = "../examples/custom_zoo/zoo.rs"]
+#[path = "../../examples/custom_zoo/zoo.rs"]
 mod zoo;
 
 use zoo::MyZoo;

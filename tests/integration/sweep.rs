@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-mod common;
+use crate::common;
 
 fn data_rows(csv: &std::path::Path) -> Vec<String> {
     std::fs::read_to_string(csv)

@@ -7,19 +7,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use pipe_bd::report::RunReport;
 
-mod common;
-
-/// The MPI runs compete for two cores; one test at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::common;
 
 /// `mpirun` with the flags a one-machine test needs (root allowed, more
 /// ranks than cores, no pinning).
@@ -70,7 +62,7 @@ fn write_config(dir: &Path, name: &str, train_limit: usize, epochs: usize, extra
 
 #[test]
 fn mpirun_on_two_and_three_ranks_trains_what_one_process_trains() {
-    let _serial = serial();
+    let _serial = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "run.toml", 512, 1, "");
     // hybrid: 2 replicas of block 1, then blocks 2-4 (3 slots); on 2 slots
@@ -173,7 +165,7 @@ fn rank_pids(config: &Path) -> Vec<(usize, u32)> {
 
 #[test]
 fn a_rank_killed_mid_run_stops_the_others_and_resume_continues_on_fewer_ranks() {
-    let _serial = serial();
+    let _serial = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let extra = "schedule = \"tr-dpu\"\n\n[checkpoint]\nevery_steps = 2\nevery_minutes = 0.0";
     let config = write_config(dir.path(), "kill.toml", 1280, 8, extra);
@@ -235,7 +227,7 @@ fn a_rank_killed_mid_run_stops_the_others_and_resume_continues_on_fewer_ranks() 
 
 #[test]
 fn a_plan_needing_more_ranks_than_started_fails_before_training() {
-    let _serial = serial();
+    let _serial = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(
         dir.path(),

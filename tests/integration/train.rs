@@ -10,7 +10,7 @@ use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::train::{accuracy, inference_blocks};
 use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 
-mod common;
+use crate::common;
 
 /// Top-1 accuracy on the run's test images of the students the run starts
 /// from (built from the same config and seed), before any training.

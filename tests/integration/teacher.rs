@@ -6,7 +6,7 @@ use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::train::accuracy;
 use pipe_bd::zoo::build_teacher;
 
-mod common;
+use crate::common;
 
 fn run_config(teacher: TeacherConfig) -> RunConfig {
     let text = common::small_config(64, 64, 1);

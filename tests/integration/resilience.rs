@@ -9,7 +9,6 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use pipe_bd::config::RunConfig;
@@ -17,17 +16,7 @@ use pipe_bd::report::RunReport;
 use pipe_bd::run::{run, RunFlags};
 use pipe_bd::zoo::Builtin;
 
-mod common;
-
-use common::newest_step;
-
-/// The runs compete for two cores; one test at a time keeps the timings
-/// (and the stall detection) meaningful.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::common::{self, newest_step};
 
 /// A pipelined 2-slot run, 8 epochs of 10 steps, a checkpoint every 2 steps.
 fn pipelined_config(batch_size: usize) -> String {
@@ -76,7 +65,7 @@ fn assert_same_weights(a: &Path, b: &Path) {
 
 #[test]
 fn sigkill_mid_run_and_mid_checkpoint_write_then_resume_reproduces_the_uninterrupted_run() {
-    let _one = serial();
+    let _one = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "run.toml", &pipelined_config(64));
     let reference = dir.path().join("reference");
@@ -135,7 +124,7 @@ fn sigkill_mid_run_and_mid_checkpoint_write_then_resume_reproduces_the_uninterru
 
 #[test]
 fn a_damaged_checkpoint_falls_back_to_the_older_one_and_another_runs_is_refused() {
-    let _one = serial();
+    let _one = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "run.toml", &pipelined_config(64));
     let reference = dir.path().join("reference");
@@ -212,7 +201,7 @@ fn three_slot_config(faults: &str) -> RunConfig {
 
 #[test]
 fn a_w3_run_survives_a_lost_replica_and_then_a_lost_stage() {
-    let _one = serial();
+    let _one = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let clean =
         run(&Builtin, &three_slot_config(""), &dir.path().join("clean"), &RunFlags::default(), &mut |_| {})
@@ -266,7 +255,7 @@ fn a_w3_run_survives_a_lost_replica_and_then_a_lost_stage() {
 
 #[test]
 fn past_max_failures_the_run_stops_with_an_error_and_its_checkpoints() {
-    let _one = serial();
+    let _one = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let faults = "[[faults]]\nkind = \"error\"\nslot = 2\nstep = 9\n";
     let mut config = three_slot_config(faults);
@@ -280,7 +269,7 @@ fn past_max_failures_the_run_stops_with_an_error_and_its_checkpoints() {
 
 #[test]
 fn dp_on_three_slots_reroutes_every_later_phase_around_a_lost_slot() {
-    let _one = serial();
+    let _one = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let text = common::small_config(640, 200, 1).replace(
         "device = \"cpu\"\n",

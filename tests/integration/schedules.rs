@@ -12,7 +12,7 @@ use pipe_bd::plan::{flops_cost, Plan, StageSpec};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 
-mod common;
+use crate::common;
 
 type B = Autodiff<Flex>;
 

@@ -2,6 +2,17 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+
+/// Held by every test whose assertions depend on timing (watchdogs,
+/// heartbeats, predicted step times) or that starts several processes: all
+/// the integration tests share one process, and two such tests at once on a
+/// two-core machine would starve each other. Other tests still run beside
+/// them.
+pub fn timing_sensitive() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// Repository root (where `data/` lives).
 pub fn repo() -> PathBuf {
@@ -195,4 +206,28 @@ pub fn student_weights(run_dir: &std::path::Path) -> Vec<Vec<f32>> {
             v.0
         })
         .collect()
+}
+
+/// Set in the environment of a test re-run by [`rerun_alone`].
+const ALONE: &str = "PIPEBD_TEST_ALONE";
+
+/// For a test that inspects its own process (counts its threads): the
+/// integration tests share one process, so such a test re-runs itself in a
+/// fresh one. Returns true in the parent, after the child passed (the test
+/// has nothing left to do); false in the child, which then runs the body.
+/// `test` is the test's path in this binary, e.g. `failures::name`.
+pub fn rerun_alone(test: &str) -> bool {
+    if std::env::var_os(ALONE).is_some() {
+        return false;
+    }
+    let out = std::process::Command::new(std::env::current_exe().expect("the test binary's path"))
+        .args(["--exact", test, "--test-threads", "1", "--nocapture"])
+        .env(ALONE, "1")
+        .output()
+        .expect("the test binary runs again");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{test} failed in its own process:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("1 passed"), "{test} did not run in its own process:\n{stdout}\n{stderr}");
+    true
 }

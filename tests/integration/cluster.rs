@@ -2,7 +2,7 @@
 //! process. The ranks here are threads of the test, joined by the
 //! `Loopback` transport: the exact message flow of a multi-process run
 //! (every hand-off encoded, sent and decoded; barrier, heartbeats, stop and
-//! the end-of-phase state exchange), without an MPI library. `tests/mpi.rs`
+//! the end-of-phase state exchange), without an MPI library. `tests/integration/mpi.rs`
 //! runs the same through `mpirun`.
 
 use std::path::Path;
@@ -19,7 +19,7 @@ use pipe_bd::runtime::transport::{Loopback, Tag, Transport};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 
-mod common;
+use crate::common;
 
 type B = Autodiff<Flex>;
 
@@ -115,11 +115,13 @@ fn check_all(slots: usize, hybrid: &[StageSpec]) {
 
 #[test]
 fn every_schedule_on_two_ranks_trains_what_one_process_trains() {
+    let _one = common::timing_sensitive();
     check_all(2, &[StageSpec { blocks: vec![1, 2, 3, 4], replicas: 2 }]);
 }
 
 #[test]
 fn every_schedule_on_three_ranks_trains_what_one_process_trains() {
+    let _one = common::timing_sensitive();
     check_all(
         3,
         &[StageSpec { blocks: vec![1], replicas: 2 }, StageSpec { blocks: vec![2, 3, 4], replicas: 1 }],
@@ -128,6 +130,7 @@ fn every_schedule_on_three_ranks_trains_what_one_process_trains() {
 
 #[test]
 fn a_failing_rank_stops_every_rank_with_its_error() {
+    let _one = common::timing_sensitive();
     let plan = Plan::tr(&[1.0; 4], 3, false);
     let fault = Fault { kind: FaultKind::Error, slot: Some(1), block: None, step: 3 };
     let started = Instant::now();
@@ -186,6 +189,7 @@ impl Transport for CutOff {
 
 #[test]
 fn a_silent_rank_is_noticed_within_the_timeout_and_the_others_stop() {
+    let _one = common::timing_sensitive();
     let plan = Plan::tr(&[1.0; 4], 3, true);
     let mut transports = Loopback::group(3);
     let silent = CutOff { inner: transports[2].clone(), after: Instant::now() };

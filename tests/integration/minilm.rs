@@ -12,7 +12,7 @@ use pipe_bd::{forward_chain, Activation};
 use pipebd_teachers::minilm::MiniLmTokenizer;
 use serde::Deserialize;
 
-mod common;
+use crate::common;
 
 #[derive(Deserialize)]
 struct Reference {

@@ -11,7 +11,7 @@ use pipe_bd::report::RunReport;
 use pipe_bd::run::{run, RunFlags};
 use pipe_bd::zoo::Builtin;
 
-mod common;
+use crate::common;
 
 /// 1280 training samples at batch 64.
 const STEPS: usize = 20;
@@ -66,6 +66,7 @@ fn assert_prediction_matches_the_measurement(report: &RunReport, caller_seconds:
 
 #[test]
 fn auto_plans_from_a_cached_profile_and_predicts_its_step_time() {
+    let _one = common::timing_sensitive();
     let text = common::small_config(64 * STEPS, 100, 1)
         .replace("name = \"test\"", "name = \"auto-test\"")
         .replace("device = \"cpu\"", "devices = [\"cpu\", \"cpu\"]\nschedule = \"auto\"");

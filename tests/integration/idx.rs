@@ -127,4 +127,4 @@ fn real_mnist_test_split_has_ten_thousand_labelled_images() {
     assert!(counts.iter().all(|&c| c > 800), "class counts {counts:?}");
 }
 
-mod common;
+use crate::common;

@@ -9,7 +9,7 @@ use std::path::Path;
 use pipe_bd::config::RunConfig;
 use pipe_bd::zoo::Builtin;
 
-mod common;
+use crate::common;
 
 #[test]
 fn wgpu_run_matches_the_cpu_run() {

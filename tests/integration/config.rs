@@ -7,7 +7,7 @@ use pipe_bd::config::RunConfig;
 use pipe_bd::zoo::{Builtin, Zoo};
 use pipe_bd::Error;
 
-mod common;
+use crate::common;
 
 const GOOD: &str = r#"name = "t"
 device = "cpu"

@@ -16,7 +16,7 @@ use pipe_bd::train::TrainSettings;
 use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 use pipe_bd::{forward_chain, Activation, LossKind};
 
-mod common;
+use crate::common;
 
 type B = Autodiff<Flex>;
 

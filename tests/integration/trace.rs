@@ -13,7 +13,7 @@ use pipe_bd::run::{run, RunFlags};
 use pipe_bd::trace::SpanKind;
 use pipe_bd::zoo::Builtin;
 
-mod common;
+use crate::common;
 
 /// 640 training samples at batch 64.
 const STEPS: usize = 10;

@@ -24,7 +24,7 @@ use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 use pipe_bd::{flat_parameters, Block, Loss, Students};
 use pipebd_students::StudentBlock;
 
-mod common;
+use crate::common;
 
 type B = Autodiff<Flex>;
 
@@ -115,10 +115,8 @@ fn parameters(students: &Students<B, StudentBlock<B>>) -> Vec<Vec<f32>> {
 
 #[test]
 fn every_schedule_trains_every_candidate_to_the_same_weights() {
-    let text = search_text(384, 1).replace(
-        "kind = \"adam\"\nlr = 0.002",
-        "kind = \"sgd\"\nlr = 0.5\nmomentum = 0.9",
-    );
+    let text = search_text(384, 1)
+        .replace("kind = \"adam\"\nlr = 0.002", "kind = \"sgd\"\nlr = 0.5\nmomentum = 0.9");
     let config = RunConfig::parse(&text, Path::new("search.toml")).unwrap();
     let teacher = Builtin.teacher_specs(&config).unwrap();
     let specs = Builtin.student_specs(&config, &teacher).unwrap();
@@ -216,7 +214,8 @@ fn brute_force(scores: &SearchScores, budget: f64) -> Option<(f64, Vec<usize>)> 
         if flops as f64 > budget {
             continue;
         }
-        let loss: f64 = scores.blocks.iter().zip(&choice).map(|(b, &c)| b.candidates[c].normalised_loss).sum();
+        let loss: f64 =
+            scores.blocks.iter().zip(&choice).map(|(b, &c)| b.candidates[c].normalised_loss).sum();
         if best.as_ref().is_none_or(|(l, _)| loss < *l) {
             best = Some((loss, choice));
         }
@@ -229,7 +228,13 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
     let dir = tempfile::tempdir().unwrap();
     let config_path = write(dir.path(), "search.toml", &search_text(640, 1));
     let run_dir = dir.path().join("run");
-    run_ok(&["run".as_ref(), config_path.as_os_str(), "--out".as_ref(), run_dir.as_os_str(), "--quiet".as_ref()]);
+    run_ok(&[
+        "run".as_ref(),
+        config_path.as_os_str(),
+        "--out".as_ref(),
+        run_dir.as_os_str(),
+        "--quiet".as_ref(),
+    ]);
     let report = pipe_bd::report::RunReport::read(&run_dir).unwrap();
     assert_eq!(report.train_samples, 576, "10% of 640 samples held out");
     let scores = SearchScores::read(&run_dir).unwrap();
@@ -289,7 +294,11 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
     for (k, (block, &c)) in scores.blocks.iter().zip(&expected).enumerate() {
         let scored = block.candidates[c].loss;
         let again = measured[k][0].0;
-        assert!((scored - again).abs() <= 1e-5 * scored, "block {}: scored {scored}, reloaded {again}", k + 1);
+        assert!(
+            (scored - again).abs() <= 1e-5 * scored,
+            "block {}: scored {scored}, reloaded {again}",
+            k + 1
+        );
     }
 
     // A budget below the cheapest student, and a malformed one, are refused.
@@ -298,7 +307,10 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
         .unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains(&format!("no student fits flops=1: the cheapest choice needs {cheapest}")), "{stderr}");
+    assert!(
+        stderr.contains(&format!("no student fits flops=1: the cheapest choice needs {cheapest}")),
+        "{stderr}"
+    );
     let output = pipebd(&["search".as_ref(), run_dir.as_os_str(), "--budget".as_ref(), "size=3".as_ref()])
         .output()
         .unwrap();
@@ -356,7 +368,8 @@ fn a_single_path_search_killed_with_sigkill_resumes_to_the_same_supernets_and_al
         }
         let probabilities: Vec<f64> = block.candidates.iter().map(|c| c.probability.unwrap()).collect();
         assert!((probabilities.iter().sum::<f64>() - 1.0).abs() < 1e-6, "{probabilities:?}");
-        let best = (0..probabilities.len()).fold(0, |b, i| if probabilities[i] > probabilities[b] { i } else { b });
+        let best =
+            (0..probabilities.len()).fold(0, |b, i| if probabilities[i] > probabilities[b] { i } else { b });
         picks.push((best + 1).to_string());
     }
     let said = run_ok(&["search".as_ref(), run.as_os_str(), "--argmax".as_ref()]);
@@ -378,7 +391,8 @@ fn killed_and_resumed(text: &str) -> (tempfile::TempDir, PathBuf) {
     run_ok(&run_args(&config, &reference));
 
     let killed = dir.path().join("killed");
-    let mut child = pipebd(&run_args(&config, &killed)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let mut child =
+        pipebd(&run_args(&config, &killed)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     common::kill_after_checkpoint(&mut child, &killed.join("checkpoints"), 10);
     assert!(!killed.join("search.json").exists(), "the run had finished: not killed mid-run");
     let mut resume = run_args(&config, &killed).to_vec();
@@ -416,7 +430,13 @@ fn minilm_layers_search_among_pruned_encoders_and_skip() {
     let dir = tempfile::tempdir().unwrap();
     let config_path = write(dir.path(), "minilm-search.toml", &config.to_toml());
     let run_dir = dir.path().join("run");
-    run_ok(&["run".as_ref(), config_path.as_os_str(), "--out".as_ref(), run_dir.as_os_str(), "--quiet".as_ref()]);
+    run_ok(&[
+        "run".as_ref(),
+        config_path.as_os_str(),
+        "--out".as_ref(),
+        run_dir.as_os_str(),
+        "--quiet".as_ref(),
+    ]);
     let scores = SearchScores::read(&run_dir).unwrap();
     assert_eq!(scores.held_out_samples, 8);
     assert_eq!(scores.blocks.len(), 6);

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use pipe_bd::data::read_idx_images;
 use pipe_bd::Error;
 
-mod common;
+use crate::common;
 
 /// Writes `bytes` to `dir/name`; returns the path.
 fn write(dir: &Path, name: &str, bytes: impl AsRef<[u8]>) -> PathBuf {

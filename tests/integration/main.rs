@@ -1,0 +1,32 @@
+//! The integration tests of the `pipe-bd` package, one module per subject,
+//! built as one test binary: every test binary links its own copy of the
+//! engine's generic code, so one binary instead of twenty cuts the release
+//! build of the suite by most of its time. Filter by module as usual, e.g.
+//! `cargo test --release --test integration schedules::`.
+//!
+//! Tests whose assertions depend on timing, or that start several processes,
+//! hold [`common::timing_sensitive`] so that no two of them run at once.
+
+mod common;
+
+mod auto;
+mod bad_input;
+mod cluster;
+mod config;
+mod custom_loss;
+mod experiments;
+mod failures;
+mod idx;
+mod minilm;
+mod mpi;
+mod reference;
+mod resilience;
+mod schedules;
+mod search;
+mod stitch;
+mod sweep;
+mod teacher;
+mod trace;
+mod train;
+mod wgpu;
+mod zoo;
