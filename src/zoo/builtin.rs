@@ -37,7 +37,11 @@ pub fn build_minilm<B: FusedBackend>(
     config: &RunConfig,
     device: &B::Device,
 ) -> Result<(Embeddings<B>, BuiltinTeacher<B>)> {
+    // Building modules may draw from burn's generator (before the weights
+    // replace the draws): not from under a concurrent seeded build.
+    let rng = crate::rng::burn_rng_lock();
     let (embeddings, layers) = MiniLm::<B>::load(&config.teacher.weights, device)?.into_parts();
+    drop(rng);
     let groups = layers_per_block(config);
     let blocks = minilm_blocks(layers, &groups);
     let specs = minilm_specs(&groups, config.data.max_tokens());
@@ -61,8 +65,11 @@ pub fn mnist_teacher<B: FusedBackend>(
     weights: &Path,
     device: &B::Device,
 ) -> Result<Teacher<B, TeacherBlock<B>>> {
+    // As in `build_minilm`: building may draw from burn's generator.
+    let rng = crate::rng::burn_rng_lock();
     let blocks = MnistCnn::<B>::load_pytorch(weights, device)?.into_blocks();
     let specs = mnist_specs(&blocks);
+    drop(rng);
     Ok(Teacher::new(blocks.into_iter().map(TeacherBlock::Mnist).collect(), specs)?)
 }
 
@@ -469,6 +476,9 @@ impl Zoo for Builtin {
         if config.data.is_text() {
             return Ok(minilm_specs(&layers_per_block(config), config.data.max_tokens()));
         }
+        // An initialised (random) teacher, for its shapes: its draws must not
+        // land inside a concurrent seeded build.
+        let _rng = crate::rng::burn_rng_lock();
         let blocks = MnistCnn::<burn::backend::Flex>::init(&Default::default()).into_blocks();
         Ok(mnist_specs(&blocks))
     }
