@@ -240,6 +240,12 @@ pub struct EvalResult {
     pub text: Option<TextReport>,
 }
 
+/// [`eval_run`] with the built-in zoo, compiled once in this library (see
+/// [`crate::cli::run_builtin`]).
+pub fn eval_builtin_run(run_dir: &Path) -> Result<EvalResult> {
+    eval_run(&crate::zoo::Builtin, run_dir)
+}
+
 /// Reloads the student saved in `run_dir` (by `pipebd run` with `zoo`) and
 /// scores it on the evaluation data named in the run's config (on the CPU).
 pub fn eval_run<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<EvalResult> {
@@ -321,7 +327,14 @@ pub fn score_configs<Z: Zoo>(zoo: &Z, configs: &[RunConfig]) -> Result<Vec<f64>>
         let students = zoo.students::<CpuTrain>(config, teacher, &device)?;
         let students = load_student_weights(config, students, &device)?;
         let blocks: Vec<_> = students.blocks.iter().map(|b| b.valid()).collect();
-        let scored = score(&workload.evaluation, &workload.teacher.blocks, &blocks, &device, teacher, &students.specs)?;
+        let scored = score(
+            &workload.evaluation,
+            &workload.teacher.blocks,
+            &blocks,
+            &device,
+            teacher,
+            &students.specs,
+        )?;
         scores.push(match (&scored.text, scored.test_samples) {
             (Some(text), 0) => text.embedding_cosine,
             _ => scored.student_accuracy,

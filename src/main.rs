@@ -1,5 +1,5 @@
 //! The `pipebd` command line: the built-in zoo through [`pipe_bd::cli`].
 
 fn main() -> std::process::ExitCode {
-    pipe_bd::cli::run_with(pipe_bd::zoo::Builtin)
+    pipe_bd::cli::run_builtin()
 }

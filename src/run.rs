@@ -89,6 +89,18 @@ pub fn runtime_settings_for(
     Ok(runtime)
 }
 
+/// [`run`] with the built-in zoo, compiled once in this library (see
+/// [`crate::cli::run_builtin`]): callers outside it should prefer this to
+/// `run(&Builtin, ...)`.
+pub fn run_builtin(
+    config: &RunConfig,
+    out_dir: &Path,
+    options: &RunFlags,
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<RunReport> {
+    run(&crate::zoo::Builtin, config, out_dir, options, observer)
+}
+
 /// Runs the job described by `config`, with the teacher, students and data
 /// of `zoo`, writing `report.json`, `metrics.csv`, the trained student
 /// (`student/block-K.mpk`) and, with `options.trace`, `trace.json` into

@@ -8,8 +8,7 @@ use std::time::Instant;
 use pipe_bd::config::RunConfig;
 use pipe_bd::profile::{profile_key, PROFILE_CACHE};
 use pipe_bd::report::RunReport;
-use pipe_bd::run::{run, RunFlags};
-use pipe_bd::zoo::Builtin;
+use pipe_bd::run::{run_builtin, RunFlags};
 
 use crate::common;
 
@@ -76,7 +75,7 @@ fn auto_plans_from_a_cached_profile_and_predicts_its_step_time() {
 
     let out = tempfile::tempdir().unwrap();
     let started = Instant::now();
-    let report = run(&Builtin, &config, out.path(), &RunFlags::default(), &mut |_| {}).unwrap();
+    let report = run_builtin(&config, out.path(), &RunFlags::default(), &mut |_| {}).unwrap();
     let caller_seconds = started.elapsed().as_secs_f64();
     assert_eq!(report.schedule, "auto");
     assert!(report.plan.starts_with('{') && report.plan.ends_with('}'), "{}", report.plan);
@@ -87,7 +86,7 @@ fn auto_plans_from_a_cached_profile_and_predicts_its_step_time() {
     // (up to the JSON round trip of the costs), and it holds again.
     let modified = std::fs::metadata(&cache).unwrap().modified().unwrap();
     let started = Instant::now();
-    let again = run(&Builtin, &config, out.path(), &RunFlags::default(), &mut |_| {}).unwrap();
+    let again = run_builtin(&config, out.path(), &RunFlags::default(), &mut |_| {}).unwrap();
     let caller_seconds = started.elapsed().as_secs_f64();
     assert_eq!(again.plan, report.plan);
     assert_eq!(

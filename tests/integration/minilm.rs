@@ -231,7 +231,7 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     });
     let start = untrained_cosine(&config);
     let out = tempfile::tempdir().unwrap();
-    let report = pipe_bd::run::run(&Builtin, &config, out.path(), &Default::default(), &mut |_| {}).unwrap();
+    let report = pipe_bd::run::run_builtin(&config, out.path(), &Default::default(), &mut |_| {}).unwrap();
     let text = report.text.clone().expect("a text run reports its text section");
     assert_eq!(text.heldout_sentences, 16);
     assert!(text.embedding_cosine <= 1.0 + 1e-9, "{text:?}");
@@ -268,7 +268,7 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     assert_eq!((probe.train_emails, probe.test_emails), (60, 20));
     assert_eq!(report.student_accuracy, probe.student_accuracy);
     // The saved student, reloaded, scores exactly what the run reported.
-    let eval = pipe_bd::eval::eval_run(&Builtin, out.path()).unwrap();
+    let eval = pipe_bd::eval::eval_builtin_run(out.path()).unwrap();
     let again = eval.text.expect("text section");
     assert!((again.embedding_cosine - text.embedding_cosine).abs() < 1e-6);
     assert_eq!(eval.student_accuracy, report.student_accuracy);

@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use pipe_bd::config::RunConfig;
 use pipe_bd::report::RunReport;
-use pipe_bd::run::{run, RunFlags};
-use pipe_bd::zoo::Builtin;
+use pipe_bd::run::{run_builtin, RunFlags};
 
 use crate::common::{self, newest_step};
 
@@ -204,7 +203,7 @@ fn a_w3_run_survives_a_lost_replica_and_then_a_lost_stage() {
     let _one = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
     let clean =
-        run(&Builtin, &three_slot_config(""), &dir.path().join("clean"), &RunFlags::default(), &mut |_| {})
+        run_builtin(&three_slot_config(""), &dir.path().join("clean"), &RunFlags::default(), &mut |_| {})
             .unwrap();
     assert!(clean.resilience.failures.is_empty());
 
@@ -212,8 +211,7 @@ fn a_w3_run_survives_a_lost_replica_and_then_a_lost_stage() {
     // worker of stage 2 stops answering (no error: only the watchdog sees it).
     let faults = "[[faults]]\nkind = \"panic\"\nslot = 1\nstep = 6\n\n[[faults]]\nkind = \"hang\"\nslot = 2\nstep = 41\n";
     let started = Instant::now();
-    let faulty = run(
-        &Builtin,
+    let faulty = run_builtin(
         &three_slot_config(faults),
         &dir.path().join("faulty"),
         &RunFlags::default(),
@@ -261,7 +259,7 @@ fn past_max_failures_the_run_stops_with_an_error_and_its_checkpoints() {
     let mut config = three_slot_config(faults);
     config.runtime.max_failures = 0;
     let out = dir.path().join("stopped");
-    let error = run(&Builtin, &config, &out, &RunFlags::default(), &mut |_| {}).unwrap_err().to_string();
+    let error = run_builtin(&config, &out, &RunFlags::default(), &mut |_| {}).unwrap_err().to_string();
     assert!(error.contains("slot 2") && error.contains("injected fault"), "{error}");
     // Blocks 3-4 had written step 4 and 8 before their worker failed at step 9.
     assert_eq!(newest_step(&out.join("checkpoints"), 3), Some(8));
@@ -276,11 +274,11 @@ fn dp_on_three_slots_reroutes_every_later_phase_around_a_lost_slot() {
         "device = \"cpu\"\ndevices = [\"cpu\", \"cpu\", \"cpu\"]\nschedule = \"dp\"\n",
     );
     let config = RunConfig::parse(&text, Path::new("dp.toml")).unwrap();
-    let clean = run(&Builtin, &config, &dir.path().join("clean"), &RunFlags::default(), &mut |_| {}).unwrap();
+    let clean = run_builtin(&config, &dir.path().join("clean"), &RunFlags::default(), &mut |_| {}).unwrap();
     let mut faulty_config = config.clone();
     faulty_config.faults = pipe_bd::fault::parse_list("error slot=2 step=5").unwrap();
     let faulty =
-        run(&Builtin, &faulty_config, &dir.path().join("faulty"), &RunFlags::default(), &mut |_| {}).unwrap();
+        run_builtin(&faulty_config, &dir.path().join("faulty"), &RunFlags::default(), &mut |_| {}).unwrap();
     let failures = &faulty.resilience.failures;
     assert_eq!(failures.len(), 1, "{failures:#?}");
     assert_eq!(

@@ -9,9 +9,8 @@ use std::path::Path;
 
 use pipe_bd::config::RunConfig;
 use pipe_bd::report::RunReport;
-use pipe_bd::run::{run, RunFlags};
+use pipe_bd::run::{run_builtin, RunFlags};
 use pipe_bd::trace::SpanKind;
-use pipe_bd::zoo::Builtin;
 
 use crate::common;
 
@@ -58,7 +57,7 @@ fn traced_run(schedule: &str, devices: &[&str], extra: &str) -> (RunReport, Trac
     let config = RunConfig::parse(&text, Path::new("trace.toml")).unwrap();
     let out = tempfile::tempdir().unwrap();
     let report =
-        run(&Builtin, &config, out.path(), &RunFlags { trace: true, ..Default::default() }, &mut |_| {})
+        run_builtin(&config, out.path(), &RunFlags { trace: true, ..Default::default() }, &mut |_| {})
             .unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("trace.json")).unwrap()).unwrap();

@@ -28,7 +28,7 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     let out = tempfile::tempdir().unwrap();
     let mut steps_seen = 0;
     let report =
-        pipe_bd::run::run(&Builtin, &config, out.path(), &Default::default(), &mut |_| steps_seen += 1)
+        pipe_bd::run::run_builtin(&config, out.path(), &Default::default(), &mut |_| steps_seen += 1)
             .unwrap();
     assert_eq!(steps_seen, 100, "6400 samples at batch 64 is 100 steps");
     assert_eq!(report.steps, 100);
@@ -78,7 +78,7 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     assert!(after >= before + 0.3, "100 steps took the stitched student only from {before} to {after}");
 
     // Reload from disk and re-score.
-    let eval = pipe_bd::eval::eval_run(&Builtin, out.path()).unwrap();
+    let eval = pipe_bd::eval::eval_builtin_run(out.path()).unwrap();
     assert_eq!(eval.test_samples, 1000);
     assert_eq!(eval.student_accuracy, report.student_accuracy);
 

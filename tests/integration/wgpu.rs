@@ -1,13 +1,12 @@
-//! The whole distillation on burn's wgpu backend (Mesa's software Vulkan where
-//! there is no GPU), where the students' pointwise convolutions, the head's
-//! linear layers and both losses run as our fused CubeCL kernels: it must end
-//! where the CPU (flex, burn ops) run ends.
+//! burn's wgpu backend (Mesa's software Vulkan where there is no GPU): our
+//! CubeCL kernels against burn's ops, and the whole distillation, where the
+//! students' pointwise convolutions, the head's linear layers and both losses
+//! run as those kernels: it must end where the CPU (flex, burn ops) run ends.
 #![cfg(feature = "wgpu")]
 
 use std::path::Path;
 
 use pipe_bd::config::RunConfig;
-use pipe_bd::zoo::Builtin;
 
 use crate::common;
 
@@ -18,7 +17,7 @@ fn wgpu_run_matches_the_cpu_run() {
         let mut config = RunConfig::parse(&text, Path::new("small.toml")).unwrap();
         config.device = device.to_string();
         let out = tempfile::tempdir().unwrap();
-        pipe_bd::run::run(&Builtin, &config, out.path(), &Default::default(), &mut |_| {}).unwrap()
+        pipe_bd::run::run_builtin(&config, out.path(), &Default::default(), &mut |_| {}).unwrap()
     };
     let cpu = run("cpu");
     let gpu = run("wgpu");
@@ -37,4 +36,20 @@ fn wgpu_run_matches_the_cpu_run() {
     let points = 100.0 * (cpu.student_accuracy - gpu.student_accuracy).abs();
     assert!(points <= 0.5, "student accuracy cpu {} vs wgpu {}", cpu.student_accuracy, gpu.student_accuracy);
     assert!(gpu.student_accuracy > 0.5, "the wgpu student learned: {}", gpu.student_accuracy);
+}
+
+/// Our CubeCL kernels on wgpu: every fused op, forward and every gradient,
+/// against burn's unfused ops on the same device, on fresh random inputs of
+/// awkward sizes, every kernel output filled with NaN before the launch
+/// (`pipebd kernels --device wgpu --check`). It lives here rather than in
+/// the kernels crate: the engine library already compiles this check for
+/// wgpu, and a test binary of its own would compile all of burn's wgpu ops
+/// once more (about 4 minutes of a cold build).
+#[test]
+fn kernels_match_burn_ops_on_wgpu() {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let report = pipe_bd::kernels::kernels("wgpu", Some(seed), None).unwrap();
+    let rows = &report.checks;
+    assert!(rows.len() > 100, "{} rows", rows.len());
+    assert!(rows.iter().all(|r| r.passed()), "seed {seed}:\n{}", pipebd_kernels::check::table(rows));
 }
