@@ -287,23 +287,34 @@ pub fn ridge_solve(gram: &[f64], rhs: &[f64], n: usize, m: usize, ridge: f64) ->
             }
         }
     }
+    // Forward (L Y = R), then backward (L^T X = Y) substitution, a row of
+    // all m right-hand sides at a time: the inner loops run over contiguous
+    // rows (the same arithmetic, in the same order, as column by column).
     let mut x = rhs.to_vec();
-    for c in 0..m {
-        // Forward (L y = r), then backward (L^T x = y) substitution.
-        for i in 0..n {
-            let mut sum = x[i * m + c];
-            for k in 0..i {
-                sum -= l[i * n + k] * x[k * m + c];
+    for i in 0..n {
+        let (solved, rest) = x.split_at_mut(i * m);
+        let row = &mut rest[..m];
+        for k in 0..i {
+            let factor = l[i * n + k];
+            for (value, known) in row.iter_mut().zip(&solved[k * m..(k + 1) * m]) {
+                *value -= factor * known;
             }
-            x[i * m + c] = sum / l[i * n + i];
         }
-        for i in (0..n).rev() {
-            let mut sum = x[i * m + c];
-            for k in i + 1..n {
-                sum -= l[k * n + i] * x[k * m + c];
+        let pivot = l[i * n + i];
+        row.iter_mut().for_each(|value| *value /= pivot);
+    }
+    for i in (0..n).rev() {
+        let (head, solved) = x.split_at_mut((i + 1) * m);
+        let row = &mut head[i * m..];
+        for k in i + 1..n {
+            let factor = l[k * n + i];
+            let known = &solved[(k - i - 1) * m..(k - i) * m];
+            for (value, known) in row.iter_mut().zip(known) {
+                *value -= factor * known;
             }
-            x[i * m + c] = sum / l[i * n + i];
         }
+        let pivot = l[i * n + i];
+        row.iter_mut().for_each(|value| *value /= pivot);
     }
     Some(x)
 }
@@ -403,6 +414,35 @@ mod tests {
         let x = ridge_solve(&[4.0, 2.0, 2.0, 3.0], &[2.0, 1.0], 2, 1, 0.0).unwrap();
         assert!((x[0] - 0.5).abs() < 1e-12 && x[1].abs() < 1e-12, "{x:?}");
         assert!(ridge_solve(&[0.0, 0.0, 0.0, 0.0], &[1.0, 1.0], 2, 1, 0.0).is_none());
+    }
+
+    #[test]
+    fn ridge_solve_recovers_every_right_hand_side_of_a_larger_system() {
+        // G = A^T A + I (symmetric positive definite), R = G X for a known X.
+        let (n, m, rows) = (9, 4, 12);
+        let mut state = 12345u64;
+        let mut draw = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        };
+        let a: Vec<f64> = (0..rows * n).map(|_| draw()).collect();
+        let expected: Vec<f64> = (0..n * m).map(|_| draw()).collect();
+        let mut gram = vec![0.0; n * n];
+        for i in 0..n {
+            for j in 0..n {
+                gram[i * n + j] = (0..rows).map(|r| a[r * n + i] * a[r * n + j]).sum::<f64>();
+            }
+            gram[i * n + i] += 1.0;
+        }
+        let mut rhs = vec![0.0; n * m];
+        for i in 0..n {
+            for c in 0..m {
+                rhs[i * m + c] = (0..n).map(|k| gram[i * n + k] * expected[k * m + c]).sum::<f64>();
+            }
+        }
+        let x = ridge_solve(&gram, &rhs, n, m, 0.0).unwrap();
+        let worst = x.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(worst < 1e-10, "largest error {worst}");
     }
 
     #[test]

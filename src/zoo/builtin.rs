@@ -8,8 +8,8 @@ use std::path::Path;
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Students, Teacher};
-use pipebd_kernels::encoder::top_indices;
 use pipebd_kernels::encoder::EncoderLayer;
+use pipebd_kernels::encoder::{top_indices, NeuronStatistics};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_students::{Candidate, EncoderInit, StudentBlock, StudentBlockConfig};
 use pipebd_teachers::blocks::{minilm_blocks, minilm_specs, mnist_specs};
@@ -202,9 +202,12 @@ fn init_from_teacher(
         layer_inputs.push(hidden.clone());
         hidden = layer.forward(hidden, mask.clone());
     }
+    // Each teacher layer's neuron statistics, computed once however many
+    // students and candidates are pruned from it.
+    let mut layer_statistics = vec![None; layers.len()];
     for (k, student) in students.iter().enumerate() {
         let first = groups[..k.min(groups.len())].iter().sum::<usize>();
-        let prune = |config: &StudentBlockConfig| -> Result<Option<EncoderLayer<burn::backend::Flex>>> {
+        let mut prune = |config: &StudentBlockConfig| -> Result<Option<EncoderLayer<burn::backend::Flex>>> {
             let StudentBlockConfig::Encoder { heads, ffn, init: EncoderInit::Teacher, .. } = *config else {
                 return Ok(None);
             };
@@ -214,7 +217,8 @@ fn init_from_teacher(
             check_teacher_init(k, config)?;
             let size = teacher.config();
             let kept_heads = top_indices(&teacher.head_importance(), heads);
-            let statistics = teacher.neuron_statistics(layer_inputs[first].clone(), mask.clone());
+            let statistics: &NeuronStatistics = layer_statistics[first]
+                .get_or_insert_with(|| teacher.neuron_statistics(layer_inputs[first].clone(), mask.clone()));
             let kept_neurons = top_indices(&statistics.importance, ffn);
             let mut pruned =
                 teacher.pruned_compensated(&kept_heads, &kept_neurons, &statistics.mean_activation);

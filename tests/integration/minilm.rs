@@ -139,34 +139,46 @@ fn sgd_config() -> RunConfig {
     config
 }
 
-/// Trains a tiny text config under `plan` on `slots` CPU slots; returns the
-/// students' parameters.
-fn train_text(plan: &pipe_bd::plan::Plan, slots: usize) -> Vec<Vec<f32>> {
-    let config = sgd_config();
-    let device = Default::default();
-    let workload = Builtin.workload::<Flex>(&config, &device, false).unwrap();
-    let students = Builtin.students::<Train>(&config, &workload.teacher.specs, &device).unwrap();
-    let options = pipe_bd::runtime::RuntimeSettings { threads_per_worker: 1, ..Default::default() };
-    let output = pipe_bd::runtime::Distillation::new(&workload.teacher, students, workload.train.as_ref())
-        .settings(config.train_settings())
-        .devices(vec![device; slots])
-        .runtime(options)
-        .run(plan)
-        .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
-    assert_eq!(output.log.steps, 4);
-    output.students.blocks.iter().map(pipe_bd::flat_parameters::<Train, _>).collect()
+/// The tiny text job of the schedule test, built once (pruning the students
+/// from the teacher is most of its cost): the workload and the untrained
+/// students every schedule starts from.
+struct TextJob {
+    workload: pipe_bd::zoo::Workload<Flex, <Builtin as Zoo>::Teacher<Flex>>,
+    students: pipe_bd::Students<Train, <Builtin as Zoo>::Student<Train>>,
+}
+
+impl TextJob {
+    fn new() -> Self {
+        let config = sgd_config();
+        let workload = Builtin.workload::<Flex>(&config, &Default::default(), false).unwrap();
+        let students =
+            Builtin.students::<Train>(&config, &workload.teacher.specs, &Default::default()).unwrap();
+        Self { workload, students }
+    }
+
+    /// Trains a copy of the untrained students under `plan` on `slots` CPU
+    /// slots; returns their parameters.
+    fn train(&self, plan: &pipe_bd::plan::Plan, slots: usize) -> Vec<Vec<f32>> {
+        let (teacher, data) = (&self.workload.teacher, self.workload.train.as_ref());
+        let options = pipe_bd::runtime::RuntimeSettings { threads_per_worker: 1, ..Default::default() };
+        let output = pipe_bd::runtime::Distillation::new(teacher, self.students.clone(), data)
+            .settings(sgd_config().train_settings())
+            .devices(vec![Default::default(); slots])
+            .runtime(options)
+            .run(plan)
+            .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+        assert_eq!(output.log.steps, 4);
+        output.students.blocks.iter().map(pipe_bd::flat_parameters::<Train, _>).collect()
+    }
 }
 
 #[test]
 fn every_schedule_trains_the_same_text_students() {
     use pipe_bd::plan::{flops_cost, Plan, StageSpec};
-    let reference = train_text(&Plan::ideal(6), 1);
-    let initial: Vec<Vec<f32>> = {
-        let config = sgd_config();
-        let specs = Builtin.teacher_specs(&config).unwrap();
-        let students = Builtin.students::<Train>(&config, &specs, &Default::default()).unwrap();
-        students.blocks.iter().map(pipe_bd::flat_parameters::<Train, _>).collect()
-    };
+    let job = TextJob::new();
+    let reference = job.train(&Plan::ideal(6), 1);
+    let initial: Vec<Vec<f32>> =
+        job.students.blocks.iter().map(pipe_bd::flat_parameters::<Train, _>).collect();
     let max_diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
         a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0f32, f32::max)
     };
@@ -188,7 +200,7 @@ fn every_schedule_trains_the_same_text_students() {
     // sentences have different numbers of real tokens.
     plans.push(Plan::hybrid(&[StageSpec { blocks: (1..=6).collect(), replicas: 2 }], 6, 2).unwrap());
     for plan in plans {
-        let diff = max_diff(&reference, &train_text(&plan, 2));
+        let diff = max_diff(&reference, &job.train(&plan, 2));
         assert!(
             diff <= tolerance,
             "{} ({}) differs from ideal by {diff}; training moved the weights by {moved}",

@@ -1,15 +1,17 @@
 //! A user's own zoo (the one of `examples/custom_zoo`) through the door the
 //! built-in zoo uses: its config fields checked with file lines, and a run
-//! trained, checkpointed, resumed and re-scored by the job layer.
+//! trained, checkpointed, resumed and re-scored by the example's own binary.
 
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use pipe_bd::config::{Overrides, RunConfig};
-use pipe_bd::run::{run, RunFlags};
+use pipe_bd::config::RunConfig;
+use pipe_bd::report::RunReport;
 use pipe_bd::train::{accuracy, inference_blocks};
 use pipe_bd::zoo::{Builtin, Evaluation, Zoo};
 use pipe_bd::Error;
+
+use crate::common;
 
 #[path = "../../examples/custom_zoo/zoo.rs"]
 mod zoo;
@@ -63,12 +65,45 @@ fn a_user_zoo_checks_its_own_fields_and_the_errors_name_their_lines() {
     );
 }
 
+/// The `custom_zoo` example's binary, which `cargo test` builds beside the
+/// test binaries (`target/<profile>/examples/`). Driving it as a user does,
+/// rather than calling [`pipe_bd::run::run`] with `MyZoo` here, keeps a
+/// second copy of the whole engine (every backend, for the zoo's types) out
+/// of this test binary's build.
+fn custom_zoo() -> std::process::Command {
+    let test_binary = std::env::current_exe().unwrap();
+    let profile_dir = test_binary.parent().and_then(Path::parent).unwrap();
+    let binary = profile_dir.join("examples").join(format!("custom_zoo{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        binary.is_file(),
+        "{} is not built: `cargo test` builds the examples with the tests; with a filter, build it first \
+         (`cargo build --release --example custom_zoo` with the same features)",
+        binary.display()
+    );
+    let mut command = std::process::Command::new(binary);
+    command.current_dir(common::repo());
+    command
+}
+
+/// Runs `command`; returns its stdout, failing the test (with its stderr)
+/// if it fails.
+fn succeed(command: &mut std::process::Command) -> String {
+    let output = command.output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{command:?} failed:\n{stdout}\n{stderr}");
+    stdout.into_owned()
+}
+
 #[test]
-fn a_user_zoo_trains_resumes_and_rescores_through_the_job_layer() {
-    let mut config = MyZoo.load_config(Path::new(CONFIG), Overrides::default()).unwrap();
-    config.data.train_limit = Some(3200);
-    config.data.test_limit = Some(2000);
-    config.train.stitched_epochs = 0;
+fn a_user_zoo_trains_resumes_and_rescores_through_its_own_command_line() {
+    let text = config_text()
+        .replace("train_limit = 12000", "train_limit = 3200\ntest_limit = 2000")
+        .replace("stitched_epochs = 1", "stitched_epochs = 0");
+    let dir = tempfile::tempdir().unwrap();
+    let config_path = dir.path().join("custom-zoo.toml");
+    std::fs::write(&config_path, &text).unwrap();
+    let config = MyZoo.parse_config(&text, &config_path).unwrap();
+    assert_eq!((config.data.train_limit, config.train.stitched_epochs), (Some(3200), 0));
 
     // The students the run starts from, scored before training.
     let device = Default::default();
@@ -77,8 +112,13 @@ fn a_user_zoo_trains_resumes_and_rescores_through_the_job_layer() {
     let Evaluation::Images(test) = &workload.evaluation else { panic!("the zoo scores images") };
     let before = accuracy::<Flex, _>(&inference_blocks(&untrained), test, &device, 1000).unwrap();
 
-    let out = tempfile::tempdir().unwrap();
-    let report = run(&MyZoo, &config, out.path(), &RunFlags::default(), &mut |_| {}).unwrap();
+    succeed(custom_zoo().arg("check").arg(&config_path));
+    let out = dir.path().join("run");
+    succeed(custom_zoo().arg("run").arg(&config_path).arg("--out").arg(&out));
+    let read_report = || -> RunReport {
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap()
+    };
+    let report = read_report();
     assert_eq!(report.blocks.len(), 2, "the zoo's cut gives two blocks");
     assert!(report.steps_run > 0 && report.steps_run == report.steps);
     assert!(
@@ -90,13 +130,19 @@ fn a_user_zoo_trains_resumes_and_rescores_through_the_job_layer() {
     assert_eq!(report.config.custom, config.custom, "report.json keeps the [custom] table");
 
     // The saved students reload into the zoo's modules and score the same.
-    let eval = pipe_bd::eval::eval_run(&MyZoo, out.path()).unwrap();
-    assert_eq!(eval.student_accuracy, report.student_accuracy);
+    let eval = succeed(custom_zoo().arg("eval").arg(&out));
+    let recorded = format!("{:.2}%", 100.0 * report.student_accuracy);
+    assert!(
+        eval.contains(&format!(
+            "student accuracy {recorded} on 2000 test images (recorded at the end of training: {recorded})"
+        )),
+        "{eval}"
+    );
 
     // Every block's checkpoint is complete: a resume trains nothing and
     // ends with the same students.
-    let flags = RunFlags { resume: Some(out.path().to_path_buf()), ..Default::default() };
-    let resumed = run(&MyZoo, &config, out.path(), &flags, &mut |_| {}).unwrap();
+    succeed(custom_zoo().arg("run").arg(&config_path).arg("--resume").arg(&out));
+    let resumed = read_report();
     assert_eq!(resumed.steps_run, 0);
     assert_eq!(resumed.student_accuracy, report.student_accuracy);
 }
