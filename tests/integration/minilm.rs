@@ -143,6 +143,7 @@ fn sgd_config() -> RunConfig {
 /// from the teacher is most of its cost): the workload and the untrained
 /// students every schedule starts from.
 struct TextJob {
+    config: RunConfig,
     workload: pipe_bd::zoo::Workload<Flex, <Builtin as Zoo>::Teacher<Flex>>,
     students: pipe_bd::Students<Train, <Builtin as Zoo>::Student<Train>>,
 }
@@ -153,7 +154,7 @@ impl TextJob {
         let workload = Builtin.workload::<Flex>(&config, &Default::default(), false).unwrap();
         let students =
             Builtin.students::<Train>(&config, &workload.teacher.specs, &Default::default()).unwrap();
-        Self { workload, students }
+        Self { config, workload, students }
     }
 
     /// Trains a copy of the untrained students under `plan` on `slots` CPU
@@ -162,7 +163,7 @@ impl TextJob {
         let (teacher, data) = (&self.workload.teacher, self.workload.train.as_ref());
         let options = pipe_bd::runtime::RuntimeSettings { threads_per_worker: 1, ..Default::default() };
         let output = pipe_bd::runtime::Distillation::new(teacher, self.students.clone(), data)
-            .settings(sgd_config().train_settings())
+            .settings(self.config.train_settings())
             .devices(vec![Default::default(); slots])
             .runtime(options)
             .run(plan)
