@@ -32,18 +32,26 @@ pub const SCORES_FILE: &str = "search.json";
 impl SearchScores {
     /// Writes `search.json` and `search.csv` into `run_dir`.
     pub fn write(&self, run_dir: &Path) -> Result<()> {
-        let json = serde_json::to_string_pretty(self).map_err(|e| Error::Search {
-            message: format!("cannot write the scores as JSON: {e}"),
-        })?;
+        let json = serde_json::to_string_pretty(self)
+            .map_err(|e| Error::Search { message: format!("cannot write the scores as JSON: {e}") })?;
         crate::fsio::write_atomic(&run_dir.join(SCORES_FILE), json.as_bytes())?;
-        let mut csv =
-            String::from("block,candidate,name,loss,normalised_loss,flops,params,latency_ms,probability\n");
+        let mut csv = String::from(
+            "block,candidate,name,loss,normalised_loss,output_loss,flops,params,latency_ms,probability\n",
+        );
         for block in &self.blocks {
             for c in &block.candidates {
                 let probability = c.probability.map(|p| p.to_string()).unwrap_or_default();
+                let output_loss = c.output_loss.map(|l| l.to_string()).unwrap_or_default();
                 csv.push_str(&format!(
-                    "{},{},{},{},{},{},{},{},{probability}\n",
-                    block.block, c.candidate, c.name, c.loss, c.normalised_loss, c.flops, c.params, c.latency_ms
+                    "{},{},{},{},{},{output_loss},{},{},{},{probability}\n",
+                    block.block,
+                    c.candidate,
+                    c.name,
+                    c.loss,
+                    c.normalised_loss,
+                    c.flops,
+                    c.params,
+                    c.latency_ms
                 ));
             }
         }
@@ -54,14 +62,17 @@ impl SearchScores {
     pub fn read(path: &Path) -> Result<Self> {
         let file = if path.is_dir() { path.join(SCORES_FILE) } else { path.to_path_buf() };
         let text = std::fs::read_to_string(&file).map_err(|e| {
-            Error::io("reading the search scores (written by `pipebd run` of a config with candidates)", &file, e)
+            Error::io(
+                "reading the search scores (written by `pipebd run` of a config with candidates)",
+                &file,
+                e,
+            )
         })?;
         serde_json::from_str(&text).map_err(|e| Error::Search {
             message: format!("{}: not the scores of a search run: {e}", file.display()),
         })
     }
 }
-
 
 /// What a budget bounds: the chosen student's summed forward FLOPs per
 /// sample, its parameters, or its summed forward latency per batch (ms).
@@ -107,6 +118,48 @@ impl CostKind {
     }
 }
 
+/// What the selection minimises, summed over blocks (`--objective`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Objective {
+    /// Each candidate's held-out loss against its own teacher block, over
+    /// the best of its block's (`normalised_loss`): DNA's ranking.
+    #[default]
+    Block,
+    /// Each candidate's replace-one-block output loss (`output_loss`):
+    /// Puzzle's score, what the candidate's error does to the final output.
+    /// Comparable across blocks, so a budget goes where it matters most.
+    Output,
+}
+
+impl Objective {
+    /// The name as written in `--objective`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Block => "block",
+            Self::Output => "output",
+        }
+    }
+
+    /// Parses `block` or `output`.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.trim() {
+            "block" => Ok(Self::Block),
+            "output" => Ok(Self::Output),
+            other => Err(Error::Search {
+                message: format!("unknown objective `{other}`: expected block or output"),
+            }),
+        }
+    }
+
+    /// What it sums, in words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Block => "summed normalised held-out block loss",
+            Self::Output => "summed replace-one-block output loss",
+        }
+    }
+}
+
 /// A bound on one cost: `flops=2.5e6`, `params=40000`, `latency=3.5`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Budget {
@@ -136,20 +189,24 @@ impl std::str::FromStr for Budget {
 }
 
 impl SearchScores {
-    /// Every block's candidates as the selection sees them: the normalised
-    /// held-out loss, and the cost `kind`.
-    pub fn candidates(&self, kind: CostKind) -> Vec<Vec<Candidate>> {
-        self.blocks
-            .iter()
-            .map(|b| {
-                b.candidates.iter().map(|c| Candidate { loss: c.normalised_loss, cost: kind.of(c) }).collect()
-            })
-            .collect()
+    /// Every block's candidates as the selection sees them: the
+    /// `objective`'s loss, and the cost `kind`. Fails when the scores lack
+    /// the objective's loss (output losses are absent from older runs).
+    pub fn candidates(&self, kind: CostKind, objective: Objective) -> Result<Vec<Vec<Candidate>>> {
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            let mut candidates = Vec::with_capacity(b.candidates.len());
+            for c in &b.candidates {
+                candidates.push(Candidate { loss: objective_loss(b.block, c, objective)?, cost: kind.of(c) });
+            }
+            blocks.push(candidates);
+        }
+        Ok(blocks)
     }
 
     /// The student of one choice (zero-based candidate per block): its
-    /// summed normalised loss, FLOPs, parameters and latency.
-    pub fn point(&self, choice: &[usize]) -> ParetoPoint {
+    /// summed `objective` loss, FLOPs, parameters and latency.
+    pub fn point(&self, choice: &[usize], objective: Objective) -> ParetoPoint {
         let mut point = ParetoPoint {
             choice: choice.iter().map(|c| (c + 1).to_string()).collect::<Vec<_>>().join("-"),
             loss: 0.0,
@@ -160,7 +217,7 @@ impl SearchScores {
         };
         for (block, &c) in self.blocks.iter().zip(choice) {
             let candidate = &block.candidates[c];
-            point.loss += candidate.normalised_loss;
+            point.loss += objective_loss(block.block, candidate, objective).unwrap_or(f64::NAN);
             point.flops += candidate.flops;
             point.params += candidate.params;
             point.latency_ms += candidate.latency_ms;
@@ -195,6 +252,25 @@ impl SearchScores {
     }
 }
 
+/// One candidate's loss under `objective` (`block` is its block's number).
+fn objective_loss(
+    block: usize,
+    candidate: &crate::search::score::CandidateScore,
+    objective: Objective,
+) -> Result<f64> {
+    match objective {
+        Objective::Block => Ok(candidate.normalised_loss),
+        Objective::Output => candidate.output_loss.ok_or_else(|| Error::Search {
+            message: format!(
+                "block {block} candidate {}: no output loss in the scores (a search run before \
+                 replace-one-block scores were measured): rerun it, or `pipebd run <config> --out <run> --resume` \
+                 to score it again, or choose with --objective block",
+                candidate.candidate
+            ),
+        }),
+    }
+}
+
 /// The optimum of one budget, and the config that trains it.
 #[derive(Debug, Clone)]
 pub struct Chosen {
@@ -205,10 +281,10 @@ pub struct Chosen {
 }
 
 /// Picks one candidate per block of the search run in `run_dir` (whose
-/// `scores` these are), minimising the summed normalised held-out loss
-/// within `budget`.
-pub fn choose(scores: &SearchScores, run_dir: &Path, budget: Budget) -> Result<Chosen> {
-    let blocks = scores.candidates(budget.kind);
+/// `scores` these are), minimising the summed `objective` loss within
+/// `budget`.
+pub fn choose(scores: &SearchScores, run_dir: &Path, budget: Budget, objective: Objective) -> Result<Chosen> {
+    let blocks = scores.candidates(budget.kind, objective)?;
     let selection = select(&blocks, budget.limit)?.ok_or_else(|| {
         let cheapest: f64 =
             blocks.iter().map(|b| b.iter().map(|c| c.cost).fold(f64::INFINITY, f64::min)).sum();
@@ -221,7 +297,10 @@ pub fn choose(scores: &SearchScores, run_dir: &Path, budget: Budget) -> Result<C
             ),
         }
     })?;
-    Ok(Chosen { point: scores.point(&selection.choice), config: scores.chosen_config(run_dir, &selection.choice) })
+    Ok(Chosen {
+        point: scores.point(&selection.choice, objective),
+        config: scores.chosen_config(run_dir, &selection.choice),
+    })
 }
 
 /// The architecture a single-path search ends with: in each block the
@@ -251,7 +330,10 @@ pub fn argmax(scores: &SearchScores, run_dir: &Path) -> Result<Chosen> {
         }
         choice.push(best.map_or(0, |(c, _)| c));
     }
-    Ok(Chosen { point: scores.point(&choice), config: scores.chosen_config(run_dir, &choice) })
+    Ok(Chosen {
+        point: scores.point(&choice, Objective::Block),
+        config: scores.chosen_config(run_dir, &choice),
+    })
 }
 
 /// One point of the Pareto front.
@@ -259,7 +341,8 @@ pub fn argmax(scores: &SearchScores, run_dir: &Path) -> Result<Chosen> {
 pub struct ParetoPoint {
     /// One-based candidate per block, e.g. `1-3-2-1`.
     pub choice: String,
-    /// Summed normalised held-out loss.
+    /// The summed objective loss (by default the normalised held-out block
+    /// loss; see [`Objective`]).
     pub loss: f64,
     /// Summed forward FLOPs per sample.
     pub flops: u64,
@@ -284,12 +367,16 @@ impl ParetoPoint {
 }
 
 /// The optimum of every budget on cost `kind`, cheapest first.
-pub fn pareto(scores: &SearchScores, kind: CostKind) -> Result<Vec<(Selection, ParetoPoint)>> {
-    let front = pareto_front(&scores.candidates(kind))?;
+pub fn pareto(
+    scores: &SearchScores,
+    kind: CostKind,
+    objective: Objective,
+) -> Result<Vec<(Selection, ParetoPoint)>> {
+    let front = pareto_front(&scores.candidates(kind, objective)?)?;
     Ok(front
         .into_iter()
         .map(|selection| {
-            let point = scores.point(&selection.choice);
+            let point = scores.point(&selection.choice, objective);
             (selection, point)
         })
         .collect())
@@ -313,14 +400,22 @@ pub fn write_pareto_csv(dir: &Path, points: &[ParetoPoint]) -> Result<PathBuf> {
 /// Writes the chosen config as TOML to `path`, with a header saying where
 /// it came from.
 /// `how` is the choosing flag as typed (`--budget flops=1000`, `--argmax`).
-pub fn write_chosen(path: &Path, chosen: &Chosen, how: &str, run_dir: &Path) -> Result<()> {
+/// `objective` is what `chosen.point.loss` sums.
+pub fn write_chosen(
+    path: &Path,
+    chosen: &Chosen,
+    how: &str,
+    run_dir: &Path,
+    objective: Objective,
+) -> Result<()> {
     let header = format!(
         "# Chosen by `pipebd search {} {how}` from that run's candidates:\n\
-         # summed normalised held-out loss {:.4}, {} FLOPs per sample, {} parameters.\n\
+         # {} {:.4}, {} FLOPs per sample, {} parameters.\n\
          # `pipebd run` on this file finetunes the chosen candidates from their\n\
          # trained weights (each block's `weights`) for `train.epochs`, then trains\n\
          # them stitched for `train.stitched_epochs`, and evaluates the student.\n",
         run_dir.display(),
+        objective.describe(),
         chosen.point.loss,
         chosen.point.flops,
         chosen.point.params,

@@ -384,7 +384,9 @@ fn default_held_out() -> f64 {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainConfig {
-    /// Passes over the training data.
+    /// Blockwise passes over the training data: 0 skips blockwise training
+    /// (with `stitched_epochs` at least 1: finetune blocks that start from
+    /// their `weights` stitched only).
     pub epochs: usize,
     /// Global batch size.
     pub batch_size: usize,
@@ -485,8 +487,13 @@ impl RunConfig {
                 message,
             })
         };
-        if self.train.epochs == 0 {
-            return fail("train", "epochs", "must be at least 1".into());
+        if self.train.epochs == 0 && (self.train.stitched_epochs == 0 || self.has_candidates()) {
+            let message = if self.has_candidates() {
+                "must be at least 1: a search trains its candidates blockwise"
+            } else {
+                "must be at least 1, or 0 with `stitched_epochs` at least 1 (stitched finetuning only)"
+            };
+            return fail("train", "epochs", message.into());
         }
         if self.train.batch_size == 0 {
             return fail("train", "batch_size", "must be at least 1".into());
@@ -588,7 +595,9 @@ impl RunConfig {
             let message = format!("must be a positive number, got {}", self.train.stitched_output_weight);
             return fail("train", "stitched_output_weight", message);
         }
-        if self.train.stitched_output_loss.is_some() && self.train.stitched_gradients == StitchedGradients::Local {
+        if self.train.stitched_output_loss.is_some()
+            && self.train.stitched_gradients == StitchedGradients::Local
+        {
             return fail(
                 "train",
                 "stitched_output_loss",

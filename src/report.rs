@@ -33,7 +33,8 @@ pub struct BlockReport {
     /// Teacher FLOPs divided by student FLOPs (how much cheaper the student
     /// is); `None` where either count is unknown (0 in the spec).
     pub flops_reduction: Option<f64>,
-    /// Mean training loss over the block's last steps.
+    /// Mean training loss over the block's last blockwise steps (the
+    /// stitched pass's, in a run without blockwise epochs).
     pub final_loss: f32,
 }
 

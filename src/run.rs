@@ -331,11 +331,17 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             write_chrome_trace(&self.out_dir.join("trace.json"), &output.spans, &roles)?;
         }
 
+        // Without blockwise steps (`train.epochs = 0`) the blocks' last
+        // losses are the stitched pass's.
+        let final_losses = match &stitched {
+            Some(pass) if log.steps == 0 => &pass.final_losses,
+            _ => &log.final_losses,
+        };
         let blocks = teacher
             .specs
             .iter()
             .zip(&students.specs)
-            .zip(&log.final_losses)
+            .zip(final_losses)
             .enumerate()
             .map(|(k, ((t, s), &final_loss))| block_report(k, t, s, final_loss))
             .collect();
@@ -383,8 +389,19 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
 ) -> Result<SearchScores> {
     let losses: Vec<Loss> =
         teacher.specs.iter().map(|t| Loss::new(t.loss).with_temperature(config.train.temperature)).collect();
-    let measured =
-        measure_candidates(&teacher.blocks, trained, &losses, held_out, config.train.batch_size, device)?;
+    // The replace-one-block score uses the loss the stitched pass would put
+    // on the output, else the last block's own.
+    let output_kind = config.train.stitched_output_loss.or(teacher.specs.last().map(|t| t.loss));
+    let output_loss = output_kind.map(|kind| Loss::new(kind).with_temperature(config.train.temperature));
+    let measured = measure_candidates(
+        &teacher.blocks,
+        trained,
+        &losses,
+        output_loss.as_ref(),
+        held_out,
+        config.train.batch_size,
+        device,
+    )?;
     let candidate_specs = zoo.candidate_specs(config, &teacher.specs)?;
     let mut tables = Vec::new();
     let mut specs = Vec::new();

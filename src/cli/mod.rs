@@ -155,6 +155,12 @@ enum Command {
         /// weight (a single-path search's result) into chosen.toml.
         #[arg(long, conflicts_with = "budget")]
         argmax: bool,
+        /// What --budget and --pareto minimise, summed over blocks: `block`
+        /// (each candidate's held-out loss against its teacher block, over
+        /// the best of its block's) or `output` (the teacher's output loss
+        /// with only that block replaced: comparable across blocks).
+        #[arg(long, default_value = "block")]
+        objective: String,
     },
     /// Reload the student saved by `pipebd run` and score it on the test set.
     Eval {
@@ -442,13 +448,14 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             }
             Ok(())
         }
-        Command::Search { run_dir, budget, out, pareto, evaluate, argmax } => {
+        Command::Search { run_dir, budget, out, pareto, evaluate, argmax, objective } => {
             let choice = match (budget, argmax) {
                 (Some(budget), _) => Some(Choice::Budget(budget)),
                 (None, true) => Some(Choice::Argmax),
                 (None, false) => None,
             };
-            search_command(zoo, &run_dir, choice, out, pareto.as_deref(), evaluate)
+            let objective = crate::choose::Objective::parse(&objective)?;
+            search_command(zoo, &run_dir, choice, out, pareto.as_deref(), evaluate, objective)
         }
         Command::Eval { run_dir } => {
             let result = crate::eval::eval_run(zoo, &run_dir)?;
@@ -589,8 +596,9 @@ fn search_command<Z: Zoo>(
     out: Option<PathBuf>,
     pareto: Option<&str>,
     evaluate: bool,
+    objective: crate::choose::Objective,
 ) -> crate::error::Result<()> {
-    use crate::choose::{self, Budget, CostKind, SearchScores};
+    use crate::choose::{self, Budget, CostKind, Objective, SearchScores};
     if choice.is_none() && pareto.is_none() {
         return Err(crate::error::Error::Search {
             message: "give --budget flops=N|params=N|latency=MS, --argmax, or --pareto flops|params|latency"
@@ -599,30 +607,41 @@ fn search_command<Z: Zoo>(
     }
     let scores = SearchScores::read(run_dir)?;
     if let Some(choice) = choice {
-        let (chosen, how) = match choice {
+        let (chosen, how, summed) = match choice {
             Choice::Budget(text) => {
                 let budget: Budget = text.parse()?;
                 (
-                    choose::choose(&scores, run_dir, budget)?,
-                    format!("--budget {}={}", budget.kind.name(), budget.limit),
+                    choose::choose(&scores, run_dir, budget, objective)?,
+                    format!(
+                        "--budget {}={} --objective {}",
+                        budget.kind.name(),
+                        budget.limit,
+                        objective.name()
+                    ),
+                    objective,
                 )
             }
-            Choice::Argmax => (choose::argmax(&scores, run_dir)?, "--argmax".to_string()),
+            Choice::Argmax => (choose::argmax(&scores, run_dir)?, "--argmax".to_string(), Objective::Block),
         };
         let path = out.unwrap_or_else(|| run_dir.join("chosen.toml"));
-        choose::write_chosen(&path, &chosen, &how, run_dir)?;
+        choose::write_chosen(&path, &chosen, &how, run_dir, summed)?;
         let p = &chosen.point;
         println!(
-            "chosen candidates {} (one per block): summed normalised loss {:.4}, {} FLOPs/sample, {} params, {:.2} ms/batch",
-            p.choice, p.loss, p.flops, p.params, p.latency_ms
+            "chosen candidates {} (one per block): {} {:.4}, {} FLOPs/sample, {} params, {:.2} ms/batch",
+            p.choice,
+            summed.describe(),
+            p.loss,
+            p.flops,
+            p.params,
+            p.latency_ms
         );
         println!("wrote {} (finetune and evaluate it with `pipebd run {}`)", path.display(), path.display());
     }
     if let Some(kind) = pareto {
         let kind = CostKind::parse(kind)?;
-        let front = choose::pareto(&scores, kind)?;
+        let front = choose::pareto(&scores, kind, objective)?;
         let first = vec![0; scores.blocks.len()];
-        let mut reference = scores.point(&first);
+        let mut reference = scores.point(&first, objective);
         let mut points: Vec<choose::ParetoPoint> = front.iter().map(|(_, p)| p.clone()).collect();
         if evaluate {
             let mut configs: Vec<_> =

@@ -27,8 +27,17 @@ pub struct CandidateScore {
     /// block's training loss: MSE, or the soft-target cross-entropy).
     pub loss: f64,
     /// `loss` over the smallest `loss` among the block's candidates (1 for
-    /// the best): what the selection sums over blocks.
+    /// the best): what the selection sums over blocks by default.
     pub normalised_loss: f64,
+    /// Puzzle's replace-one-block score: the loss of the *teacher's* final
+    /// output with only this block replaced by the candidate, against the
+    /// unchanged teacher's, on the held-out samples (the run's
+    /// `train.stitched_output_loss`, else the last block's loss). Unlike
+    /// `loss` it counts what the candidate's error does to the output, so
+    /// it is comparable across blocks (`pipebd search --objective output`).
+    /// Absent in the scores of runs before it was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_loss: Option<f64>,
     /// Forward FLOPs per sample (0 when the zoo does not know them).
     pub flops: u64,
     /// Trainable parameters.
@@ -57,19 +66,35 @@ pub struct BlockScores {
     pub candidates: Vec<CandidateScore>,
 }
 
+/// What [`measure_candidates`] measures of one candidate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measured {
+    /// Mean held-out loss against the teacher block's output.
+    pub loss: f64,
+    /// Median forward time of one batch, in milliseconds.
+    pub latency_ms: f64,
+    /// Mean held-out loss of the teacher's final output with only this
+    /// block replaced by the candidate (when an output loss was given).
+    pub output_loss: Option<f64>,
+}
+
 /// The held-out loss and the forward latency of every block's candidates
 /// (an ordinary block counts as its own single candidate), in block and
 /// candidate order: the teacher's blocks relay the held-out samples, each
 /// candidate is run on its teacher block's input and scored against its
-/// output with `losses[k]`, in chunks of `batch_size`.
+/// output with `losses[k]`, in chunks of `batch_size`. With `output_loss`,
+/// the candidate's output also goes on through the teacher's later blocks,
+/// and the final output is scored against the teacher's with it (Puzzle's
+/// replace-one-block score).
 pub fn measure_candidates<B, T, S>(
     teacher: &[T],
     students: &[S],
     losses: &[Loss],
+    output_loss: Option<&Loss>,
     held_out: &dyn Dataset<B>,
     batch_size: usize,
     device: &B::Device,
-) -> Result<Vec<Vec<(f64, f64)>>>
+) -> Result<Vec<Vec<Measured>>>
 where
     B: pipebd_kernels::FusedBackend,
     T: Block<B>,
@@ -89,25 +114,44 @@ where
     if held_out.is_empty() {
         return Err(Error::Search { message: "no held-out samples to score the candidates on".into() });
     }
+    let scalar = |t: burn::tensor::Tensor<B, 1>| -> f64 {
+        let value: f32 = burn::tensor::ElementConversion::elem(t.into_scalar());
+        f64::from(value)
+    };
     let mut sums: Vec<Vec<f64>> = members.iter().map(|m| vec![0.0; m.len()]).collect();
+    let mut output_sums = sums.clone();
     let mut first_inputs = Vec::with_capacity(students.len());
     let indices: Vec<usize> = (0..held_out.len()).collect();
     for (chunk_number, chunk) in indices.chunks(batch_size.max(1)).enumerate() {
-        let mut x = held_out.batch(chunk, device)?;
+        // The teacher's activations: the input, then every block's output.
+        let mut relay = vec![held_out.batch(chunk, device)?];
         for (k, block) in teacher.iter().enumerate() {
-            let target = block.forward(x.clone()).map_err(|e| relabel(e, k + 1))?;
-            for (c, member) in members[k].iter().enumerate() {
-                let output = member.forward(x.clone()).map_err(|e| relabel(e, k + 1))?;
-                let loss = member.loss(output, target.clone(), &losses[k]).map_err(|e| relabel(e, k + 1))?;
-                let value: f32 = burn::tensor::ElementConversion::elem(loss.into_scalar());
-                sums[k][c] += f64::from(value) * chunk.len() as f64;
+            let x = relay[k].clone();
+            relay.push(block.forward(x).map_err(|e| relabel(e, k + 1))?);
+        }
+        let last = teacher.len();
+        for (k, block_members) in members.iter().enumerate() {
+            for (c, member) in block_members.iter().enumerate() {
+                let output = member.forward(relay[k].clone()).map_err(|e| relabel(e, k + 1))?;
+                let loss = member
+                    .loss(output.clone(), relay[k + 1].clone(), &losses[k])
+                    .map_err(|e| relabel(e, k + 1))?;
+                sums[k][c] += scalar(loss) * chunk.len() as f64;
+                if let Some(output_loss) = output_loss {
+                    let mut y = output;
+                    for (j, later) in teacher.iter().enumerate().skip(k + 1) {
+                        y = later.forward(y).map_err(|e| relabel(e, j + 1))?;
+                    }
+                    let loss = output_loss.compute(y, relay[last].clone()).map_err(|e| relabel(e, last))?;
+                    output_sums[k][c] += scalar(loss) * chunk.len() as f64;
+                }
             }
             if chunk_number == 0 {
-                first_inputs.push(x);
+                first_inputs.push(relay[k].clone());
             }
-            x = target;
         }
     }
+    let samples = held_out.len() as f64;
     let mut scores = Vec::with_capacity(students.len());
     for (k, input) in first_inputs.into_iter().enumerate() {
         let mut block = Vec::new();
@@ -117,7 +161,11 @@ where
                 wait_for(output);
                 Ok(())
             })?;
-            block.push((sums[k][c] / held_out.len() as f64, latency * 1e3));
+            block.push(Measured {
+                loss: sums[k][c] / samples,
+                latency_ms: latency * 1e3,
+                output_loss: output_loss.map(|_| output_sums[k][c] / samples),
+            });
         }
         scores.push(block);
     }
@@ -142,7 +190,7 @@ fn median_seconds(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// ordinary block), `specs[k]` their specs, `weights[k]` where they are saved.
 pub fn block_scores(
     teacher: &[BlockSpec],
-    measured: &[Vec<(f64, f64)>],
+    measured: &[Vec<Measured>],
     tables: &[Vec<toml::Table>],
     specs: &[Vec<BlockSpec>],
     weights: &[Vec<PathBuf>],
@@ -151,11 +199,11 @@ pub fn block_scores(
         .iter()
         .enumerate()
         .map(|(k, t)| {
-            let best = measured[k].iter().map(|m| m.0).fold(f64::INFINITY, f64::min);
+            let best = measured[k].iter().map(|m| m.loss).fold(f64::INFINITY, f64::min);
             let candidates = measured[k]
                 .iter()
                 .enumerate()
-                .map(|(c, &(loss, latency_ms))| CandidateScore {
+                .map(|(c, &Measured { loss, latency_ms, output_loss })| CandidateScore {
                     candidate: c + 1,
                     name: specs[k][c].name.clone(),
                     table: tables[k][c].clone(),
@@ -165,6 +213,7 @@ pub fn block_scores(
                     flops: specs[k][c].flops,
                     params: specs[k][c].params,
                     latency_ms,
+                    output_loss,
                     probability: None,
                 })
                 .collect();

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use pipe_bd::choose::SearchScores;
+use pipe_bd::choose::{Objective, SearchScores};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{DatasetSlice, ImageDataset, Split};
 use pipe_bd::eval::{load_student_weights, load_students};
@@ -196,8 +196,18 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     path
 }
 
-/// The brute-force optimum: every combination of candidates.
+/// The brute-force optimum of the summed normalised block losses: every
+/// combination of candidates.
 fn brute_force(scores: &SearchScores, budget: f64) -> Option<(f64, Vec<usize>)> {
+    brute_force_of(scores, budget, |c| c.normalised_loss)
+}
+
+/// The brute-force optimum of the summed `loss` of the candidates.
+fn brute_force_of(
+    scores: &SearchScores,
+    budget: f64,
+    loss_of: impl Fn(&pipe_bd::search::score::CandidateScore) -> f64,
+) -> Option<(f64, Vec<usize>)> {
     let mut best: Option<(f64, Vec<usize>)> = None;
     let counts: Vec<usize> = scores.blocks.iter().map(|b| b.candidates.len()).collect();
     let total: usize = counts.iter().product();
@@ -210,12 +220,11 @@ fn brute_force(scores: &SearchScores, budget: f64) -> Option<(f64, Vec<usize>)> 
                 i
             })
             .collect();
-        let flops = scores.point(&choice).flops;
+        let flops = scores.point(&choice, Objective::Block).flops;
         if flops as f64 > budget {
             continue;
         }
-        let loss: f64 =
-            scores.blocks.iter().zip(&choice).map(|(b, &c)| b.candidates[c].normalised_loss).sum();
+        let loss: f64 = scores.blocks.iter().zip(&choice).map(|(b, &c)| loss_of(&b.candidates[c])).sum();
         if best.as_ref().is_none_or(|(l, _)| loss < *l) {
             best = Some((loss, choice));
         }
@@ -249,6 +258,8 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
         assert_eq!(best, 1.0, "block {}: losses are normalised by the block's best", k + 1);
         for (c, candidate) in block.candidates.iter().enumerate() {
             assert!(candidate.loss.is_finite() && candidate.loss > 0.0, "{candidate:?}");
+            let output_loss = candidate.output_loss.expect("a replace-one-block output loss");
+            assert!(output_loss.is_finite() && output_loss > 0.0, "{candidate:?}");
             assert!(candidate.latency_ms > 0.0, "{candidate:?}");
             if let Some(spec) = candidate_specs[k].get(c) {
                 assert_eq!((candidate.flops, candidate.params), (spec.flops, spec.params));
@@ -276,6 +287,22 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
     let (_, expected) = brute_force(&scores, budget as f64).unwrap();
     let picks: Vec<String> = expected.iter().map(|c| (c + 1).to_string()).collect();
     assert!(said.contains(&format!("chosen candidates {}", picks.join("-"))), "{said}");
+    // The same budget on the replace-one-block output losses.
+    let output_path = dir.path().join("chosen-output.toml");
+    let said = run_ok(&[
+        "search".as_ref(),
+        run_dir.as_os_str(),
+        "--budget".as_ref(),
+        format!("flops={budget}").as_ref(),
+        "--objective".as_ref(),
+        "output".as_ref(),
+        "--out".as_ref(),
+        output_path.as_os_str(),
+    ]);
+    let (_, by_output) = brute_force_of(&scores, budget as f64, |c| c.output_loss.unwrap()).unwrap();
+    let picks: Vec<String> = by_output.iter().map(|c| (c + 1).to_string()).collect();
+    assert!(said.contains(&format!("chosen candidates {}", picks.join("-"))), "{said}");
+    assert!(said.contains("summed replace-one-block output loss"), "{said}");
 
     // The chosen config trains ordinary blocks from the chosen candidates'
     // weights: their held-out losses are the ones the search scored.
@@ -290,15 +317,29 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
     let data = ImageDataset::load_mnist(&chosen.data.dir, Split::Train, chosen.data.train_limit).unwrap();
     let held_out = DatasetSlice::new(&data, 576, 64);
     let losses: Vec<Loss> = teacher_specs.iter().map(|t| Loss::new(t.loss)).collect();
-    let measured = measure_candidates(&teacher.blocks, &inner, &losses, &held_out, 64, &device).unwrap();
+    // The output loss: the last block's (no stitched output loss configured).
+    let output_loss = *losses.last().unwrap();
+    let measured =
+        measure_candidates(&teacher.blocks, &inner, &losses, Some(&output_loss), &held_out, 64, &device)
+            .unwrap();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * a.abs().max(b.abs());
     for (k, (block, &c)) in scores.blocks.iter().zip(&expected).enumerate() {
-        let scored = block.candidates[c].loss;
-        let again = measured[k][0].0;
-        assert!(
-            (scored - again).abs() <= 1e-5 * scored,
-            "block {}: scored {scored}, reloaded {again}",
-            k + 1
-        );
+        let (scored, again) = (block.candidates[c].loss, measured[k][0].loss);
+        assert!(close(scored, again), "block {}: scored {scored}, reloaded {again}", k + 1);
+        let (scored, again) = (block.candidates[c].output_loss.unwrap(), measured[k][0].output_loss.unwrap());
+        assert!(close(scored, again), "block {}: output loss scored {scored}, reloaded {again}", k + 1);
+        // The same, by hand: the teacher with only block k replaced, on all
+        // 64 held-out samples at once.
+        let batch: Vec<usize> = (0..64).collect();
+        let input = pipe_bd::Dataset::batch(&held_out, &batch, &device).unwrap();
+        let (mut ours, mut theirs) = (input.clone(), input);
+        for (j, block) in teacher.blocks.iter().enumerate() {
+            ours = if j == k { inner[j].forward(ours).unwrap() } else { block.forward(ours).unwrap() };
+            theirs = block.forward(theirs).unwrap();
+        }
+        let by_hand: f32 =
+            burn::tensor::ElementConversion::elem(output_loss.compute(ours, theirs).unwrap().into_scalar());
+        assert!(close(again, f64::from(by_hand)), "block {}: measured {again}, by hand {by_hand}", k + 1);
     }
 
     // A budget below the cheapest student, and a malformed one, are refused.

@@ -131,3 +131,47 @@ fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
     eprintln!("logit gap: block losses only {without}, plus the output MSE {with}");
     assert!(with < 0.9 * without, "the output loss should pull the logits closer: {without} -> {with}");
 }
+
+/// `train.epochs = 0` with stitched epochs: no blockwise step, only the
+/// stitched pass, starting from the saved students (`weights`).
+#[test]
+fn a_run_without_blockwise_epochs_only_finetunes_the_saved_students_stitched() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("first");
+    let text = common::small_config(640, 200, 1);
+    let config_path = dir.path().join("first.toml");
+    std::fs::write(&config_path, &text).unwrap();
+    let (code, _, stderr) =
+        common::pipebd(&["run", config_path.to_str().unwrap(), "--out", first.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 0, "{stderr}");
+
+    // The same students, starting from the first run's weights, stitched
+    // only, at a rate too small to move them far (blockwise training at the
+    // config's 0.002 moves them by far more).
+    let mut finetune = text.replace("epochs = 1", "epochs = 0\nstitched_epochs = 1\nstitched_lr = 1e-5");
+    for k in 1..=4 {
+        let weights = first.join("student").join(format!("block-{k}.mpk"));
+        let table = ["conv\"", "bottleneck\"\nrank = 16", "bottleneck\"\nrank = 24", "head\""][k - 1];
+        let with_weights = format!("{table}\nweights = \"{}\"", weights.display());
+        assert!(finetune.contains(table), "block {k}: {table} in {finetune}");
+        finetune = finetune.replacen(table, &with_weights, 1);
+    }
+    let finetune_path = dir.path().join("finetune.toml");
+    std::fs::write(&finetune_path, &finetune).unwrap();
+    let second = dir.path().join("second");
+    let (code, _, stderr) = common::pipebd(&[
+        "run",
+        finetune_path.to_str().unwrap(),
+        "--out",
+        second.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let report = pipe_bd::report::RunReport::read(&second).unwrap();
+    assert_eq!(report.steps, 0, "no blockwise steps");
+    let stitched = report.stitched.expect("a stitched pass");
+    assert_eq!(stitched.steps, 640 / 64, "one stitched epoch");
+    let (before, after) = (common::student_weights(&first), common::student_weights(&second));
+    let moved = common::max_abs_diff(&before, &after);
+    assert!(moved > 0.0 && moved < 1e-3, "the stitched pass moved the saved weights by {moved}");
+}
