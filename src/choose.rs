@@ -263,7 +263,7 @@ fn objective_loss(
         Objective::Output => candidate.output_loss.ok_or_else(|| Error::Search {
             message: format!(
                 "block {block} candidate {}: no output loss in the scores (a search run before \
-                 replace-one-block scores were measured): rerun it, or `pipebd run <config> --out <run> --resume` \
+                 replace-one-block scores were measured): rerun it, or `pipebd run <config> --resume <run>` \
                  to score it again, or choose with --objective block",
                 candidate.candidate
             ),
