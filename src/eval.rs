@@ -9,7 +9,9 @@ use pipebd_core::{Block, BlockSpec, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 
 use crate::config::RunConfig;
-use crate::data::text::{mean_and_min_cosine, sentence_embeddings, ProbeReport, TextReport};
+use crate::data::text::{
+    cosine_by_length, cosines, mean_and_min_cosine, sentence_embeddings, ProbeReport, TextReport,
+};
 use crate::error::{Error, Result};
 use crate::report::RunReport;
 use crate::train::accuracy;
@@ -61,6 +63,8 @@ where
             let ours = sentence_embeddings(embeddings, student, heldout, *max_tokens, device, chunk)?;
             let theirs = sentence_embeddings(embeddings, teacher, heldout, *max_tokens, device, chunk)?;
             let (embedding_cosine, min_embedding_cosine) = mean_and_min_cosine(&ours, &theirs);
+            let tokens: Vec<usize> = heldout.iter().map(|s| s.len().min(*max_tokens)).collect();
+            let cosine_by_length = cosine_by_length(&cosines(&ours, &theirs), &tokens, *max_tokens);
             let probe = match probe {
                 None => None,
                 Some(data) => {
@@ -91,6 +95,7 @@ where
                     params_ratio,
                     flops_ratio,
                     probe,
+                    cosine_by_length,
                 }),
             })
         }

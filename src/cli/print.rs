@@ -35,6 +35,14 @@ pub(super) fn print_text_report(text: &crate::data::text::TextReport) {
         "embedding cosine student/teacher {:.4} (lowest {:.4}) on {} held-out sentences",
         text.embedding_cosine, text.min_embedding_cosine, text.heldout_sentences
     );
+    if !text.cosine_by_length.is_empty() {
+        let parts: Vec<String> = text
+            .cosine_by_length
+            .iter()
+            .map(|b| format!("{}-{}: {:.4} ({})", b.min_tokens, b.max_tokens, b.mean_cosine, b.sentences))
+            .collect();
+        println!("  by length in tokens (sentences): {}", parts.join(", "));
+    }
     if let Some(p) = &text.probe {
         println!(
             "spam probe: teacher {:.2}%  student {:.2}%  ({} train / {} test emails, {:.0}% spam)",

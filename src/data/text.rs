@@ -351,6 +351,51 @@ pub struct TextReport {
     pub flops_ratio: f64,
     /// The downstream probe, if configured.
     pub probe: Option<ProbeReport>,
+    /// Mean cosine of the held-out sentences grouped by their length in
+    /// tokens: where the student falls short (short sentences weigh on
+    /// the mean more than their share of tokens suggests).
+    #[serde(default)]
+    pub cosine_by_length: Vec<LengthBucket>,
+}
+
+/// Held-out sentences whose token count (special tokens included, cut at
+/// the sequence length) lies in `min_tokens..=max_tokens`, and their mean
+/// student/teacher embedding cosine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LengthBucket {
+    /// Fewest tokens a sentence of this bucket may have.
+    pub min_tokens: usize,
+    /// Most tokens a sentence of this bucket may have.
+    pub max_tokens: usize,
+    /// Sentences in the bucket.
+    pub sentences: usize,
+    /// Their mean cosine.
+    pub mean_cosine: f64,
+}
+
+/// Groups per-sentence `cosines` by `tokens` (each sentence's token count,
+/// at most `max_tokens`) into four equal ranges of length up to
+/// `max_tokens`; empty ranges are left out.
+pub fn cosine_by_length(cosines: &[f64], tokens: &[usize], max_tokens: usize) -> Vec<LengthBucket> {
+    const BUCKETS: usize = 4;
+    let width = max_tokens.div_ceil(BUCKETS).max(1);
+    (0..BUCKETS)
+        .filter_map(|b| {
+            let (low, high) = (b * width + 1, (b + 1) * width);
+            let inside: Vec<f64> = cosines
+                .iter()
+                .zip(tokens)
+                .filter(|(_, t)| (low..=high).contains(&(**t).max(1)))
+                .map(|(&c, _)| c)
+                .collect();
+            (!inside.is_empty()).then(|| LengthBucket {
+                min_tokens: low,
+                max_tokens: high,
+                sentences: inside.len(),
+                mean_cosine: inside.iter().sum::<f64>() / inside.len() as f64,
+            })
+        })
+        .collect()
 }
 
 /// The SpamAssassin probe: teacher vs student on one split.
@@ -445,9 +490,14 @@ impl ProbeData {
     }
 }
 
+/// Cosine of each pair of embeddings.
+pub fn cosines(a: &[Vec<f32>], b: &[Vec<f32>]) -> Vec<f64> {
+    a.iter().zip(b).map(|(x, y)| cosine(x, y)).collect()
+}
+
 /// Mean and lowest cosine between two lists of embeddings.
 pub fn mean_and_min_cosine(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f64, f64) {
-    let cosines: Vec<f64> = a.iter().zip(b).map(|(x, y)| cosine(x, y)).collect();
+    let cosines = cosines(a, b);
     let mean = cosines.iter().sum::<f64>() / cosines.len().max(1) as f64;
     (mean, cosines.iter().copied().fold(f64::INFINITY, f64::min))
 }
@@ -455,6 +505,30 @@ pub fn mean_and_min_cosine(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f64, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cosines_are_grouped_by_length_in_four_ranges() {
+        let tokens = [3, 8, 9, 16, 17, 32, 32, 5];
+        let cos = [0.5, 0.7, 0.9, 0.8, 0.6, 0.95, 0.85, 0.6];
+        let buckets = cosine_by_length(&cos, &tokens, 32);
+        let ranges: Vec<(usize, usize, usize)> =
+            buckets.iter().map(|b| (b.min_tokens, b.max_tokens, b.sentences)).collect();
+        assert_eq!(ranges, [(1, 8, 3), (9, 16, 2), (17, 24, 1), (25, 32, 2)]);
+        for b in &buckets {
+            let inside: Vec<f64> = tokens
+                .iter()
+                .zip(cos)
+                .filter(|(t, _)| **t >= b.min_tokens && **t <= b.max_tokens)
+                .map(|(_, c)| c)
+                .collect();
+            let mean = inside.iter().sum::<f64>() / inside.len() as f64;
+            assert!((b.mean_cosine - mean).abs() < 1e-12, "{b:?}");
+        }
+        // Every sentence lands in exactly one bucket; empty ranges are left out.
+        let only_long = cosine_by_length(&[0.5, 0.7], &[30, 31], 32);
+        assert_eq!(only_long.len(), 1);
+        assert_eq!(only_long[0].sentences, 2);
+    }
 
     #[test]
     fn tags_are_stripped_and_quotes_normalised() {
