@@ -6,7 +6,8 @@ so both see the same machine), and prints the ratios: samples/s while
 training, stitched test accuracy, and each block's final loss. With
 `--seeds 1,2,3`, each round runs every seed (the config's `seed` replaced,
 the peer's `--seed` set): after one epoch the stitched accuracy of this
-recipe spreads over points from seed to seed, in both.
+recipe spreads over points from seed to seed, in both. `--device cuda` runs
+both on the GPU (pipe-bd built with `--features cuda`).
 
     cargo build --release && bash bench/peers/setup.sh
     bench/peers/.venv/bin/python bench/peers/compare.py --epochs 1
@@ -43,6 +44,8 @@ def run_pipebd(args, seed):
     with tempfile.TemporaryDirectory() as out:
         config = args.config if seed is None else config_with_seed(args.config, seed, out)
         cmd = [args.pipebd, "run", config, "--out", out, "--epochs", str(args.epochs), "--quiet"]
+        if args.device:
+            cmd += ["--device", args.device]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "report.json")) as f:
             report = json.load(f)
@@ -59,7 +62,7 @@ def profile_pipebd(args):
     """Per block at the full batch on one slot: teacher forward and student step (ms)."""
     with tempfile.TemporaryDirectory() as out:
         path = os.path.join(out, "profile.json")
-        cmd = [args.pipebd, "profile", args.config, "--devices", "cpu", "--out", path]
+        cmd = [args.pipebd, "profile", args.config, "--devices", args.device or "cpu", "--out", path]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(path) as f:
             entries = json.load(f)["entries"]
@@ -70,7 +73,7 @@ def profile_pipebd(args):
 
 def run_peer(args, seed):
     cmd = [sys.executable, os.path.join(ROOT, "bench/peers/mnist_cnn_torch.py"), "--epochs", str(args.epochs),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--device", args.device or "cpu"]
     if seed is not None:
         cmd += ["--seed", str(seed)]
     done = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
@@ -84,6 +87,8 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--config", default="experiments/mnist-cnn.toml")
     parser.add_argument("--pipebd", default=os.path.join(ROOT, "target/release/pipebd"))
+    parser.add_argument("--device", help="run both here: cpu or cuda[:N] (default: the config's device for "
+                        "pipe-bd, the CPU for the peer)")
     parser.add_argument("--seeds", help="comma-separated seeds (default: the config's, and the peer's 42)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]

@@ -11,6 +11,13 @@ block trains on the teacher's own input to it (blockwise distillation, the
 
     bash bench/peers/setup.sh                   # once: torch into bench/peers/.venv
     bench/peers/.venv/bin/python bench/peers/mnist_cnn_torch.py --epochs 1 --threads 2
+    python3 bench/peers/mnist_cnn_torch.py --epochs 1 --device cuda   # on a GPU
+
+With `--device cuda` the data set, teacher and students live on the GPU from
+the start, each batch is gathered there by index, and the loop never waits
+for the GPU: the per-step losses stay on the device until training ends, and
+the clock is read after a `torch.cuda.synchronize()`. Per-block times come
+from CUDA events on every 10th step.
 
 Prints one JSON object: samples/s while training, per-block final losses
 (mean of the last 20 steps, as pipe-bd reports them), the teacher's and the
@@ -156,6 +163,10 @@ def accuracy(blocks, images, labels, chunk=1000):
     return correct / len(images)
 
 
+# On CUDA, the steps whose per-block times are recorded (with CUDA events).
+CUDA_TIMING_EVERY = 10
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="data/mnist")
@@ -164,20 +175,34 @@ def main():
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=0.002)
     parser.add_argument("--train-limit", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="CPU threads (torch.set_num_threads): training's with --device cpu, only the data "
+                        "loading's with cuda")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (everything on that GPU)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--init", help="start the students from the weights `pipebd export-init` wrote into "
                         "this folder (block-K.json), i.e. exactly where pipe-bd starts them")
-    parser.add_argument("--metrics", help="write step,block,loss,lr of every step to this CSV")
+    parser.add_argument("--metrics", help="write step,block,loss,lr of every step to this CSV (on CUDA from the "
+                        "losses kept on the GPU, so asking for it adds no per-step sync)")
     args = parser.parse_args()
 
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        sys.exit(f"--device {args.device}: expected cpu or cuda[:N]")
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: this torch {torch.__version__} sees no CUDA GPU")
     torch.set_num_threads(args.threads)
     train_x, _ = load_split(args.data, "train", args.train_limit)
     test_x, test_y = load_split(args.data, "t10k", 0)
+    train_x, test_x, test_y = train_x.to(device), test_x.to(device), test_y.to(device)
 
     teacher = Teacher()
     teacher.load_state_dict(published_to_ours(torch.load(args.teacher, map_location="cpu")))
-    teacher.eval().requires_grad_(False)
+    teacher.eval().requires_grad_(False).to(device)
     teacher_blocks = teacher.blocks()
     # Seeded after the teacher is built: the generator's first draws are the
     # students' (pipe-bd's `generator = "torch"` draws the same students from
@@ -192,41 +217,65 @@ def main():
     if args.init:
         for k, student in enumerate(students):
             load_params(student, os.path.join(args.init, f"block-{k + 1}.json"))
+    for student in students:
+        student.to(device)
     losses = [F.mse_loss] * 3 + [soft_target_ce]
     optimizers = [torch.optim.Adam(s.parameters(), lr=args.lr, eps=1e-5) for s in students]
     per_epoch = len(train_x) // args.batch_size
     total = per_epoch * args.epochs
-    history = [[] for _ in students]
-    rows = []
+    history = [[] for _ in students]  # per block and step: the loss (a GPU tensor on CUDA)
+    lrs = []
     timings = [([], []) for _ in students]  # per block: teacher forward, student step (seconds)
+    events = [[] for _ in students]  # CUDA: per block, (start, teacher done, step done) events
 
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     step = 0
     for epoch in range(args.epochs):
-        order = torch.randperm(len(train_x))
+        order = torch.randperm(len(train_x)).to(device)
         for b in range(per_epoch):
             lr = 0.5 * args.lr * (1 + math.cos(math.pi * step / total))
+            lrs.append(lr)
             x = train_x[order[b * args.batch_size : (b + 1) * args.batch_size]]
+            timed = cuda and step % CUDA_TIMING_EVERY == 0
             for k, (t, s, loss_fn, opt) in enumerate(zip(teacher_blocks, students, losses, optimizers)):
+                if timed:
+                    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                    marks[0].record()
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     y = t(x)
                 t1 = time.perf_counter()
+                if timed:
+                    marks[1].record()
                 for group in opt.param_groups:
                     group["lr"] = lr
                 loss = loss_fn(s(x), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                history[k].append(loss.item())
-                timings[k][0].append(t1 - t0)
-                timings[k][1].append(time.perf_counter() - t1)
-                rows.append(f"{step},{k + 1},{history[k][-1]},{lr}")
+                if cuda:
+                    history[k].append(loss.detach())
+                    if timed:
+                        marks[2].record()
+                        events[k].append(marks)
+                else:
+                    history[k].append(loss.item())
+                    timings[k][0].append(t1 - t0)
+                    timings[k][1].append(time.perf_counter() - t1)
                 x = y
             step += 1
+    if cuda:
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    if cuda:
+        history = [torch.stack(h).tolist() for h in history]
+        timings = [([1e-3 * a.elapsed_time(b) for a, b, _ in e], [1e-3 * b.elapsed_time(c) for _, b, c in e])
+                   for e in events]
 
     if args.metrics:
+        rows = [f"{i},{k + 1},{h[i]},{lrs[i]}" for i in range(total) for k, h in enumerate(history)]
         with open(args.metrics, "w") as f:
             f.write("step,block,loss,lr\n" + "\n".join(rows) + "\n")
     for s in students:
@@ -234,7 +283,8 @@ def main():
     print(
         json.dumps(
             {
-                "peer": f"pytorch {torch.__version__} eager",
+                "peer": f"pytorch {torch.__version__} eager"
+                + (f" on {device} ({torch.cuda.get_device_name(device)})" if cuda else ""),
                 "threads": args.threads,
                 "epochs": args.epochs,
                 "train_samples": len(train_x),
