@@ -141,6 +141,7 @@ pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Outp
         }
         #[cfg(feature = "cuda")]
         DeviceSpec::Cuda(_) => {
+            keep_cubecl_caches();
             let slots: Vec<_> = devices
                 .iter()
                 .map(|d| match d {
@@ -152,6 +153,7 @@ pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Outp
         }
         #[cfg(feature = "wgpu")]
         DeviceSpec::Wgpu(_) => {
+            keep_cubecl_caches();
             let slots: Vec<_> = devices
                 .iter()
                 .map(|d| match d {
@@ -166,6 +168,31 @@ pub fn dispatch<J: BackendJob>(devices: &[DeviceSpec], job: J) -> Result<J::Outp
     }
 }
 
+/// Where CubeCL keeps its autotune results and compiled kernels between
+/// runs: `$PIPEBD_CACHE_DIR`, else `$XDG_CACHE_HOME/pipe-bd/cubecl`, else
+/// `~/.cache/pipe-bd/cubecl`.
+pub fn cubecl_cache_dir() -> Option<std::path::PathBuf> {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+    var("PIPEBD_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("pipe-bd").join("cubecl")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("pipe-bd").join("cubecl")))
+}
+
+/// Points CubeCL's caches at [`cubecl_cache_dir`] before the first CubeCL
+/// device starts (unless the user configured CubeCL), so that a second
+/// start reuses the first one's autotuning and kernel compilation.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn keep_cubecl_caches() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Some(dir) = cubecl_cache_dir() {
+            if std::fs::create_dir_all(&dir).is_ok() {
+                pipebd_kernels::keep_cubecl_caches_in(&dir);
+            }
+        }
+    });
+}
+
 #[cfg(feature = "wgpu")]
 fn wgpu_device(index: Option<usize>) -> burn::backend::wgpu::WgpuDevice {
     match index {
@@ -174,12 +201,27 @@ fn wgpu_device(index: Option<usize>) -> burn::backend::wgpu::WgpuDevice {
     }
 }
 
-/// Waits until the device has computed `activation` (backends may run
-/// asynchronously): reads its values back. For timing device work.
+/// Waits until the device has computed `activation` and everything queued
+/// before it (backends may run asynchronously): a device synchronisation,
+/// no copy. For timing device work.
 pub fn wait_for<B: burn::tensor::backend::Backend>(activation: pipebd_core::Activation<B>) {
-    let _ = match activation {
-        pipebd_core::Activation::Flat(t) => t.into_data(),
-        pipebd_core::Activation::Tokens { hidden, .. } => hidden.into_data(),
-        pipebd_core::Activation::Maps(t) => t.into_data(),
-    };
+    let _ = B::sync(&activation.device());
+}
+
+thread_local! {
+    static HOST_READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts one read of training values (a loss) back to the host by this
+/// thread. On an asynchronous device each read waits for the queued work;
+/// the runtime reads there once per logged step ([`crate::train::StepLoss`]).
+pub(crate) fn count_host_read() {
+    HOST_READS.with(|reads| reads.set(reads.get() + 1));
+}
+
+/// Reads of training values back to the host by this thread so far (see
+/// [`count_host_read`]); each pipeline worker reports its own
+/// ([`crate::trace::WorkerSummary::host_reads`]).
+pub fn host_reads_on_this_thread() -> usize {
+    HOST_READS.with(|reads| reads.get())
 }

@@ -18,7 +18,7 @@ pub struct KernelsReport {
 
 struct KernelsJob {
     check_seed: Option<u64>,
-    bench_repeats: Option<usize>,
+    bench: Option<pipebd_kernels::bench::BenchOptions>,
 }
 
 impl BackendJob for KernelsJob {
@@ -32,22 +32,27 @@ impl BackendJob for KernelsJob {
             report.checks = pipebd_kernels::check::run::<B>(device, seed);
             pipebd_kernels::set_poison_outputs(false);
         }
-        if let Some(repeats) = self.bench_repeats {
-            report.timings = pipebd_kernels::bench::run::<B>(device, repeats);
+        if let Some(options) = &self.bench {
+            report.timings = pipebd_kernels::bench::run_with::<B>(device, options);
         }
         Ok(report)
     }
 }
 
 /// Checks the fused ops against burn's unfused ops on `device` (random inputs
-/// from `check_seed`, outputs NaN-poisoned) and/or times both sides with
-/// `bench_repeats` calls each. On `cpu` the fused ops are their burn-op
-/// fallback, so this checks the custom backward passes.
-pub fn kernels(device: &str, check_seed: Option<u64>, bench_repeats: Option<usize>) -> Result<KernelsReport> {
+/// from `check_seed`, outputs NaN-poisoned) and/or times both sides as
+/// `bench` says. On `cpu` the fused ops are flex's native paths where they
+/// exist and their burn-op fallback elsewhere, so this also checks the custom
+/// backward passes.
+pub fn kernels(
+    device: &str,
+    check_seed: Option<u64>,
+    bench: Option<pipebd_kernels::bench::BenchOptions>,
+) -> Result<KernelsReport> {
     let spec =
         DeviceSpec::parse(device).map_err(|message| Error::Device { device: device.into(), message })?;
     spec.check_available()?;
-    let mut report = dispatch(&[spec], KernelsJob { check_seed, bench_repeats })?;
+    let mut report = dispatch(&[spec], KernelsJob { check_seed, bench })?;
     report.device = device.to_string();
     Ok(report)
 }

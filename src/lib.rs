@@ -60,7 +60,7 @@ pub mod zoo;
 
 pub use error::{Error, Result};
 pub use pipebd_core::{
-    flat_parameters, forward_chain, parameter_tensors, Activation, Block, BlockSpec, Dataset, DistillBackend, FusedBackend,
-    Loss, LossKind, Phase, Plan, Schedule, Stage, StageSpec, StudentModule, Students, Teacher,
+    flat_parameters, forward_chain, parameter_tensors, Activation, Block, BlockSpec, Dataset, DistillBackend,
+    FusedBackend, Loss, LossKind, Phase, Plan, Schedule, Stage, StageSpec, StudentModule, Students, Teacher,
 };
 pub use pipebd_core::{Error as BlockError, Result as BlockResult};

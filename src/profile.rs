@@ -27,7 +27,7 @@ use crate::plan::{Plan, Schedule, StageSpec};
 use crate::planning::planner::{Candidate, CostTable};
 use crate::preflight::preflight;
 use crate::runtime::{concurrent_workers, threads_per_worker};
-use crate::train::{detached_copy, BlockTrainer};
+use crate::train::{detached_copy, BlockTrainer, StepLoss};
 use crate::zoo::{Workload, Zoo};
 
 /// Median and spread of repeated timings, in seconds.
@@ -409,6 +409,10 @@ fn time_update<B: DistillBackend, S: pipebd_core::StudentModule<B>>(
     g: usize,
 ) -> std::result::Result<Timing, String> {
     let mut seconds = Vec::with_capacity(REPEATS);
+    let device = input.device();
+    let sync = || {
+        let _ = B::sync(&device);
+    };
     for i in 0..=REPEATS {
         let mut grads = Vec::with_capacity(g);
         for _ in 0..g {
@@ -417,15 +421,16 @@ fn time_update<B: DistillBackend, S: pipebd_core::StudentModule<B>>(
                 .map_err(|e| e.to_string())?;
             grads.push(grad);
         }
+        sync();
         let start = Instant::now();
-        trainer.apply(grads, &[0.0]).map_err(|e| e.to_string())?;
+        trainer.apply(grads, StepLoss::Read(0.0)).map_err(|e| e.to_string())?;
+        sync();
         if i > 0 {
             seconds.push(start.elapsed().as_secs_f64());
         }
     }
     Timing::of(seconds).ok_or_else(|| "no repeats".into())
 }
-
 
 /// Time to hand an activation to another thread through a bounded channel
 /// and have it acknowledged there (what a stage boundary costs).

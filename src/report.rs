@@ -112,6 +112,11 @@ pub struct RunReport {
     pub predicted_step_seconds: Option<f64>,
     /// Measured over predicted step time.
     pub measured_over_predicted: Option<f64>,
+    /// Values (losses) read back to the host during the blockwise training,
+    /// each a wait for the device's queue on a GPU: one per worker and
+    /// logged step there, one per block and step on the CPU.
+    #[serde(default)]
+    pub host_reads: usize,
     /// Per-block figures.
     pub blocks: Vec<BlockReport>,
     /// Busy and idle time of each pipeline worker.

@@ -365,6 +365,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             predicted_step_seconds,
             measured_over_predicted: predicted_step_seconds
                 .map(|p| log.seconds / log.steps_run.max(1) as f64 / p.max(1e-12)),
+            host_reads: output.workers.iter().map(|w| w.host_reads).sum(),
             blocks,
             workers: output.workers,
             stitched,

@@ -137,6 +137,10 @@ pub struct WorkerSummary {
     pub busy_fraction: f64,
     /// `1 - busy / wall` (waiting plus untracked time).
     pub idle_fraction: f64,
+    /// Values (losses) it read back to the host: on a GPU each waits for
+    /// the device's queue, and a worker reads once per logged step there.
+    #[serde(default)]
+    pub host_reads: usize,
 }
 
 /// Summarises one worker's spans.
@@ -146,6 +150,7 @@ pub fn summarise(
     slot: usize,
     spans: &[Span],
     wall_seconds: f64,
+    host_reads: usize,
 ) -> WorkerSummary {
     let (mut busy, mut idle) = (0u64, 0u64);
     for s in spans.iter().filter(|s| s.worker == worker) {
@@ -166,6 +171,7 @@ pub fn summarise(
         wall_seconds,
         busy_fraction: (busy_seconds / wall).min(1.0),
         idle_fraction: (1.0 - busy_seconds / wall).max(0.0),
+        host_reads,
     }
 }
 

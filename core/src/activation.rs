@@ -39,6 +39,15 @@ impl<B: Backend> Activation<B> {
         self.dims()[0]
     }
 
+    /// The device the activation is on.
+    pub fn device(&self) -> B::Device {
+        match self {
+            Self::Flat(t) => t.device(),
+            Self::Tokens { hidden, .. } => hidden.device(),
+            Self::Maps(t) => t.device(),
+        }
+    }
+
     /// The feature maps, or an error naming `block` if this is another rank.
     pub fn into_maps(self, block: usize) -> Result<Tensor<B, 4>> {
         match self {

@@ -33,8 +33,8 @@ pub mod plan;
 
 pub use activation::Activation;
 pub use block::{
-    check_against_teacher, check_block_count, flat_parameters, forward_chain, parameter_tensors, Block, BlockSpec,
-    StudentModule, Students, Teacher,
+    check_against_teacher, check_block_count, flat_parameters, forward_chain, parameter_tensors, Block,
+    BlockSpec, StudentModule, Students, Teacher,
 };
 pub use dataset::Dataset;
 pub use error::{panic_message, Error, Result};

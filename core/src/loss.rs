@@ -111,9 +111,11 @@ impl Loss {
                 let ce = loss::soft_target_cross_entropy(s.mul_scalar(scale), t.mul_scalar(scale));
                 Ok(ce.mul_scalar(temperature * temperature))
             }
-            (LossKind::PooledCosine, Activation::Tokens { hidden: s, mask }, Activation::Tokens { hidden: t, .. }) => {
-                Ok(loss::pooled_cosine_distance(s, t, mask))
-            }
+            (
+                LossKind::PooledCosine,
+                Activation::Tokens { hidden: s, mask },
+                Activation::Tokens { hidden: t, .. },
+            ) => Ok(loss::pooled_cosine_distance(s, t, mask)),
             (kind, s, t) => {
                 Err(Error::block(format!("loss {kind:?} cannot compare {:?} with {:?}", s.dims(), t.dims())))
             }

@@ -14,7 +14,7 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
-use crate::{BiasAxis, Epilogue, FusedBackend, LossWithGrad};
+use crate::{BiasAxis, ConvBackwardInputs, ConvGrads, Epilogue, FusedBackend, LossWithGrad};
 
 /// Backward of a loss whose gradient with respect to the student was computed
 /// in the forward pass; the teacher (usually untracked) gets its negation.
@@ -69,11 +69,13 @@ struct MatmulState<B: FusedBackend> {
     sum_batch: bool,
 }
 
-/// Gradients of `act(lhs @ rhs + bias)`: `(dlhs, drhs, dbias)`.
+/// Gradients of `act(lhs @ rhs + bias)`: `(dlhs, drhs, dbias)`, each only
+/// where `wanted` (lhs, rhs, bias) asks for it.
 fn matmul_grads<B: FusedBackend>(
     state: MatmulState<B>,
     grad: FloatTensor<B>,
-) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
+    wanted: [bool; 3],
+) -> (Option<FloatTensor<B>>, Option<FloatTensor<B>>, Option<FloatTensor<B>>) {
     let MatmulState { lhs, rhs, bias, output, epilogue, sum_batch } = state;
     // G = dL/d(pre-activation).
     let saved = match epilogue {
@@ -87,12 +89,19 @@ fn matmul_grads<B: FusedBackend>(
     let [zl, _, _] = lhs.shape().dims::<3>();
     let [zr, _, _] = rhs.shape().dims::<3>();
     let [zg, _, _] = pre_grad.dims();
-    let bias_grad = bias.map(|(_, axis)| B::bias_grad(pre_grad.clone().into_primitive().tensor(), axis));
+    let bias_grad = match (bias, wanted[2]) {
+        (Some((_, axis)), true) => Some(B::bias_grad(pre_grad.clone().into_primitive().tensor(), axis)),
+        _ => None,
+    };
     let g = pre_grad.into_primitive().tensor();
-    let rhs_t = B::float_swap_dims(rhs, 1, 2);
-    let lhs_t = B::float_swap_dims(lhs, 1, 2);
-    let dlhs = B::matmul_epilogue(g.clone(), rhs_t, None, Epilogue::Identity, zl == 1 && zg.max(zr) > 1);
-    let drhs = B::matmul_epilogue(lhs_t, g, None, Epilogue::Identity, zr == 1 && zl.max(zg) > 1);
+    let dlhs = wanted[0].then(|| {
+        let rhs_t = B::float_swap_dims(rhs, 1, 2);
+        B::matmul_epilogue(g.clone(), rhs_t, None, Epilogue::Identity, zl == 1 && zg.max(zr) > 1)
+    });
+    let drhs = wanted[1].then(|| {
+        let lhs_t = B::float_swap_dims(lhs, 1, 2);
+        B::matmul_epilogue(lhs_t, g, None, Epilogue::Identity, zr == 1 && zl.max(zg) > 1)
+    });
     (dlhs, drhs, bias_grad)
 }
 
@@ -105,12 +114,13 @@ fn register_matmul_grads<B: FusedBackend, const N: usize>(
     grads: &mut Gradients,
 ) {
     let grad = grads.consume::<B>(&ops.node);
-    let (dlhs, drhs, dbias) = matmul_grads(ops.state, grad);
     let parents: Vec<_> = ops.parents.into_iter().collect();
-    if let Some(node) = &parents[0] {
+    let tracked = |i: usize| parents.get(i).is_some_and(Option::is_some);
+    let (dlhs, drhs, dbias) = matmul_grads(ops.state, grad, [tracked(0), tracked(1), tracked(2)]);
+    if let (Some(node), Some(dlhs)) = (&parents[0], dlhs) {
         grads.register::<B>(node.id, dlhs);
     }
-    if let Some(node) = &parents[1] {
+    if let (Some(node), Some(drhs)) = (&parents[1], drhs) {
         grads.register::<B>(node.id, drhs);
     }
     if let (Some(Some(node)), Some(dbias)) = (parents.get(2), dbias) {
@@ -169,19 +179,6 @@ struct ConvState<B: FusedBackend> {
     pool_indices: Option<IntTensor<B>>,
 }
 
-/// [`FusedBackend::epilogue_backward`] (which takes `[z, m, n]`) for a
-/// convolution's `[b, c, h, w]` output and its gradient, as `[b, c, h * w]`.
-fn conv_epilogue_backward<B: FusedBackend>(
-    grad: FloatTensor<B>,
-    saved: FloatTensor<B>,
-    epilogue: Epilogue,
-) -> FloatTensor<B> {
-    let shape = grad.shape();
-    let [b, c, h, w] = shape.dims::<4>();
-    let flat = |t: FloatTensor<B>| B::float_reshape(t, [b, c, h * w].into());
-    B::float_reshape(B::epilogue_backward(flat(grad), flat(saved), epilogue), shape)
-}
-
 /// Backward of the fused convolution (pooled or not) with `N` parents (x,
 /// weight[, bias]).
 #[derive(Debug)]
@@ -190,18 +187,11 @@ struct ConvBackward;
 fn register_conv_grads<B: FusedBackend, const N: usize>(ops: Ops<ConvState<B>, N>, grads: &mut Gradients) {
     let grad = grads.consume::<B>(&ops.node);
     let ConvState { x, weight, output, options, epilogue, pool_indices } = ops.state;
-    // A pooled output is the activation's output at each window's maximum.
-    let pre_grad = conv_epilogue_backward::<B>(grad, output, epilogue);
     let parents: Vec<_> = ops.parents.into_iter().collect();
-    let bias_grad = parents.get(2).and_then(Option::as_ref).map(|_| {
-        let [b, c, h, w] = pre_grad.shape().dims::<4>();
-        B::bias_grad(B::float_reshape(pre_grad.clone(), [b, c, h * w].into()), BiasAxis::Rows)
-    });
-    let x_tracked = parents[0].is_some();
-    let (x_grad, weight_grad) = match pool_indices {
-        Some(indices) => B::conv2d_pool_backward(x, weight, pre_grad, indices, options, x_tracked),
-        None => B::conv2d_backward(x, weight, pre_grad, options, x_tracked),
-    };
+    let has_bias = parents.get(2).and_then(Option::as_ref).is_some();
+    let inputs = ConvBackwardInputs { x, weight, output_grad: grad, output, epilogue, pool_indices, options };
+    let ConvGrads { x: x_grad, weight: weight_grad, bias: bias_grad } =
+        B::conv2d_layer_backward(inputs, parents[0].is_some(), has_bias);
     if let (Some(node), Some(x_grad)) = (&parents[0], x_grad) {
         grads.register::<B>(node.id, x_grad);
     }
@@ -277,7 +267,8 @@ fn tracked_conv<B: FusedBackend, C: CheckpointStrategy>(
 ) -> (FloatTensor<Autodiff<B, C>>, Option<IntTensor<B>>) {
     match bias {
         None => {
-            let kind = ConvBackward.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful();
+            let kind =
+                ConvBackward.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful();
             finish_conv(kind, x.primitive, weight.primitive, None, options, epilogue, pool)
         }
         Some(bias) => {
@@ -310,6 +301,8 @@ impl<B: FusedBackend> Backward<B, 1> for MaxPoolBackward {
 
 impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
     const FUSED_CONV_POOL: bool = B::FUSED_CONV_POOL;
+    const ASYNC_DEVICE: bool = B::ASYNC_DEVICE;
+    const FUSED_OPTIMIZER: bool = B::FUSED_OPTIMIZER;
 
     fn mse_loss(
         student: FloatTensor<Self>,

@@ -1,7 +1,7 @@
 //! Timing of the fused ops against the unfused burn ops, side by side.
 //!
 //! Each case runs on the same backend and device, at sizes of the MNIST
-//! workload (batch 256): the distillation losses of the teacher's blocks, the
+//! workload (batch 256 unless asked otherwise): the distillation losses of the teacher's blocks, the
 //! students' pointwise convolutions and the head's linear layers. Both
 //! directions are timed: the forward alone (no gradient tracking) and the
 //! forward plus backward. The matmul ops are timed twice: with our fused
@@ -19,8 +19,8 @@ use crate::reference::unfused;
 use burn::tensor::ops::ConvOptions;
 
 use crate::{
-    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue,
-    MatmulVariant,
+    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend,
+    Epilogue, MatmulVariant,
 };
 
 /// One timed case: median milliseconds per call of each side.
@@ -155,33 +155,68 @@ fn layer_row<B: DistillBackend, const D: usize, const DW: usize>(
     }
 }
 
+/// What to time: the cases of the ops whose names start with one of
+/// `only` (all when empty), at batch `batch`, with `repeats` timed calls per
+/// side and direction.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Timed calls per case, side and direction (the median is shown).
+    pub repeats: usize,
+    /// Samples per batch.
+    pub batch: usize,
+    /// Op name prefixes to time (all ops when empty).
+    pub only: Vec<String>,
+}
+
+impl Default for BenchOptions {
+    /// 10 repeats of every op at batch 256.
+    fn default() -> Self {
+        Self { repeats: 10, batch: 256, only: Vec::new() }
+    }
+}
+
 /// Times every case with `repeats` timed calls per side and direction.
 pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRow> {
+    run_with::<B>(device, &BenchOptions { repeats, ..Default::default() })
+}
+
+/// Times the cases `options` selects.
+pub fn run_with<B: DistillBackend>(device: &B::Device, options: &BenchOptions) -> Vec<BenchRow> {
+    let (repeats, batch) = (options.repeats, options.batch);
+    let wanted =
+        |op: &str| options.only.is_empty() || options.only.iter().any(|o| op.starts_with(o.as_str()));
     let mut rows = Vec::new();
-    for shape in [[256, 32, 14, 14], [256, 64, 7, 7], [256, 128, 3, 3]] {
+    for shape in
+        [[batch, 32, 14, 14], [batch, 64, 7, 7], [batch, 128, 3, 3]].into_iter().filter(|_| wanted("mse"))
+    {
         rows.push(loss_row::<B, 4>("mse", shape, repeats, device, loss::mse, unfused::mse));
     }
-    rows.push(loss_row::<B, 2>(
-        "soft-ce",
-        [256, 10],
-        repeats,
-        device,
-        loss::soft_target_cross_entropy,
-        unfused::soft_target_cross_entropy,
-    ));
-    for variant in [MatmulVariant::Fused, MatmulVariant::Split, MatmulVariant::Auto] {
-        set_matmul_variant(variant);
-        layer_rows::<B>(&mut rows, variant, repeats, device);
+    if wanted("soft-ce") {
+        rows.push(loss_row::<B, 2>(
+            "soft-ce",
+            [batch, 10],
+            repeats,
+            device,
+            loss::soft_target_cross_entropy,
+            unfused::soft_target_cross_entropy,
+        ));
     }
-    set_matmul_variant(MatmulVariant::Auto);
+    if wanted("linear") || wanted("pointwise-conv") {
+        for variant in [MatmulVariant::Fused, MatmulVariant::Split, MatmulVariant::Auto] {
+            set_matmul_variant(variant);
+            layer_rows::<B>(&mut rows, variant, options, device);
+        }
+        set_matmul_variant(MatmulVariant::Auto);
+    }
     // The teacher's and the quickstart students' 3x3 convolutions (padding 1).
-    for (c_in, hw, c_out) in [(1, 28, 32), (32, 14, 64), (64, 7, 128), (1, 28, 6), (16, 14, 16), (24, 7, 24)] {
+    let conv3x3 = [(1, 28, 32), (32, 14, 64), (64, 7, 128), (1, 28, 6), (16, 14, 16), (24, 7, 24)];
+    for (c_in, hw, c_out) in conv3x3.into_iter().filter(|_| wanted("conv3x3")) {
         let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
         let reference_options = options.clone();
         rows.push(layer_row::<B, 4, 4>(
             "conv3x3",
-            format!("[256, {c_in}, {hw}, {hw}] -> {c_out} relu"),
-            [256, c_in, hw, hw],
+            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} relu"),
+            [batch, c_in, hw, hw],
             [c_out, c_in, 3, 3],
             c_out,
             repeats,
@@ -196,76 +231,155 @@ pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRo
         ));
     }
     // The separable students' depthwise 3x3 (one filter per channel).
-    for (channels, hw) in [(32, 14), (64, 7)] {
+    for (channels, hw) in [(32, 14), (64, 7)].into_iter().filter(|_| wanted("depthwise3x3")) {
         let options = ConvOptions::new([1, 1], [1, 1], [1, 1], channels);
         let reference_options = options.clone();
         rows.push(layer_row::<B, 4, 4>(
             "depthwise3x3",
-            format!("[256, {channels}, {hw}, {hw}] relu"),
-            [256, channels, hw, hw],
+            format!("[{batch}, {channels}, {hw}, {hw}] relu"),
+            [batch, channels, hw, hw],
             [channels, 1, 3, 3],
             channels,
             repeats,
             device,
             &move |x, w, b| conv2d(x, w, b, options.clone(), Epilogue::Relu),
             &move |x, w, b| {
-                burn::tensor::activation::relu(burn::tensor::module::conv2d(x, w, b, reference_options.clone()))
+                burn::tensor::activation::relu(burn::tensor::module::conv2d(
+                    x,
+                    w,
+                    b,
+                    reference_options.clone(),
+                ))
             },
         ));
     }
     // With the 2x2 max-pool fused in: the teacher's stages and the
     // quickstart's pooled 1x1 projections.
-    for (c_in, hw, c_out, k) in [(1, 28, 32, 3), (32, 14, 64, 3), (64, 7, 128, 3), (6, 28, 32, 1), (16, 14, 64, 1)] {
+    let pooled = [(1, 28, 32, 3), (32, 14, 64, 3), (64, 7, 128, 3), (6, 28, 32, 1), (16, 14, 64, 1)];
+    for (c_in, hw, c_out, k) in pooled.into_iter().filter(|_| wanted("conv-relu-pool")) {
         let options = ConvOptions::new([1, 1], [k / 2, k / 2], [1, 1], 1);
         let reference_options = options.clone();
         rows.push(layer_row::<B, 4, 4>(
             "conv-relu-pool",
-            format!("[256, {c_in}, {hw}, {hw}] -> {c_out} {k}x{k}"),
-            [256, c_in, hw, hw],
+            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} {k}x{k}"),
+            [batch, c_in, hw, hw],
             [c_out, c_in, k, k],
             c_out,
             repeats,
             device,
             &move |x, w, b| conv2d_pool(x, w, b, options.clone(), Epilogue::Relu),
             &move |x, w, b| {
-                let y = burn::tensor::activation::relu(burn::tensor::module::conv2d(x, w, b, reference_options.clone()));
+                let y = burn::tensor::activation::relu(burn::tensor::module::conv2d(
+                    x,
+                    w,
+                    b,
+                    reference_options.clone(),
+                ));
                 burn::tensor::module::max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], false)
             },
         ));
     }
-    for (channels, hw) in [(32, 28), (64, 14), (128, 7)] {
+    if wanted("adam-step") {
+        optimizer_rows::<B>(&mut rows, repeats, device);
+    }
+    for (channels, hw) in [(32, 28), (64, 14), (128, 7)].into_iter().filter(|_| wanted("max-pool-2x2")) {
         rows.push(layer_row::<B, 4, 1>(
             "max-pool-2x2",
-            format!("[256, {channels}, {hw}, {hw}]"),
-            [256, channels, hw, hw],
+            format!("[{batch}, {channels}, {hw}, {hw}]"),
+            [batch, channels, hw, hw],
             [1],
             1,
             repeats,
             device,
             &|x, w, _| max_pool2x2(x) * w.reshape([1, 1, 1, 1]),
-            &|x, w, _| burn::tensor::module::max_pool2d(x, [2, 2], [2, 2], [0, 0], [1, 1], false) * w.reshape([1, 1, 1, 1]),
+            &|x, w, _| {
+                burn::tensor::module::max_pool2d(x, [2, 2], [2, 2], [0, 0], [1, 1], false)
+                    * w.reshape([1, 1, 1, 1])
+            },
         ));
     }
     rows
+}
+
+/// One Adam step over a block's parameters: the backend's update
+/// ([`crate::FusedBackend::optimizer_step`], one launch on CubeCL backends)
+/// against burn's ops one tensor at a time, as burn's `Adam` runs them. An
+/// update has no backward pass: both column pairs time the same step.
+fn optimizer_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, repeats: usize, device: &B::Device) {
+    use crate::optim::{reference_step, AdamRule, ParamSlot, UpdateRule};
+    use crate::FusedBackend;
+    type Inner<B> = <B as burn::tensor::backend::AutodiffBackend>::InnerBackend;
+    let rule = UpdateRule::Adam(AdamRule { beta_1: 0.9, beta_2: 0.999, epsilon: 1e-5, weight_decay: None });
+    let blocks: [(&str, &[&[usize]]); 2] = [
+        (
+            "bottleneck block (6 tensors)",
+            &[&[16, 32, 1, 1], &[16], &[16, 16, 3, 3], &[16], &[64, 16, 1, 1], &[64]],
+        ),
+        ("head block (4 tensors)", &[&[1152, 128], &[128], &[128, 10], &[10]]),
+    ];
+    for (case, shapes) in blocks {
+        let tensor = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            normal::<Inner<B>, 1>([n], device).into_primitive().tensor()
+        };
+        let params: Vec<_> = shapes.iter().map(|s| tensor(s)).collect();
+        let grads: Vec<_> = shapes.iter().map(|s| tensor(s)).collect();
+        let slots = |step: &dyn Fn(Vec<ParamSlot<Inner<B>>>) -> Vec<crate::ParamUpdate<Inner<B>>>| {
+            let first: Vec<_> = params
+                .iter()
+                .zip(&grads)
+                .map(|(p, g)| ParamSlot { param: p.clone(), grad: g.clone(), state: None })
+                .collect();
+            // One warm step, so that the timed ones update existing moments.
+            step(first)
+                .into_iter()
+                .zip(&grads)
+                .map(|(u, g)| ParamSlot { param: u.param, grad: g.clone(), state: u.state })
+                .collect::<Vec<_>>()
+        };
+        let fused_step =
+            |s: Vec<ParamSlot<Inner<B>>>| <Inner<B> as FusedBackend>::optimizer_step(s, &rule, 1e-3);
+        let burn_step = |s: Vec<ParamSlot<Inner<B>>>| reference_step::<Inner<B>>(s, &rule, 1e-3);
+        let warm_fused = slots(&fused_step);
+        let warm_burn = slots(&burn_step);
+        let fused = median_ms::<B>(device, repeats, || {
+            let _ = fused_step(warm_fused.clone());
+        });
+        let unfused = median_ms::<B>(device, repeats, || {
+            let _ = burn_step(warm_burn.clone());
+        });
+        rows.push(BenchRow {
+            op: "adam-step".into(),
+            case: case.into(),
+            fused_forward_ms: fused,
+            unfused_forward_ms: unfused,
+            fused_train_ms: fused,
+            unfused_train_ms: unfused,
+        });
+    }
 }
 
 /// The linear and pointwise-conv cases with the matmul `variant` in force.
 fn layer_rows<B: DistillBackend>(
     rows: &mut Vec<BenchRow>,
     variant: MatmulVariant,
-    repeats: usize,
+    options: &BenchOptions,
     device: &B::Device,
 ) {
+    let (repeats, batch) = (options.repeats, options.batch);
+    let wanted =
+        |op: &str| options.only.is_empty() || options.only.iter().any(|o| op.starts_with(o.as_str()));
     let tag = match variant {
         MatmulVariant::Auto => "auto",
         MatmulVariant::Split => "split",
         MatmulVariant::Fused => "kernel",
     };
-    for (d_in, d_out, epilogue) in [(1152, 128, Epilogue::Relu), (128, 10, Epilogue::Identity)] {
+    let linear_cases = [(1152, 128, Epilogue::Relu), (128, 10, Epilogue::Identity)];
+    for (d_in, d_out, epilogue) in linear_cases.into_iter().filter(|_| wanted("linear")) {
         rows.push(layer_row::<B, 2, 2>(
             "linear",
-            format!("[256, {d_in}] -> {d_out} {} [{tag}]", epilogue.name()),
-            [256, d_in],
+            format!("[{batch}, {d_in}] -> {d_out} {} [{tag}]", epilogue.name()),
+            [batch, d_in],
             [d_in, d_out],
             d_out,
             repeats,
@@ -274,11 +388,13 @@ fn layer_rows<B: DistillBackend>(
             &move |x, w, b| unfused::linear(x, w, b, epilogue),
         ));
     }
-    for (c_in, hw, c_out) in [(32, 14, 16), (16, 7, 64), (24, 3, 128)] {
+    for (c_in, hw, c_out) in
+        [(32, 14, 16), (16, 7, 64), (24, 3, 128)].into_iter().filter(|_| wanted("pointwise-conv"))
+    {
         rows.push(layer_row::<B, 4, 4>(
             "pointwise-conv",
-            format!("[256, {c_in}, {hw}, {hw}] -> {c_out} relu [{tag}]"),
-            [256, c_in, hw, hw],
+            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} relu [{tag}]"),
+            [batch, c_in, hw, hw],
             [c_out, c_in, 1, 1],
             c_out,
             repeats,

@@ -16,14 +16,17 @@ use crate::reference::unfused;
 use burn::tensor::ops::ConvOptions;
 
 use crate::{
-    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend, Epilogue,
-    MatmulVariant,
+    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend,
+    Epilogue, MatmulVariant,
 };
 
 /// Relative error allowed for the losses (forward and gradient).
 pub const LOSS_TOLERANCE: f64 = 1e-4;
 /// Relative error allowed for the matmul ops (forward and gradients).
 pub const MATMUL_TOLERANCE: f64 = 1e-3;
+/// Relative error allowed for the optimizer update after 20 steps against
+/// burn's own `Adam` and `Sgd` (the same operations in the same order).
+pub const OPTIMIZER_TOLERANCE: f64 = 1e-6;
 
 /// One compared quantity.
 #[derive(Debug, Clone)]
@@ -247,11 +250,190 @@ pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
     set_matmul_variant(MatmulVariant::Auto);
     check_convolutions::<B>(&mut out, &mut rng, device);
     check_max_pool::<B>(&mut out, &mut rng, device);
+    check_optimizers::<B>(&mut out, &mut rng, device);
     out
 }
 
+/// Steps of the optimizer checks.
+const OPTIMIZER_STEPS: usize = 20;
+
+/// The backend's optimizer update ([`crate::FusedBackend::optimizer_step`],
+/// every tensor of a block in one call) against burn's own `Adam` and `Sgd`
+/// on the CPU, one tensor at a time: 20 steps on the same random gradients
+/// with a learning rate that changes every step (it travels as data), then
+/// the parameters and the optimizer state compared.
+fn check_optimizers<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdRng, device: &B::Device) {
+    use crate::optim::{AdamRule, SgdMomentum, SgdRule, UpdateRule};
+    let shapes: [&[usize]; 5] = [&[37], &[5, 13], &[16, 8, 3, 3], &[1], &[128, 1152]];
+    let adam = |beta_1, beta_2, epsilon, weight_decay| {
+        UpdateRule::Adam(AdamRule { beta_1, beta_2, epsilon, weight_decay })
+    };
+    let sgd = |nesterov, dampening, weight_decay| {
+        UpdateRule::Sgd(SgdRule {
+            momentum: Some(SgdMomentum { momentum: 0.9, dampening, nesterov }),
+            weight_decay,
+        })
+    };
+    let rules = [
+        ("adam", adam(0.9, 0.999, 1e-5, None)),
+        ("adam decay", adam(0.8, 0.99, 1e-8, Some(0.01))),
+        ("sgd nesterov", sgd(true, 0.0, Some(0.001))),
+        ("sgd damped", sgd(false, 0.1, None)),
+        ("sgd plain", UpdateRule::Sgd(SgdRule { momentum: None, weight_decay: None })),
+    ];
+    for (name, rule) in rules {
+        let params: Vec<TensorData> = shapes.iter().map(|shape| random(rng, shape, 1.0)).collect();
+        let steps: Vec<Vec<TensorData>> = (0..OPTIMIZER_STEPS)
+            .map(|_| shapes.iter().map(|shape| random(rng, shape, 0.1)).collect())
+            .collect();
+        let lrs: Vec<f64> =
+            (0..OPTIMIZER_STEPS).map(|i| 0.01 * (1.0 + (i as f64 * 0.3).cos()) / 2.0 + 1e-4).collect();
+        let fused = fused_updates::<B::InnerBackend>(&params, &steps, &lrs, &rule, device);
+        let reference = burn_updates(&params, &steps, &lrs, &rule);
+        let mut rows = Rows {
+            rows: vec![],
+            op: "optimizer",
+            case: format!("{name}, 5 tensors, {OPTIMIZER_STEPS} steps"),
+            tolerance: OPTIMIZER_TOLERANCE,
+        };
+        let flat = |v: &[Vec<f32>]| v.concat();
+        rows.add("param", &flat(&fused.0), &flat(&reference.0));
+        if !reference.1.is_empty() {
+            rows.add("state", &flat(&fused.1), &flat(&reference.1));
+        }
+        out.extend(rows.rows);
+    }
+}
+
+/// Parameters and state (first moments or velocities, then second moments)
+/// after every step through the backend's own update.
+fn fused_updates<B: crate::FusedBackend>(
+    params: &[TensorData],
+    steps: &[Vec<TensorData>],
+    lrs: &[f64],
+    rule: &crate::UpdateRule,
+    device: &B::Device,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    use crate::optim::ParamSlot;
+    let primitive = |data: &TensorData| B::float_from_data(data.clone(), device);
+    let mut current: Vec<_> = params.iter().map(|p| (primitive(p), None)).collect();
+    for (grads, &lr) in steps.iter().zip(lrs) {
+        let slots = current
+            .into_iter()
+            .zip(grads)
+            .map(|((param, state), grad)| ParamSlot { param, grad: primitive(grad), state })
+            .collect();
+        current = B::optimizer_step(slots, rule, lr).into_iter().map(|u| (u.param, u.state)).collect();
+    }
+    let read = |t: burn::tensor::ops::FloatTensor<B>| {
+        Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(B::float_reshape(
+            t.clone(),
+            [burn::tensor::TensorMetadata::shape(&t).num_elements()].into(),
+        )))
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap_or_default()
+    };
+    let mut state = Vec::new();
+    let mut second = Vec::new();
+    let values = current
+        .into_iter()
+        .map(|(param, s)| {
+            if let Some(s) = s {
+                state.push(read(s.first));
+                if let Some(v) = s.second {
+                    second.push(read(v));
+                }
+            }
+            read(param)
+        })
+        .collect();
+    state.extend(second);
+    (values, state)
+}
+
+/// The same through burn's `Adam` / `Sgd` (`SimpleOptimizer::step`, one
+/// flattened tensor at a time) on the CPU.
+fn burn_updates(
+    params: &[TensorData],
+    steps: &[Vec<TensorData>],
+    lrs: &[f64],
+    rule: &crate::UpdateRule,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    use burn::optim::decay::WeightDecayConfig;
+    use burn::optim::momentum::MomentumConfig;
+    use burn::optim::{AdamConfig, SgdConfig, SimpleOptimizer};
+    type Cpu = burn::backend::Flex;
+    let device = Default::default();
+    let flat = |data: &TensorData| {
+        let values = floats(data);
+        let n = values.len();
+        Tensor::<Cpu, 1>::from_data(TensorData::new(values, [n]), &device)
+    };
+    let vec = |t: Tensor<Cpu, 1>| t.into_data().to_vec::<f32>().unwrap_or_default();
+    let mut values = Vec::new();
+    let mut firsts = Vec::new();
+    let mut seconds = Vec::new();
+    for (k, param) in params.iter().enumerate() {
+        let mut tensor = flat(param);
+        match rule {
+            crate::UpdateRule::Adam(a) => {
+                let mut config =
+                    AdamConfig::new().with_beta_1(a.beta_1).with_beta_2(a.beta_2).with_epsilon(a.epsilon);
+                if let Some(p) = a.weight_decay {
+                    config = config.with_weight_decay(Some(WeightDecayConfig::new(p)));
+                }
+                let adam = config.build();
+                let mut state = None;
+                for (grads, &lr) in steps.iter().zip(lrs) {
+                    let (t, s) = adam.step(lr, tensor, flat(&grads[k]), state);
+                    (tensor, state) = (t, s);
+                }
+                if let Some(state) = state {
+                    firsts.push(vec(state.momentum.moment_1));
+                    seconds.push(vec(state.momentum.moment_2));
+                }
+            }
+            crate::UpdateRule::Sgd(s) => {
+                let momentum = s.momentum.map(|m| MomentumConfig {
+                    momentum: m.momentum,
+                    dampening: m.dampening,
+                    nesterov: m.nesterov,
+                });
+                let config = SgdConfig::new()
+                    .with_momentum(momentum)
+                    .with_weight_decay(s.weight_decay.map(WeightDecayConfig::new));
+                let sgd = config.build::<Cpu>();
+                let mut state = None;
+                for (grads, &lr) in steps.iter().zip(lrs) {
+                    let (t, st) = sgd.step(lr, tensor, flat(&grads[k]), state);
+                    (tensor, state) = (t, st);
+                }
+                // burn's velocity is private to its record: read it through the record's item.
+                if let Some(velocity) = state.and_then(|s| s.momentum) {
+                    use burn::record::{FullPrecisionSettings, Record};
+                    let item = Record::<Cpu>::into_item::<FullPrecisionSettings>(velocity);
+                    let velocity = <Tensor<Cpu, 1> as Record<Cpu>>::from_item::<FullPrecisionSettings>(
+                        item.velocity,
+                        &device,
+                    );
+                    firsts.push(vec(velocity));
+                }
+            }
+        }
+        values.push(vec(tensor));
+    }
+    firsts.extend(seconds);
+    (values, firsts)
+}
+
 /// A convolution's pre-activation `[batch, c_out, oh, ow]` in f64 on the host.
-fn conv_kxk_pre(inputs: &LayerInputs, x_shape: [usize; 4], w_shape: [usize; 4], options: &ConvOptions<2>) -> Vec<f64> {
+fn conv_kxk_pre(
+    inputs: &LayerInputs,
+    x_shape: [usize; 4],
+    w_shape: [usize; 4],
+    options: &ConvOptions<2>,
+) -> Vec<f64> {
     let (x, w) = (floats(&inputs.x), floats(&inputs.weight));
     let b = inputs.bias.as_ref().map(floats);
     let ([batch, c_in, h, wd], [c_out, per_group, kh, kw]) = (x_shape, w_shape);
@@ -269,7 +451,10 @@ fn conv_kxk_pre(inputs: &LayerInputs, x_shape: [usize; 4], w_shape: [usize; 4], 
                         let c = o / filters_per_group * per_group + g;
                         for ky in 0..kh {
                             for kx in 0..kw {
-                                let (iy, ix) = ((oy * sy + ky) as isize - py as isize, (ox * sx + kx) as isize - px as isize);
+                                let (iy, ix) = (
+                                    (oy * sy + ky) as isize - py as isize,
+                                    (ox * sx + kx) as isize - px as isize,
+                                );
                                 if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < wd {
                                     let xv = x[((n * c_in + c) * h + iy as usize) * wd + ix as usize] as f64;
                                     sum += xv * w[((o * per_group + g) * kh + ky) * kw + kx] as f64;
@@ -311,7 +496,10 @@ fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdR
             let options = ConvOptions::new(stride, padding, [1, 1], groups);
             let fan_in = (w_shape[1] * w_shape[2] * w_shape[3]) as f32;
             let [batch, _, h, w] = x_shape;
-            let (oh, ow) = ((h + 2 * padding[0] - w_shape[2]) / stride[0] + 1, (w + 2 * padding[1] - w_shape[3]) / stride[1] + 1);
+            let (oh, ow) = (
+                (h + 2 * padding[0] - w_shape[2]) / stride[0] + 1,
+                (w + 2 * padding[1] - w_shape[3]) / stride[1] + 1,
+            );
             let mut inputs = LayerInputs {
                 x: random(rng, &x_shape, 1.0),
                 weight: random(rng, &w_shape, 1.0 / fan_in.sqrt()),
@@ -346,7 +534,10 @@ fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdR
             let r = layer_on::<Reference, 4, 4>(
                 &inputs,
                 move |x, w, b| {
-                    let y = crate::reference::activate(burn::tensor::module::conv2d(x, w, b, options.clone()), epilogue);
+                    let y = crate::reference::activate(
+                        burn::tensor::module::conv2d(x, w, b, options.clone()),
+                        epilogue,
+                    );
                     match pooled {
                         true => burn::tensor::module::max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], false),
                         false => y,
@@ -403,7 +594,12 @@ fn check_max_pool<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdRng, 
             |x| burn::tensor::module::max_pool2d(x, [2, 2], [2, 2], [0, 0], [1, 1], false),
             &cpu,
         );
-        let mut rows = Rows { rows: vec![], op: "max-pool-2x2", case: format!("x {shape:?}"), tolerance: LOSS_TOLERANCE };
+        let mut rows = Rows {
+            rows: vec![],
+            op: "max-pool-2x2",
+            case: format!("x {shape:?}"),
+            tolerance: LOSS_TOLERANCE,
+        };
         rows.add("forward", &f.0, &r.0);
         rows.add("d x", &f.1, &r.1);
         out.extend(rows.rows);

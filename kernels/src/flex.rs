@@ -48,7 +48,8 @@ fn lane_sum(values: &[f32]) -> f32 {
 fn lane_sum_squared_difference(s: &[f32], t: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (s_chunks, t_chunks) = (s.chunks_exact(8), t.chunks_exact(8));
-    let rest: f32 = s_chunks.remainder().iter().zip(t_chunks.remainder()).map(|(a, b)| (a - b) * (a - b)).sum();
+    let rest: f32 =
+        s_chunks.remainder().iter().zip(t_chunks.remainder()).map(|(a, b)| (a - b) * (a - b)).sum();
     for (sc, tc) in s_chunks.zip(t_chunks) {
         for ((lane, a), b) in lanes.iter_mut().zip(sc).zip(tc) {
             *lane += (a - b) * (a - b);
@@ -113,10 +114,18 @@ fn rows_per_task(row: usize) -> usize {
 /// sums and their order do not depend on the thread count).
 const BATCH_PER_TASK: usize = 8;
 
+/// The activation; NaN stays NaN (as burn's and PyTorch's), so that a
+/// diverging block shows in its loss.
 fn activate(x: f32, epilogue: Epilogue) -> f32 {
     match epilogue {
         Epilogue::Identity => x,
-        Epilogue::Relu => x.max(0.0),
+        Epilogue::Relu => {
+            if x < 0.0 {
+                0.0
+            } else {
+                x
+            }
+        }
         Epilogue::Relu6 => x.clamp(0.0, 6.0),
         // Not reached: GELU takes the generic path.
         Epilogue::Gelu => x,
@@ -174,7 +183,8 @@ impl<'a> Matrix<'a> {
     /// every entry); `None` for negative strides.
     fn batch_entry(tensor: &'a FlexTensor, z: usize) -> Option<Self> {
         let [batch, rows, cols] = tensor.shape().dims::<3>();
-        let strides: Vec<usize> = tensor.layout().strides().iter().map(|s| usize::try_from(*s).ok()).collect::<Option<_>>()?;
+        let strides: Vec<usize> =
+            tensor.layout().strides().iter().map(|s| usize::try_from(*s).ok()).collect::<Option<_>>()?;
         let entry = if batch == 1 { 0 } else { z };
         Some(Self {
             data: tensor.storage::<f32>(),
@@ -187,14 +197,21 @@ impl<'a> Matrix<'a> {
     }
 
     fn transposed(self) -> Self {
-        Self { rows: self.cols, cols: self.rows, row_stride: self.col_stride, col_stride: self.row_stride, ..self }
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
     }
 
     /// Whether every element lies inside `data`.
     fn in_bounds(&self) -> bool {
         self.rows == 0
             || self.cols == 0
-            || self.offset + (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride < self.data.len()
+            || self.offset + (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride
+                < self.data.len()
     }
 }
 
@@ -311,7 +328,8 @@ fn pool_plane(plane: &[f32], [h, w]: [usize; 2], out: &mut [f32], idx: &mut [i32
     for oy in 0..oh {
         let top = &plane[2 * oy * w..2 * oy * w + 2 * ow];
         let bottom = &plane[(2 * oy + 1) * w..(2 * oy + 1) * w + 2 * ow];
-        let windows = out[oy * ow..(oy + 1) * ow].iter_mut().zip(top.chunks_exact(2).zip(bottom.chunks_exact(2)));
+        let windows =
+            out[oy * ow..(oy + 1) * ow].iter_mut().zip(top.chunks_exact(2).zip(bottom.chunks_exact(2)));
         if idx.is_empty() {
             for (o, (t, b)) in windows {
                 *o = t[0].max(t[1]).max(b[0].max(b[1]));
@@ -382,7 +400,8 @@ struct ConvGeometry {
 
 impl ConvGeometry {
     fn new(input: [usize; 2], kernel: [usize; 2], options: &ConvOptions<2>) -> Self {
-        let out = |i: usize| (input[i] + 2 * options.padding[i]).saturating_sub(kernel[i]) / options.stride[i] + 1;
+        let out =
+            |i: usize| (input[i] + 2 * options.padding[i]).saturating_sub(kernel[i]) / options.stride[i] + 1;
         Self { input, kernel, stride: options.stride, padding: options.padding, output: [out(0), out(1)] }
     }
 
@@ -548,18 +567,22 @@ fn conv_backward(
     let group = |task: usize, x_grad_group: &mut [f32]| -> Vec<f32> {
         let mut weight_grad = vec![0f32; sizes.c_out * depth];
         let (mut scratch, mut cols_grad) = (sizes.scratch(), sizes.scratch());
-        let mut unpooled = vec![0f32; if matches!(grad, OutputGrad::Pooled { .. }) { sizes.c_out * pixels } else { 0 }];
+        let mut unpooled =
+            vec![0f32; if matches!(grad, OutputGrad::Pooled { .. }) { sizes.c_out * pixels } else { 0 }];
         let first = task * BATCH_PER_TASK;
         for s in first..(first + BATCH_PER_TASK).min(sizes.batch) {
             let grad_s = match grad {
-                OutputGrad::Dense(grad) => {
-                    Matrix::dense(&grad[s * sizes.c_out * pixels..(s + 1) * sizes.c_out * pixels], sizes.c_out, pixels)
-                }
+                OutputGrad::Dense(grad) => Matrix::dense(
+                    &grad[s * sizes.c_out * pixels..(s + 1) * sizes.c_out * pixels],
+                    sizes.c_out,
+                    pixels,
+                ),
                 OutputGrad::Pooled { grad, indices } => {
                     let pooled = grad.len() / (sizes.batch * sizes.c_out).max(1);
                     unpooled.fill(0.0);
                     let range = s * sizes.c_out * pooled..(s + 1) * sizes.c_out * pooled;
-                    let per_channel = grad[range.clone()].chunks(pooled.max(1)).zip(indices[range].chunks(pooled.max(1)));
+                    let per_channel =
+                        grad[range.clone()].chunks(pooled.max(1)).zip(indices[range].chunks(pooled.max(1)));
                     for ((g, i), plane) in per_channel.zip(unpooled.chunks_mut(pixels)) {
                         g.iter().zip(i).for_each(|(g, i)| plane[*i as usize] += g);
                     }
@@ -636,9 +659,19 @@ fn depthwise_channel(sizes: &ConvSizes, o: usize) -> usize {
 
 /// `act(depthwise_conv(x) + bias)`: per output plane, one multiply-add pass
 /// per kernel tap over the input rows it reads.
-fn depthwise_forward(x: &[f32], weight: &[f32], bias: Option<&[f32]>, sizes: ConvSizes, epilogue: Epilogue) -> Vec<f32> {
-    let ([h, w], taps, pixels, step) =
-        (sizes.geometry.input, sizes.geometry.taps(), sizes.geometry.output_pixels(), sizes.geometry.stride[1]);
+fn depthwise_forward(
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    sizes: ConvSizes,
+    epilogue: Epilogue,
+) -> Vec<f32> {
+    let ([h, w], taps, pixels, step) = (
+        sizes.geometry.input,
+        sizes.geometry.taps(),
+        sizes.geometry.output_pixels(),
+        sizes.geometry.stride[1],
+    );
     let mut out = zeros(sizes.batch * sizes.c_out * pixels);
     out.par_chunks_mut(pixels.max(1)).with_min_len(rows_per_task(pixels)).enumerate().for_each(|(p, out)| {
         let (s, o) = (p / sizes.c_out, p % sizes.c_out);
@@ -660,9 +693,19 @@ fn depthwise_forward(x: &[f32], weight: &[f32], bias: Option<&[f32]>, sizes: Con
 
 /// The input gradient (when `x_grad`) and the weight gradient of a
 /// depthwise convolution, per fixed group of samples.
-fn depthwise_backward(x: &[f32], weight: &[f32], grad: &[f32], sizes: ConvSizes, x_grad: bool) -> (Option<Vec<f32>>, Vec<f32>) {
-    let ([h, w], taps, pixels, step) =
-        (sizes.geometry.input, sizes.geometry.taps(), sizes.geometry.output_pixels(), sizes.geometry.stride[1]);
+fn depthwise_backward(
+    x: &[f32],
+    weight: &[f32],
+    grad: &[f32],
+    sizes: ConvSizes,
+    x_grad: bool,
+) -> (Option<Vec<f32>>, Vec<f32>) {
+    let ([h, w], taps, pixels, step) = (
+        sizes.geometry.input,
+        sizes.geometry.taps(),
+        sizes.geometry.output_pixels(),
+        sizes.geometry.stride[1],
+    );
     let plane = sizes.plane();
     let group = |task: usize, x_grad_group: &mut [f32]| -> Vec<f32> {
         let mut weight_grad = vec![0f32; sizes.c_out * taps];
@@ -674,16 +717,21 @@ fn depthwise_backward(x: &[f32], weight: &[f32], grad: &[f32], sizes: ConvSizes,
                 let g = &grad[(s * sizes.c_out + o) * pixels..][..pixels];
                 let filter = &weight[o * taps..(o + 1) * taps];
                 let filter_grad = &mut weight_grad[o * taps..(o + 1) * taps];
-                let mut source_grad = x_grad_group.get_mut((s - first) * plane + c * h * w..(s - first) * plane + (c + 1) * h * w);
+                let mut source_grad = x_grad_group
+                    .get_mut((s - first) * plane + c * h * w..(s - first) * plane + (c + 1) * h * w);
                 sizes.geometry.for_each_run(|tap, start, input, len| {
                     let run = &g[start..start + len];
                     if step == 1 {
                         filter_grad[tap] += lane_dot(run, &source[input..input + len]);
                         if let Some(dx) = source_grad.as_deref_mut() {
-                            dx[input..input + len].iter_mut().zip(run).for_each(|(d, g)| *d += filter[tap] * g);
+                            dx[input..input + len]
+                                .iter_mut()
+                                .zip(run)
+                                .for_each(|(d, g)| *d += filter[tap] * g);
                         }
                     } else {
-                        filter_grad[tap] += run.iter().enumerate().map(|(j, g)| g * source[input + j * step]).sum::<f32>();
+                        filter_grad[tap] +=
+                            run.iter().enumerate().map(|(j, g)| g * source[input + j * step]).sum::<f32>();
                         if let Some(dx) = source_grad.as_deref_mut() {
                             run.iter().enumerate().for_each(|(j, g)| dx[input + j * step] += filter[tap] * g);
                         }
@@ -726,8 +774,16 @@ fn conv_pool_forward(
         |(scratch, full), (s, (out, idx))| {
             let cols = sizes.columns(&x[s * sizes.plane()..(s + 1) * sizes.plane()], scratch);
             gemm_into(full, weight, cols, false, gemm::Parallelism::None);
-            epilogue_in_place(full, [sizes.c_out, pixels], bias.map(|b| (b, BiasAxis::Rows)), epilogue, false);
-            let planes = full.chunks(pixels.max(1)).zip(out.chunks_mut(pooled.max(1)).zip(idx.chunks_mut(pooled.max(1))));
+            epilogue_in_place(
+                full,
+                [sizes.c_out, pixels],
+                bias.map(|b| (b, BiasAxis::Rows)),
+                epilogue,
+                false,
+            );
+            let planes = full
+                .chunks(pixels.max(1))
+                .zip(out.chunks_mut(pooled.max(1)).zip(idx.chunks_mut(pooled.max(1))));
             for (plane, (out, idx)) in planes {
                 pool_plane(plane, [oh, ow], out, idx);
             }
@@ -739,7 +795,11 @@ fn conv_pool_forward(
 impl FusedBackend for Flex {
     const FUSED_CONV_POOL: bool = true;
 
-    fn mse_loss(student: FloatTensor<Self>, teacher: FloatTensor<Self>, with_grad: bool) -> LossWithGrad<Self> {
+    fn mse_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        with_grad: bool,
+    ) -> LossWithGrad<Self> {
         if !is_f32(&student) || !is_f32(&teacher) {
             return reference::mse_with_grad::<Self>(student, teacher, with_grad);
         }
@@ -757,13 +817,20 @@ impl FusedBackend for Flex {
                 })
                 .collect()
         } else {
-            s.par_chunks(CHUNK).zip(t.par_chunks(CHUNK)).map(|(s, t)| lane_sum_squared_difference(s, t) as f64).collect()
+            s.par_chunks(CHUNK)
+                .zip(t.par_chunks(CHUNK))
+                .map(|(s, t)| lane_sum_squared_difference(s, t) as f64)
+                .collect()
         };
         let loss = (partial_sums.iter().sum::<f64>() / n.max(1) as f64) as f32;
         LossWithGrad { loss: from_vec(vec![loss], [1]), grad: with_grad.then(|| from_vec(grad, shape)) }
     }
 
-    fn epilogue_backward(grad: FloatTensor<Self>, saved: FloatTensor<Self>, epilogue: Epilogue) -> FloatTensor<Self> {
+    fn epilogue_backward(
+        grad: FloatTensor<Self>,
+        saved: FloatTensor<Self>,
+        epilogue: Epilogue,
+    ) -> FloatTensor<Self> {
         let (low, high) = match epilogue {
             Epilogue::Identity => return grad,
             Epilogue::Relu => (0.0, f32::INFINITY),
@@ -885,11 +952,14 @@ impl FusedBackend for Flex {
             || epilogue == Epilogue::Gelu
             || bias.as_ref().is_some_and(|b| !is_f32(b))
         {
-            return Self::max_pool2x2_with_indices(reference::conv2d_epilogue::<Self>(x, weight, bias, options, epilogue));
+            return Self::max_pool2x2_with_indices(reference::conv2d_epilogue::<Self>(
+                x, weight, bias, options, epilogue,
+            ));
         }
         let sizes = ConvSizes::new(&x, &weight, &options);
         let bias = bias.as_ref().map(values);
-        let (output, indices) = conv_pool_forward(&values(&x), &values(&weight), bias.as_deref(), sizes, epilogue);
+        let (output, indices) =
+            conv_pool_forward(&values(&x), &values(&weight), bias.as_deref(), sizes, epilogue);
         let [oh, ow] = sizes.geometry.output;
         let shape = [sizes.batch, sizes.c_out, oh / 2, ow / 2];
         (from_vec(output, shape), FlexTensor::from_data(TensorData::new(indices, shape)))
@@ -943,16 +1013,14 @@ impl FusedBackend for Flex {
         let indices = indices.to_contiguous();
         let indices = indices.as_slice::<i32>().unwrap_or_default();
         let mut x_grad = zeros(b * c * h * w);
-        x_grad
-            .par_chunks_mut((h * w).max(1))
-            .with_min_len(rows_per_task(h * w))
-            .enumerate()
-            .for_each(|(p, plane)| {
+        x_grad.par_chunks_mut((h * w).max(1)).with_min_len(rows_per_task(h * w)).enumerate().for_each(
+            |(p, plane)| {
                 let range = p * plane_out..(p + 1) * plane_out;
                 for (g, i) in grad[range.clone()].iter().zip(&indices[range]) {
                     plane[*i as usize] += g;
                 }
-            });
+            },
+        );
         from_vec(x_grad, [b, c, h, w])
     }
 }
@@ -972,7 +1040,13 @@ mod tests {
     }
 
     /// A direct (loop) convolution of one sample, for the im2col tests.
-    fn direct_conv(x: &[f32], [c, h, w]: [usize; 3], weight: &[f32], c_out: usize, g: ConvGeometry) -> Vec<f32> {
+    fn direct_conv(
+        x: &[f32],
+        [c, h, w]: [usize; 3],
+        weight: &[f32],
+        c_out: usize,
+        g: ConvGeometry,
+    ) -> Vec<f32> {
         let ([kh, kw], [sy, sx], [py, px], [oh, ow]) = (g.kernel, g.stride, g.padding, g.output);
         let mut out = vec![0f32; c_out * oh * ow];
         for o in 0..c_out {
@@ -982,7 +1056,10 @@ mod tests {
                     for ci in 0..c {
                         for ky in 0..kh {
                             for kx in 0..kw {
-                                let (iy, ix) = ((oy * sy + ky) as isize - py as isize, (ox * sx + kx) as isize - px as isize);
+                                let (iy, ix) = (
+                                    (oy * sy + ky) as isize - py as isize,
+                                    (ox * sx + kx) as isize - px as isize,
+                                );
                                 if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w {
                                     let xv = x[(ci * h + iy as usize) * w + ix as usize];
                                     sum += xv * weight[((o * c + ci) * kh + ky) * kw + kx];
@@ -1010,7 +1087,8 @@ mod tests {
             let options = ConvOptions::new(stride, padding, [1, 1], 1);
             let geometry = ConvGeometry::new([h, w], kernel, &options);
             let c_out = 2;
-            let weight: Vec<f32> = (0..c_out * c * kernel[0] * kernel[1]).map(|i| (i % 5) as f32 - 2.0).collect();
+            let weight: Vec<f32> =
+                (0..c_out * c * kernel[0] * kernel[1]).map(|i| (i % 5) as f32 - 2.0).collect();
             let out = Flex::conv2d_epilogue(
                 from_vec(x.clone(), shape),
                 from_vec(weight.clone(), [c_out, c, kernel[0], kernel[1]]),
@@ -1021,7 +1099,8 @@ mod tests {
             let out = values(&out).into_owned();
             let per_sample = c_out * geometry.output_pixels();
             for s in 0..b {
-                let direct = direct_conv(&x[s * c * h * w..(s + 1) * c * h * w], [c, h, w], &weight, c_out, geometry);
+                let direct =
+                    direct_conv(&x[s * c * h * w..(s + 1) * c * h * w], [c, h, w], &weight, c_out, geometry);
                 let got = &out[s * per_sample..(s + 1) * per_sample];
                 for (a, e) in got.iter().zip(&direct) {
                     assert!((a - e).abs() < 1e-4, "{shape:?} {kernel:?} {stride:?} {padding:?}: {a} vs {e}");

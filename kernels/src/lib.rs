@@ -33,13 +33,16 @@ mod cube;
 pub mod encoder;
 mod flex;
 pub mod loss;
+pub mod optim;
 pub mod reference;
 
 use burn::nn::conv::Conv2d;
 use burn::nn::PaddingConfig2d;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
+
+pub use optim::{AdamRule, ParamSlot, ParamState, ParamUpdate, SgdMomentum, SgdRule, UpdateRule};
 
 /// The activation applied in the epilogue of a fused matmul.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -99,6 +102,18 @@ pub trait FusedBackend: Backend {
     /// on this backend; where it is not, [`conv2d_layer_pool`] composes the
     /// layer's best unpooled path with [`max_pool2x2`] instead.
     const FUSED_CONV_POOL: bool = false;
+
+    /// Whether the device runs asynchronously from the host, with memory of
+    /// its own (a GPU, or wgpu over a software driver): reading a value back
+    /// then waits for everything queued before it. The engine keeps the
+    /// training data on such a device and reads the losses back once every
+    /// `log_every` steps instead of after every step.
+    const ASYNC_DEVICE: bool = false;
+
+    /// Whether [`optimizer_step`](FusedBackend::optimizer_step) updates many
+    /// tensors in one pass here; where it does not, the engine steps with
+    /// burn's own optimizers (the same rule, one tensor at a time).
+    const FUSED_OPTIMIZER: bool = false;
 
     /// `mean((student - teacher)^2)` over all elements; with `with_grad`, also
     /// `2 (student - teacher) / n`. Both tensors have the same shape.
@@ -212,6 +227,26 @@ pub trait FusedBackend: Backend {
         unpool_then_conv_backward::<Self>(x, weight, grad, indices, options, x_grad)
     }
 
+    /// Every gradient of a fused convolution layer (`act(conv2d(x, weight) +
+    /// bias)`, followed by the 2x2 max-pool when `inputs.pool_indices` is
+    /// set) from the gradient of its output: that of `x` when `x_grad`, that
+    /// of the weight, and that of the bias when `bias_grad`. By default the
+    /// backend's separate ops ([`layer_backward_in_steps`]).
+    fn conv2d_layer_backward(
+        inputs: ConvBackwardInputs<Self>,
+        x_grad: bool,
+        bias_grad: bool,
+    ) -> ConvGrads<Self> {
+        layer_backward_in_steps::<Self>(inputs, x_grad, bias_grad)
+    }
+
+    /// One update of every slot's parameter by `rule` at learning rate `lr`
+    /// (see [`optim`]): burn's `Adam` and `Sgd` to the operation. By default
+    /// burn's tensor ops, one tensor at a time ([`optim::reference_step`]).
+    fn optimizer_step(slots: Vec<ParamSlot<Self>>, rule: &UpdateRule, lr: f64) -> Vec<ParamUpdate<Self>> {
+        optim::reference_step::<Self>(slots, rule, lr)
+    }
+
     /// A 2x2, stride-2 max-pool of `[batch, channels, h, w]` (no padding; an
     /// odd last row or column is dropped, as burn's `MaxPool2d` with kernel 2).
     fn max_pool2x2(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -233,6 +268,75 @@ pub trait FusedBackend: Backend {
     ) -> FloatTensor<Self> {
         reference::max_pool2x2_backward::<Self>(x, grad, indices)
     }
+}
+
+/// What the backward pass of a fused convolution layer needs from its
+/// forward pass ([`FusedBackend::conv2d_layer_backward`]).
+#[derive(Debug, Clone)]
+pub struct ConvBackwardInputs<B: Backend> {
+    /// The layer's input `[batch, c_in, h, w]`.
+    pub x: FloatTensor<B>,
+    /// Its weight `[c_out, c_in / groups, kh, kw]`.
+    pub weight: FloatTensor<B>,
+    /// The gradient of its output (of the pooled output when pooled).
+    pub output_grad: FloatTensor<B>,
+    /// Its output after the activation (pooled when pooled): the
+    /// activation's derivative is read from it, so `epilogue` is identity,
+    /// relu or relu6 (gelu needs the pre-activation).
+    pub output: FloatTensor<B>,
+    /// The layer's activation.
+    pub epilogue: Epilogue,
+    /// For a layer followed by the 2x2 max-pool: where each pooled maximum
+    /// came from ([`FusedBackend::conv2d_pool`]).
+    pub pool_indices: Option<IntTensor<B>>,
+    /// Stride, padding, dilation and groups.
+    pub options: ConvOptions<2>,
+}
+
+/// The gradients of a convolution layer.
+#[derive(Debug, Clone)]
+pub struct ConvGrads<B: Backend> {
+    /// Of its input, when asked for.
+    pub x: Option<FloatTensor<B>>,
+    /// Of its weight.
+    pub weight: FloatTensor<B>,
+    /// Of its bias, when asked for.
+    pub bias: Option<FloatTensor<B>>,
+}
+
+/// [`FusedBackend::conv2d_layer_backward`] as the backend's separate ops:
+/// the activation's backward, the bias gradient, then the (pooled)
+/// convolution's backward.
+pub fn layer_backward_in_steps<B: FusedBackend>(
+    inputs: ConvBackwardInputs<B>,
+    x_grad: bool,
+    bias_grad: bool,
+) -> ConvGrads<B> {
+    let ConvBackwardInputs { x, weight, output_grad, output, epilogue, pool_indices, options } = inputs;
+    // A pooled output is the activation's output at each window's maximum.
+    let pre_grad = conv_epilogue_backward::<B>(output_grad, output, epilogue);
+    let bias = bias_grad.then(|| {
+        let [b, c, h, w] = pre_grad.shape().dims::<4>();
+        B::bias_grad(B::float_reshape(pre_grad.clone(), [b, c, h * w].into()), BiasAxis::Rows)
+    });
+    let (x, weight) = match pool_indices {
+        Some(indices) => B::conv2d_pool_backward(x, weight, pre_grad, indices, options, x_grad),
+        None => B::conv2d_backward(x, weight, pre_grad, options, x_grad),
+    };
+    ConvGrads { x, weight, bias }
+}
+
+/// [`FusedBackend::epilogue_backward`] (which takes `[z, m, n]`) for a
+/// convolution's `[b, c, h, w]` output and its gradient, as `[b, c, h * w]`.
+fn conv_epilogue_backward<B: FusedBackend>(
+    grad: FloatTensor<B>,
+    saved: FloatTensor<B>,
+    epilogue: Epilogue,
+) -> FloatTensor<B> {
+    let shape = grad.shape();
+    let [b, c, h, w] = shape.dims::<4>();
+    let flat = |t: FloatTensor<B>| B::float_reshape(t, [b, c, h * w].into());
+    B::float_reshape(B::epilogue_backward(flat(grad), flat(saved), epilogue), shape)
 }
 
 /// [`FusedBackend::conv2d_pool_backward`] as two of the backend's own ops:
@@ -282,6 +386,24 @@ pub fn set_matmul_variant(variant: MatmulVariant) {
 /// The matmul variant in force.
 pub fn matmul_variant() -> MatmulVariant {
     *MATMUL_VARIANT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Keeps CubeCL's autotune results and compiled kernels in `dir`, so that a
+/// second start on the same machine reuses them wherever the binary runs
+/// (CubeCL's default keeps autotune results under the nearest cargo
+/// project's `target/` and compiles every kernel again). Leaves CubeCL's
+/// settings alone where the user wrote their own (a `cubecl.toml`, or
+/// `burn.toml` with a `[cubecl]` table, in the working folder or above)
+/// or CubeCL has already read them. Returns whether `dir` is now in use.
+/// Without CubeCL backends compiled in, does nothing.
+pub fn keep_cubecl_caches_in(dir: &std::path::Path) -> bool {
+    #[cfg(feature = "cubecl")]
+    return cube::keep_caches_in(dir);
+    #[cfg(not(feature = "cubecl"))]
+    {
+        let _ = dir;
+        false
+    }
 }
 
 /// Fill every kernel output with NaN before the launch, so that a test sees any
@@ -385,7 +507,8 @@ fn fused_options<B: Backend>(layer: &Conv2d<B>) -> Option<ConvOptions<2>> {
     // No groups, or depthwise (one input channel per filter).
     let [_, per_group, _, _] = layer.weight.dims();
     let grouping = layer.groups == 1 || per_group == 1;
-    (grouping && layer.dilation == [1, 1]).then(|| ConvOptions::new(layer.stride, padding, [1, 1], layer.groups))
+    (grouping && layer.dilation == [1, 1])
+        .then(|| ConvOptions::new(layer.stride, padding, [1, 1], layer.groups))
 }
 
 /// A burn `Conv2d` layer followed by `epilogue`, through [`conv2d`] when its
@@ -396,7 +519,9 @@ fn fused_options<B: Backend>(layer: &Conv2d<B>) -> Option<ConvOptions<2>> {
 pub fn conv2d_layer<B: FusedBackend>(layer: &Conv2d<B>, x: Tensor<B, 4>, epilogue: Epilogue) -> Tensor<B, 4> {
     let bias = layer.bias.as_ref().map(|b| b.val());
     match fused_options(layer) {
-        Some(options) if layer.kernel_size == [1, 1] && options.stride == [1, 1] && options.padding == [0, 0] => {
+        Some(options)
+            if layer.kernel_size == [1, 1] && options.stride == [1, 1] && options.padding == [0, 0] =>
+        {
             pointwise_conv(x, layer.weight.val(), bias, epilogue)
         }
         Some(options) => conv2d(x, layer.weight.val(), bias, options, epilogue),
@@ -407,7 +532,11 @@ pub fn conv2d_layer<B: FusedBackend>(layer: &Conv2d<B>, x: Tensor<B, 4>, epilogu
 /// [`conv2d_layer`] followed by a 2x2 max-pool, as one op ([`conv2d_pool`])
 /// where the backend fuses them ([`FusedBackend::FUSED_CONV_POOL`]) and the
 /// layer qualifies.
-pub fn conv2d_layer_pool<B: FusedBackend>(layer: &Conv2d<B>, x: Tensor<B, 4>, epilogue: Epilogue) -> Tensor<B, 4> {
+pub fn conv2d_layer_pool<B: FusedBackend>(
+    layer: &Conv2d<B>,
+    x: Tensor<B, 4>,
+    epilogue: Epilogue,
+) -> Tensor<B, 4> {
     match fused_options(layer) {
         Some(options) if B::FUSED_CONV_POOL && epilogue != Epilogue::Gelu => {
             conv2d_pool(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()), options, epilogue)

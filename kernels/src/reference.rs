@@ -125,7 +125,9 @@ pub fn conv_output_zeros<B: Backend>(
     let [batch, _, h, w] = x.shape().dims::<4>();
     let [c_out, _, kh, kw] = weight.shape().dims::<4>();
     let size = |i: usize, input: usize, kernel: usize| {
-        (input + 2 * options.padding[i]).saturating_sub(options.dilation[i] * (kernel - 1) + 1) / options.stride[i] + 1
+        (input + 2 * options.padding[i]).saturating_sub(options.dilation[i] * (kernel - 1) + 1)
+            / options.stride[i]
+            + 1
     };
     let shape = [batch, c_out, size(0, h, kh), size(1, w, kw)];
     B::float_zeros(shape.into(), &B::float_device(x), x.dtype().into())

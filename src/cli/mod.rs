@@ -186,6 +186,12 @@ enum Command {
         /// Timed calls per case and side (the median is shown).
         #[arg(long, default_value_t = 10)]
         repeats: usize,
+        /// Samples per batch of the timed cases.
+        #[arg(long, default_value_t = 256)]
+        batch: usize,
+        /// Time only these ops (comma-separated name prefixes, e.g. conv3x3,adam-step).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
         /// Seed of the check's random inputs (default: drawn from the clock and printed).
         #[arg(long)]
         seed: Option<u64>,
@@ -477,14 +483,15 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
             Ok(())
         }
-        Command::Kernels { device, check, bench, repeats, seed, verbose } => {
+        Command::Kernels { device, check, bench, repeats, batch, only, seed, verbose } => {
             let (check, bench) = if check || bench { (check, bench) } else { (true, true) };
             let seed = seed.unwrap_or_else(|| {
                 std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_nanos() as u64)
             });
-            let report = crate::kernels::kernels(&device, check.then_some(seed), bench.then_some(repeats))?;
+            let options = pipebd_kernels::bench::BenchOptions { repeats, batch, only };
+            let report = crate::kernels::kernels(&device, check.then_some(seed), bench.then_some(options))?;
             if check {
                 println!("fused ops against burn's ops on {} (seed {seed}):", report.device);
                 if verbose {

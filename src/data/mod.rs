@@ -10,26 +10,78 @@ pub mod text;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use pipebd_core::{Activation, Dataset};
+use pipebd_kernels::FusedBackend;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use crate::error::{Error, Result};
 
-impl<B: Backend> Dataset<B> for ImageDataset {
+impl<B: FusedBackend> Dataset<B> for ImageDataset {
     fn len(&self) -> usize {
         self.labels.len()
     }
 
+    /// The normalised images; on an asynchronous device
+    /// ([`FusedBackend::ASYNC_DEVICE`]) gathered from a copy of the whole
+    /// set kept there (uploaded at the first batch), by an index tensor.
     fn batch(&self, indices: &[usize], device: &B::Device) -> pipebd_core::Result<Activation<B>> {
         if let Some(i) = indices.iter().find(|&&i| i >= self.len()) {
             return Err(pipebd_core::Error::Data {
                 message: format!("image {i} requested, but there are {}", self.len()),
             });
         }
-        Ok(Activation::Maps(self.images(indices, device)))
+        if !B::ASYNC_DEVICE {
+            return Ok(Activation::Maps(self.images(indices, device)));
+        }
+        let all = self.on_device.get_or_insert::<B>(device, || {
+            let every: Vec<usize> = (0..self.len()).collect();
+            self.images(&every, device)
+        });
+        let picks: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+        let picks = Tensor::<B, 1, Int>::from_data(TensorData::new(picks, [indices.len()]), device);
+        Ok(Activation::Maps(all.select(0, picks)))
+    }
+}
+
+/// Copies of a dataset's normalised images kept on devices, one per device,
+/// made at the first batch there (cloning a dataset starts with none).
+#[derive(Default)]
+pub struct DeviceCopies(std::sync::Mutex<Vec<Box<dyn std::any::Any + Send>>>);
+
+impl DeviceCopies {
+    /// The copy on `device`, made by `make` if there is none yet.
+    fn get_or_insert<B: Backend>(
+        &self,
+        device: &B::Device,
+        make: impl FnOnce() -> Tensor<B, 4>,
+    ) -> Tensor<B, 4> {
+        let mut copies = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let found = copies
+            .iter()
+            .filter_map(|c| c.downcast_ref::<(B::Device, Tensor<B, 4>)>())
+            .find(|(d, _)| d == device)
+            .map(|(_, t)| t.clone());
+        found.unwrap_or_else(|| {
+            let tensor = make();
+            copies.push(Box::new((device.clone(), tensor.clone())));
+            tensor
+        })
+    }
+}
+
+impl Clone for DeviceCopies {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl std::fmt::Debug for DeviceCopies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let copies = self.0.lock().map(|c| c.len()).unwrap_or(0);
+        write!(f, "DeviceCopies({copies})")
     }
 }
 
@@ -209,6 +261,8 @@ pub struct ImageDataset {
     pub mean: f32,
     /// Pixel standard deviation after scaling to [0, 1].
     pub std: f32,
+    /// The normalised images on asynchronous devices (see [`Dataset::batch`]).
+    pub on_device: DeviceCopies,
 }
 
 impl ImageDataset {
@@ -231,7 +285,7 @@ impl ImageDataset {
             labels.truncate(n);
         }
         use pipebd_teachers::mnist_cnn::{PIXEL_MEAN, PIXEL_STD};
-        Ok(Self { images, labels, mean: PIXEL_MEAN, std: PIXEL_STD })
+        Ok(Self { images, labels, mean: PIXEL_MEAN, std: PIXEL_STD, on_device: DeviceCopies::default() })
     }
 
     /// Number of samples.

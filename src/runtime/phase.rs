@@ -236,6 +236,7 @@ where
             result.slot,
             &result.spans,
             result.wall_seconds,
+            result.host_reads,
         ));
         outcome.spans.extend(result.spans);
     }
@@ -354,6 +355,7 @@ struct WorkerResult<B: DistillBackend, S: StudentModule<B>> {
     spans: Vec<Span>,
     wall_seconds: f64,
     checkpoints_written: usize,
+    host_reads: usize,
 }
 
 /// Runs one worker to completion; any failure or panic raises the stop
@@ -373,6 +375,7 @@ where
     S: StudentModule<B>,
 {
     let start = Instant::now();
+    let reads_before = crate::device::host_reads_on_this_thread();
     let mut recorder = SpanRecorder::new(worker.id, context.origin);
     let mut rows = Vec::new();
     let mut position = Position::default();
@@ -420,5 +423,6 @@ where
         spans: recorder.spans,
         wall_seconds: start.elapsed().as_secs_f64(),
         checkpoints_written,
+        host_reads: crate::device::host_reads_on_this_thread() - reads_before,
     }
 }

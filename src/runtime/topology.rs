@@ -16,7 +16,7 @@ use super::phase::PhaseContext;
 use super::transport::Transport;
 use crate::error::{Error, Result};
 use crate::plan::Stage;
-use crate::train::BlockTrainer;
+use crate::train::{BlockTrainer, StepLoss};
 
 /// A boundary activation of one step, on its way to the next stage.
 pub(super) struct ActivationMsg<IB: Backend> {
@@ -26,11 +26,12 @@ pub(super) struct ActivationMsg<IB: Backend> {
     pub(super) activation: Activation<IB>,
 }
 
-/// A follower's gradients of one step, for its stage leader.
-pub(super) struct GradientMsg {
+/// A follower's gradients of one step, for its stage leader, with its
+/// losses (still on its device where they are read once per logged step).
+pub(super) struct GradientMsg<IB: Backend> {
     pub(super) step: usize,
     pub(super) grads: Vec<GradientsParams>,
-    pub(super) weighted_losses: Vec<f32>,
+    pub(super) weighted_losses: Vec<StepLoss<IB>>,
 }
 
 /// The leader's updated blocks after one step, for a follower.
@@ -81,10 +82,10 @@ fn link<M>(
 }
 
 /// A worker's part in its replica group's gradient exchange.
-pub(super) enum Role<S> {
+pub(super) enum Role<IB: Backend, S> {
     Solo,
-    Leader { from_followers: Vec<Source<GradientMsg>>, to_followers: Vec<Sink<ModuleMsg<S>>> },
-    Follower { to_leader: Sink<GradientMsg>, from_leader: Source<ModuleMsg<S>> },
+    Leader { from_followers: Vec<Source<GradientMsg<IB>>>, to_followers: Vec<Sink<ModuleMsg<S>>> },
+    Follower { to_leader: Sink<GradientMsg<IB>>, from_leader: Source<ModuleMsg<S>> },
 }
 
 /// An activation channel from a replica of the previous stage.
@@ -112,7 +113,7 @@ pub(super) struct Worker<B: DistillBackend, S: StudentModule<B>> {
     pub(super) share: Range<usize>,
     pub(super) inbound: Vec<Inbound<B::InnerBackend>>,
     pub(super) outbound: Vec<Outbound<B::InnerBackend>>,
-    pub(super) role: Role<S>,
+    pub(super) role: Role<B::InnerBackend, S>,
     pub(super) trainers: Vec<BlockTrainer<B, S>>,
 }
 

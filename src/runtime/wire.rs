@@ -14,7 +14,7 @@ use pipebd_kernels::DistillBackend;
 
 use super::topology::{ActivationMsg, GradientMsg, ModuleMsg};
 use crate::error::{Error, Result};
-use crate::train::{load_module_bytes, module_bytes, TrainerState};
+use crate::train::{load_module_bytes, module_bytes, StepLoss, TrainerState};
 
 /// Appends length-prefixed fields to a message.
 #[derive(Default)]
@@ -345,7 +345,7 @@ pub(super) fn decode_activation_msg<IB: Backend>(
 /// A follower's gradients of one step; `modules` are its active blocks, in
 /// the order of `msg.grads`.
 pub(super) fn encode_gradient_msg<B: DistillBackend, S: StudentModule<B>>(
-    msg: GradientMsg,
+    msg: GradientMsg<B::InnerBackend>,
     modules: &[&S],
 ) -> Result<Vec<u8>> {
     let mut w = Writer::default();
@@ -353,7 +353,9 @@ pub(super) fn encode_gradient_msg<B: DistillBackend, S: StudentModule<B>>(
     for (grads, module) in msg.grads.iter().zip(modules) {
         encode_gradients::<B, S>(&mut w, module, grads)?;
     }
-    w.f32s(&msg.weighted_losses);
+    // Across processes the losses travel as values (read back here).
+    let losses: Vec<f32> = msg.weighted_losses.iter().map(StepLoss::value).collect();
+    w.f32s(&losses);
     Ok(w.0)
 }
 
@@ -363,7 +365,7 @@ pub(super) fn decode_gradient_msg<B: DistillBackend, S: StudentModule<B>>(
     bytes: Vec<u8>,
     modules: &[&S],
     device: &B::Device,
-) -> Result<GradientMsg> {
+) -> Result<GradientMsg<B::InnerBackend>> {
     let mut r = Reader::new(&bytes, "gradients");
     let step = r.u64()? as usize;
     let count = r.u64()? as usize;
@@ -376,7 +378,7 @@ pub(super) fn decode_gradient_msg<B: DistillBackend, S: StudentModule<B>>(
         });
     }
     let grads = modules.iter().map(|m| decode_gradients::<B, S>(&mut r, m, device)).collect::<Result<_>>()?;
-    let weighted_losses = r.f32s()?;
+    let weighted_losses = r.f32s()?.into_iter().map(StepLoss::Read).collect();
     r.finish()?;
     Ok(GradientMsg { step, grads, weighted_losses })
 }

@@ -26,7 +26,7 @@ use super::wire;
 use crate::error::{relabel, Error};
 use crate::fault::FaultKind;
 use crate::trace::{SpanKind, SpanRecorder};
-use crate::train::{checkpoint, detached_copy, BlockTrainer, MetricRow};
+use crate::train::{checkpoint, detached_copy, read_losses, BlockTrainer, MetricRow, StepLoss};
 
 /// The block a worker is in, for error messages after a panic (its step is
 /// on its heartbeat).
@@ -201,6 +201,7 @@ where
                 state,
                 mine,
                 is_arch,
+                log_this,
                 |step, block, loss, lr| log_this.then_some(MetricRow { epoch, step, block, loss, lr }),
             )?;
             if !is_arch {
@@ -367,7 +368,7 @@ fn student_gradients<B, T, S>(
     state: &mut LoopState<'_>,
     arch: bool,
     pairs: Vec<(Activation<B::InnerBackend>, Activation<B::InnerBackend>)>,
-) -> Flow<(Vec<GradientsParams>, Vec<f32>)>
+) -> Flow<(Vec<GradientsParams>, Vec<StepLoss<B::InnerBackend>>)>
 where
     B: DistillBackend,
     S: StudentModule<B>,
@@ -386,7 +387,7 @@ where
             }
         })?;
         grads.push(g);
-        weighted_losses.push(loss * env.weight);
+        weighted_losses.push(loss.weighted(env.weight));
         state.beat.beat();
     }
     Ok((grads, weighted_losses))
@@ -399,8 +400,8 @@ fn follower_update<B, T, S>(
     trainers: &mut [BlockTrainer<B, S>],
     active: &[bool],
     state: &mut LoopState<'_>,
-    (to_leader, from_leader): (&Sink<GradientMsg>, &Source<ModuleMsg<S>>),
-    mine: GradientMsg,
+    (to_leader, from_leader): (&Sink<GradientMsg<B::InnerBackend>>, &Source<ModuleMsg<S>>),
+    mine: GradientMsg<B::InnerBackend>,
     arch: bool,
 ) -> Flow<()>
 where
@@ -428,7 +429,7 @@ where
     for ((trainer, _), module) in active_trainers.zip(msg.modules) {
         trainer.replace_module(module.fork(env.device));
         if !arch {
-            trainer.advance(f32::NAN);
+            trainer.advance(StepLoss::Read(f32::NAN));
         }
     }
     Ok(())
@@ -436,18 +437,21 @@ where
 
 /// Replica 0 (or the only one): gathers the followers' gradients, waits at
 /// the barrier, steps every active block's optimizer (or its architecture
-/// logits), and sends the updated modules to the followers. `row` turns a
-/// (step, block, loss, lr) into the metric row to keep, if any. Returns
-/// each stepped block's index and summed loss.
+/// logits), and sends the updated modules to the followers. With
+/// `read_back`, losses still on the device are read back first (a logged
+/// step; elsewhere they were read at once). `row` turns a (step, block,
+/// loss, lr) into the metric row to keep, if any. Returns each stepped
+/// block's index and summed loss, where it has been read.
 #[allow(clippy::too_many_arguments)]
 fn leader_update<B, T, S>(
     env: &Env<'_, B, T>,
     trainers: &mut [BlockTrainer<B, S>],
-    role: &Role<S>,
+    role: &Role<B::InnerBackend, S>,
     active: &[bool],
     state: &mut LoopState<'_>,
-    mine: GradientMsg,
+    mine: GradientMsg<B::InnerBackend>,
     arch: bool,
+    read_back: bool,
     row: impl Fn(usize, usize, f32, f64) -> Option<MetricRow>,
 ) -> Flow<Vec<(usize, f32)>>
 where
@@ -468,9 +472,7 @@ where
             })?;
             debug_assert_eq!(msg.step, step);
             per_replica.push(msg.grads.into_iter());
-            for (total, l) in losses.iter_mut().zip(msg.weighted_losses) {
-                *total += l;
-            }
+            losses = losses.into_iter().zip(msg.weighted_losses).map(|(total, l)| total.plus(l)).collect();
         }
         state.recorder.record(SpanKind::GradientAverage, None, started);
     }
@@ -480,24 +482,36 @@ where
         barrier.wait(env.stop, env.timeout, name)?;
         state.recorder.record(SpanKind::BarrierWait, None, started);
     }
-    let mut report = Vec::with_capacity(trainers.len());
+    let mut lrs = Vec::with_capacity(trainers.len());
     let active_trainers = trainers.iter_mut().zip(active).filter(|(_, &a)| a);
-    for ((trainer, _), &loss) in active_trainers.zip(&losses) {
+    for ((trainer, _), loss) in active_trainers.zip(losses) {
         state.position.block = Some(trainer.index + 1);
         let block_grads: Vec<GradientsParams> =
             per_replica.iter_mut().map(|g| g.next().unwrap_or_default()).collect();
-        let lr = trainer.current_lr();
+        lrs.push(trainer.current_lr());
         state.recorder.time(SpanKind::OptimizerStep, Some(trainer.index + 1), || {
             if arch {
                 trainer.apply_arch(block_grads)
             } else {
-                trainer.apply(block_grads, &[loss])
+                trainer.apply(block_grads, loss)
             }
         })?;
-        if let Some(r) = row(step, trainer.index + 1, loss, lr) {
-            state.rows.push(r);
+    }
+    let mut report = Vec::with_capacity(trainers.len());
+    if !arch {
+        let mut stepped: Vec<&mut BlockTrainer<B, S>> =
+            trainers.iter_mut().zip(active).filter(|(_, &a)| a).map(|(t, _)| t).collect();
+        if read_back {
+            state.position.block = stepped.first().map(|t| t.index + 1);
+            read_losses(&mut stepped)?;
         }
-        report.push((trainer.index, loss));
+        for (trainer, lr) in stepped.iter().zip(lrs) {
+            let Some(loss) = trainer.latest_loss() else { continue };
+            if let Some(r) = row(step, trainer.index + 1, loss, lr) {
+                state.rows.push(r);
+            }
+            report.push((trainer.index, loss));
+        }
     }
     state.beat.beat();
     if let Role::Leader { to_followers, .. } = role {

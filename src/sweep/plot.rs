@@ -88,13 +88,23 @@ pub fn draw_sweep(path: &Path, rows: &[Row], keys: &[String], x: &str) -> Result
     let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
     let (left, right) = root.split_horizontally(640);
-    panel(&left, &throughput, x, "samples / s", "throughput", false, SeriesLabelPosition::LowerRight).map_err(fail)?;
+    panel(&left, &throughput, x, "samples / s", "throughput", false, SeriesLabelPosition::LowerRight)
+        .map_err(fail)?;
     if speedup.is_empty() {
         right
             .titled("(no dp points: no speedup panel)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
     } else {
-        panel(&right, &speedup, x, "speedup over dp", "speedup over dp", false, SeriesLabelPosition::LowerRight).map_err(fail)?;
+        panel(
+            &right,
+            &speedup,
+            x,
+            "speedup over dp",
+            "speedup over dp",
+            false,
+            SeriesLabelPosition::LowerRight,
+        )
+        .map_err(fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
 }
@@ -189,13 +199,31 @@ pub fn draw_pareto(
     let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
     let (left, right) = root.split_horizontally(640);
-    panel(&left, &loss, cost, "summed normalised loss", "held-out block losses", true, SeriesLabelPosition::UpperRight).map_err(fail)?;
+    panel(
+        &left,
+        &loss,
+        cost,
+        "summed normalised loss",
+        "held-out block losses",
+        true,
+        SeriesLabelPosition::UpperRight,
+    )
+    .map_err(fail)?;
     if accuracy.is_empty() {
         right
             .titled("(not evaluated: pipebd search --evaluate)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
     } else {
-        panel(&right, &accuracy, cost, "stitched accuracy (%)", "stitched, not finetuned", true, SeriesLabelPosition::LowerRight).map_err(fail)?;
+        panel(
+            &right,
+            &accuracy,
+            cost,
+            "stitched accuracy (%)",
+            "stitched, not finetuned",
+            true,
+            SeriesLabelPosition::LowerRight,
+        )
+        .map_err(fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
 }

@@ -15,10 +15,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use burn::optim::{GradientsParams, MultiGradientsParams};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder, RecorderError};
-use burn::tensor::backend::DeviceOps;
+use burn::tensor::backend::{Backend, DeviceOps};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
-use pipebd_kernels::DistillBackend;
+use pipebd_kernels::{DistillBackend, FusedBackend};
 use serde::{Deserialize, Serialize};
 
 use crate::data::ImageDataset;
@@ -73,6 +73,213 @@ impl Default for TrainSettings {
 /// Number of trailing steps averaged into a block's `final_loss`.
 pub const FINAL_LOSS_WINDOW: usize = 20;
 
+/// A block's loss on one step: read back, or still on the device.
+///
+/// Reading a value back from an asynchronous device
+/// ([`FusedBackend::ASYNC_DEVICE`]: a GPU) waits for all the work queued
+/// before it, so there the losses stay on the device and are read once per
+/// logged step ([`read_losses`]); elsewhere they are read at once.
+#[derive(Debug, Clone)]
+pub enum StepLoss<B: Backend> {
+    /// The value (already weighted and summed over replicas).
+    Read(f32),
+    /// Weighted parts still on the device, summed in order when read.
+    Pending(Vec<(Tensor<B, 1>, f32)>),
+}
+
+impl<B: Backend> StepLoss<B> {
+    /// This loss times `weight` (a replica's share of the batch).
+    pub fn weighted(self, weight: f32) -> Self {
+        match self {
+            Self::Read(value) => Self::Read(value * weight),
+            Self::Pending(parts) => Self::Pending(parts.into_iter().map(|(t, w)| (t, w * weight)).collect()),
+        }
+    }
+
+    /// The sum of this loss and `other` (another replica's).
+    pub fn plus(self, other: Self) -> Self {
+        match (self, other) {
+            (Self::Read(a), Self::Read(b)) => Self::Read(a + b),
+            (Self::Pending(mut a), Self::Pending(b)) => {
+                a.extend(b);
+                Self::Pending(a)
+            }
+            (Self::Pending(mut a), Self::Read(b)) | (Self::Read(b), Self::Pending(mut a)) => {
+                // Only replicas of one backend meet; keep the sum exact anyway.
+                if let Some(device) = a.first().map(|(t, _)| t.device()) {
+                    a.push((Tensor::from_data(TensorData::new(vec![b], [1]), &device), 1.0));
+                }
+                Self::Pending(a)
+            }
+        }
+    }
+
+    /// The value, read back now if it is still on the device.
+    pub fn value(&self) -> f32 {
+        match self {
+            Self::Read(value) => *value,
+            Self::Pending(parts) => {
+                sum_parts(parts, &read_back(parts.iter().map(|(t, _)| t.clone()).collect()))
+            }
+        }
+    }
+}
+
+/// `sum(value * weight)` of a loss's parts, in order.
+fn sum_parts<B: Backend>(parts: &[(Tensor<B, 1>, f32)], values: &[f32]) -> f32 {
+    parts.iter().zip(values).fold(0.0, |total, ((_, weight), value)| total + value * weight)
+}
+
+/// One-element tensors read back to the host in one read.
+fn read_back<B: Backend>(tensors: Vec<Tensor<B, 1>>) -> Vec<f32> {
+    if tensors.is_empty() {
+        return Vec::new();
+    }
+    crate::device::count_host_read();
+    let values = Tensor::cat(tensors, 0).into_data();
+    values.iter::<f32>().collect()
+}
+
+/// Reads the last loss of each of `trainers` back in one read, where it is
+/// still on the device (a logged step): a non-finite one is an error naming
+/// its block and the first step since the last read whose loss is not
+/// finite (a divergence poisons every later step, so the last step tells).
+pub fn read_losses<B: DistillBackend, S: StudentModule<B>>(
+    trainers: &mut [&mut BlockTrainer<B, S>],
+) -> Result<()> {
+    let latest: Vec<Tensor<B::InnerBackend, 1>> = trainers
+        .iter()
+        .filter_map(|t| t.losses.unread_latest())
+        .flat_map(|parts| parts.iter().map(|(tensor, _)| tensor.clone()))
+        .collect();
+    let values = read_back(latest);
+    let mut offset = 0;
+    for trainer in trainers.iter_mut() {
+        let Some(parts) = trainer.losses.unread_latest() else { continue };
+        let value = sum_parts(parts, &values[offset..offset + parts.len()]);
+        offset += parts.len();
+        if let Err((step, value)) = trainer.losses.settle_latest(value) {
+            return Err(Error::Training {
+                block: trainer.index + 1,
+                step,
+                message: format!(
+                    "loss is {value} (read back after step {}: this device's losses are read every `train.log_every` steps)",
+                    trainer.step.saturating_sub(1)
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A block's losses by step: every one since the last check, and the last
+/// [`FINAL_LOSS_WINDOW`] (for its final loss); each read, or still on the
+/// device ([`StepLoss`]).
+#[derive(Debug, Clone)]
+struct LossLog<B: Backend> {
+    entries: std::collections::VecDeque<(usize, StepLoss<B>)>,
+    /// Steps before this one were checked finite (or read at once).
+    checked_to: usize,
+}
+
+impl<B: Backend> LossLog<B> {
+    fn new() -> Self {
+        Self { entries: Default::default(), checked_to: 0 }
+    }
+
+    /// Records `step`'s loss (checked already when it was read at once).
+    fn push(&mut self, step: usize, loss: StepLoss<B>) {
+        let read = matches!(loss, StepLoss::Read(_));
+        self.entries.push_back((step, loss));
+        if read {
+            self.checked(step);
+        }
+    }
+
+    /// Marks the losses up to `step` checked and drops those the window no
+    /// longer needs.
+    fn checked(&mut self, step: usize) {
+        self.checked_to = step + 1;
+        while self.entries.len() > FINAL_LOSS_WINDOW
+            && self.entries.front().is_some_and(|(s, _)| *s < self.checked_to)
+        {
+            self.entries.pop_front();
+        }
+    }
+
+    /// The last loss's parts, when it is still on the device.
+    fn unread_latest(&self) -> Option<&Vec<(Tensor<B, 1>, f32)>> {
+        match self.entries.back() {
+            Some((_, StepLoss::Pending(parts))) => Some(parts),
+            _ => None,
+        }
+    }
+
+    /// Settles the last loss at `value` (read back). Not finite: the first
+    /// step since the last check whose loss is not finite (read back now),
+    /// and that loss.
+    fn settle_latest(&mut self, value: f32) -> std::result::Result<(), (usize, f32)> {
+        let Some(&(step, _)) = self.entries.back() else { return Ok(()) };
+        if !value.is_finite() {
+            let unchecked: Vec<(usize, f32)> =
+                self.values().into_iter().filter(|(s, _)| *s >= self.checked_to).collect();
+            return Err(unchecked.into_iter().find(|(_, v)| !v.is_finite()).unwrap_or((step, value)));
+        }
+        if let Some(last) = self.entries.back_mut() {
+            last.1 = StepLoss::Read(value);
+        }
+        self.checked(step);
+        Ok(())
+    }
+
+    /// The last loss, when it has been read.
+    fn latest(&self) -> Option<f32> {
+        match self.entries.back() {
+            Some((_, StepLoss::Read(value))) => Some(*value),
+            _ => None,
+        }
+    }
+
+    /// Every kept step's loss, those still on the device read back (one read).
+    fn values(&self) -> Vec<(usize, f32)> {
+        let pending: Vec<Tensor<B, 1>> = self
+            .entries
+            .iter()
+            .filter_map(|(_, l)| match l {
+                StepLoss::Pending(parts) => Some(parts.iter().map(|(t, _)| t.clone())),
+                StepLoss::Read(_) => None,
+            })
+            .flatten()
+            .collect();
+        let read = read_back(pending);
+        let mut offset = 0;
+        self.entries
+            .iter()
+            .map(|(step, loss)| match loss {
+                StepLoss::Read(value) => (*step, *value),
+                StepLoss::Pending(parts) => {
+                    let value = sum_parts(parts, &read[offset..offset + parts.len()]);
+                    offset += parts.len();
+                    (*step, value)
+                }
+            })
+            .collect()
+    }
+
+    /// The last [`FINAL_LOSS_WINDOW`] losses, read back where needed.
+    fn window(&self) -> Vec<f32> {
+        let mut values: Vec<f32> = self.values().into_iter().map(|(_, v)| v).collect();
+        values.split_off(values.len().saturating_sub(FINAL_LOSS_WINDOW))
+    }
+
+    /// A log holding `values` as the losses of the steps before `step`.
+    fn restored(values: Vec<f32>, step: usize) -> Self {
+        let first = step.saturating_sub(values.len());
+        let entries = values.into_iter().enumerate().map(|(i, v)| (first + i, StepLoss::Read(v))).collect();
+        Self { entries, checked_to: step }
+    }
+}
+
 /// A student block with its optimizer and learning-rate plan.
 pub struct BlockTrainer<B: DistillBackend, S: StudentModule<B>> {
     /// Zero-based block index.
@@ -87,7 +294,7 @@ pub struct BlockTrainer<B: DistillBackend, S: StudentModule<B>> {
     lr: LrPlan,
     /// Optimizer steps taken so far.
     pub step: usize,
-    recent: Vec<f32>,
+    losses: LossLog<B::InnerBackend>,
     arch: Option<ArchTrainer<B, S>>,
 }
 
@@ -122,7 +329,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             optimizer: BlockOptimizer::new(config),
             lr: LrPlan::new(config, total_steps),
             step: 0,
-            recent: Vec::new(),
+            losses: LossLog::new(),
             arch: None,
         }
     }
@@ -161,7 +368,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             optimizer: self.optimizer.clone(),
             lr: self.lr,
             step: self.step,
-            recent: self.recent.clone(),
+            losses: self.losses.clone(),
             arch: self.arch.clone(),
         }
     }
@@ -186,28 +393,31 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     }
 
     /// One distillation step on a whole batch: [`Self::compute_grads`] then
-    /// [`Self::apply`]. Returns the loss.
+    /// [`Self::apply`]. Returns the loss (read back at once).
     pub fn step(
         &mut self,
         input: Activation<B::InnerBackend>,
         target: Activation<B::InnerBackend>,
     ) -> Result<f32> {
         let (loss, grads) = self.compute_grads(input, target, 1.0)?;
-        self.apply(vec![grads], &[loss])?;
-        Ok(loss)
+        self.apply(vec![grads], loss)?;
+        read_losses(&mut [&mut *self])?;
+        Ok(self.latest_loss().unwrap_or(f32::NAN))
     }
 
     /// Student forward on the teacher's input, loss against the teacher's
     /// output, backward. The loss is scaled by `weight` (a replica's share
     /// of the global batch) before the backward pass, so that the replicas'
-    /// gradients add up to the full batch's. Returns the unscaled loss and
-    /// the gradients. A non-finite loss is an error naming the block and step.
+    /// gradients add up to the full batch's. Returns the unscaled loss (read
+    /// at once, or on an asynchronous device left there: [`StepLoss`]) and
+    /// the gradients. A non-finite loss read at once is an error naming the
+    /// block and step.
     pub fn compute_grads(
         &self,
         input: Activation<B::InnerBackend>,
         target: Activation<B::InnerBackend>,
         weight: f32,
-    ) -> Result<(f32, GradientsParams)> {
+    ) -> Result<(StepLoss<B::InnerBackend>, GradientsParams)> {
         let block = self.index + 1;
         let module = self.module.as_ref().ok_or_else(|| self.lost())?;
         let (input, target) = (Activation::from_inner(input), Activation::from_inner(target));
@@ -229,7 +439,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         };
         let trained = sampled.as_ref().unwrap_or(module);
         let loss = trained.distill_loss(input, target, &self.loss).map_err(|e| relabel(e, block))?;
-        let value = self.finite(&loss)?;
+        let value = self.loss_value(&loss)?;
         if trained.num_params() == 0 {
             // Nothing to train (a `skip` student): no graph to walk back.
             return Ok((value, GradientsParams::new()));
@@ -252,7 +462,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         input: Activation<B::InnerBackend>,
         target: Activation<B::InnerBackend>,
         weight: f32,
-    ) -> Result<(f32, GradientsParams)> {
+    ) -> Result<(StepLoss<B::InnerBackend>, GradientsParams)> {
         let block = self.index + 1;
         let module = self.module.as_ref().ok_or_else(|| self.lost())?;
         let arch = self.arch.as_ref().ok_or_else(|| Error::Training {
@@ -281,7 +491,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         let mixed = Activation::gated_sum(outputs, gates).map_err(|e| relabel(e, block))?;
         let loss =
             module.loss(mixed, Activation::from_inner(target), &self.loss).map_err(|e| relabel(e, block))?;
-        let value = self.finite(&loss)?;
+        let value = self.loss_value(&loss)?;
         Ok((value, scaled_grads(loss, weight, module)))
     }
 
@@ -323,8 +533,18 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         }
     }
 
+    /// The loss as a [`StepLoss`]: left on an asynchronous device, else read
+    /// at once ([`Self::finite`]).
+    fn loss_value(&self, loss: &Tensor<B, 1>) -> Result<StepLoss<B::InnerBackend>> {
+        if <B::InnerBackend as FusedBackend>::ASYNC_DEVICE {
+            return Ok(StepLoss::Pending(vec![(loss.clone().inner(), 1.0)]));
+        }
+        self.finite(loss).map(StepLoss::Read)
+    }
+
     /// The loss's value, or an error naming the block and step when it is not finite.
     fn finite(&self, loss: &Tensor<B, 1>) -> Result<f32> {
+        crate::device::count_host_read();
         let value: f32 = loss.clone().into_scalar().elem();
         if !value.is_finite() {
             return Err(Error::Training {
@@ -337,24 +557,26 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
     }
 
     /// One optimizer step with the gradients of every replica of the stage
-    /// (summed, in the given order), at this step's learning rate.
-    /// `losses` are the replicas' weighted losses (summed into the logged loss).
-    pub fn apply(&mut self, grads: Vec<GradientsParams>, losses: &[f32]) -> Result<()> {
+    /// (summed, in the given order), at this step's learning rate. `loss`
+    /// is the step's loss (the replicas' weighted losses, summed).
+    pub fn apply(&mut self, grads: Vec<GradientsParams>, loss: StepLoss<B::InnerBackend>) -> Result<()> {
         let module = self.module.take().ok_or_else(|| self.lost())?;
         let lr = self.lr.at(self.step);
         self.module = Some(step_optimizer(&mut self.optimizer, lr, module, grads));
-        self.advance(losses.iter().sum());
+        self.advance(loss);
         Ok(())
     }
 
     /// Counts a step taken elsewhere (a follower replica whose leader
     /// stepped) and records its loss.
-    pub fn advance(&mut self, loss: f32) {
+    pub fn advance(&mut self, loss: StepLoss<B::InnerBackend>) {
+        self.losses.push(self.step, loss);
         self.step += 1;
-        if self.recent.len() == FINAL_LOSS_WINDOW {
-            self.recent.remove(0);
-        }
-        self.recent.push(loss);
+    }
+
+    /// The loss of the last step, if it has been read back (see [`StepLoss`]).
+    pub fn latest_loss(&self) -> Option<f32> {
+        self.losses.latest()
     }
 
     /// The current module.
@@ -369,7 +591,8 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
 
     /// Mean loss over the last [`FINAL_LOSS_WINDOW`] steps (NaN before any step).
     pub fn recent_loss(&self) -> f32 {
-        self.recent.iter().sum::<f32>() / self.recent.len() as f32
+        let window = self.losses.window();
+        window.iter().sum::<f32>() / window.len() as f32
     }
 
     /// The block's resumable state: weights, optimizer state, step counter
@@ -390,7 +613,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
             }
             None => None,
         };
-        let recent_losses = self.recent.iter().copied().filter(|l| l.is_finite()).collect();
+        let recent_losses = self.losses.window().into_iter().filter(|l| l.is_finite()).collect();
         Ok(TrainerState { weights, optimizer, arch_optimizer, step: self.step, recent_losses })
     }
 
@@ -421,7 +644,7 @@ impl<B: DistillBackend, S: StudentModule<B>> BlockTrainer<B, S> {
         self.optimizer = optimizer;
         self.arch = arch;
         self.step = state.step;
-        self.recent = state.recent_losses;
+        self.losses = LossLog::restored(state.recent_losses, state.step);
         Ok(())
     }
 
@@ -683,6 +906,7 @@ mod tests {
         let logits = alpha(&trainer);
         let p = softmax(&logits);
         let (loss, grads) = trainer.compute_arch_grads(x.clone(), y.clone(), 1.0).unwrap();
+        let loss = loss.value();
 
         // By hand: out = o_path, L = mean((out - y)^2), dL/dg_j = <dL/dout, o_j>,
         // dL/dalpha_i = sum_j dL/dg_j p_j (delta_ij - p_i).
@@ -754,5 +978,84 @@ mod tests {
         state.arch_optimizer = None;
         let error = super::tests::trainer(supernet(), 5).load_state(state, &Default::default()).unwrap_err();
         assert!(error.contains("arch.mpk"), "{error}");
+    }
+}
+
+/// The loss bookkeeping on an asynchronous device (wgpu; Mesa's software
+/// Vulkan driver where there is no GPU).
+#[cfg(all(test, feature = "wgpu"))]
+mod async_device_tests {
+    use burn::backend::wgpu::WgpuDevice;
+    use burn::backend::Autodiff;
+    use burn::tensor::{Distribution, Tensor};
+    use pipebd_core::{Activation, BlockSpec};
+    use pipebd_students::{Downsample, StudentBlock, StudentBlockConfig};
+
+    use super::{read_losses, BlockTrainer, OptimizerConfig};
+    use crate::device::host_reads_on_this_thread;
+
+    type Wgpu = pipebd_kernels::Wgpu;
+    type W = Autodiff<Wgpu>;
+
+    /// Six steps with no read back, then one read at the logged step: it
+    /// finds the NaN that the third step's input brought and names that
+    /// step, not the one it was read at.
+    #[test]
+    fn losses_stay_on_the_device_until_a_logged_step_which_names_the_step_that_diverged() {
+        let device = WgpuDevice::DefaultDevice;
+        let config = StudentBlockConfig::Conv { width: 3, out_channels: 4, downsample: Downsample::Pool };
+        let module: StudentBlock<W> = config.init::<W>(1, &[2, 6, 6], &device).unwrap().module;
+        let spec = BlockSpec::infer("conv", &module, &[2, 6, 6], &device).unwrap();
+        let mut trainer = BlockTrainer::new(1, spec, module, &OptimizerConfig::default(), 100);
+        let batch = |scale: f32| {
+            let x = Tensor::<Wgpu, 4>::random([5, 2, 6, 6], Distribution::Default, &device).mul_scalar(scale);
+            let y = Tensor::<Wgpu, 4>::random([5, 4, 3, 3], Distribution::Default, &device);
+            (Activation::Maps(x), Activation::Maps(y))
+        };
+        let reads = host_reads_on_this_thread();
+        for step in 0..6 {
+            let (x, y) = batch(if step == 2 { f32::NAN } else { 1.0 });
+            let (loss, grads) = trainer.compute_grads(x, y, 1.0).unwrap();
+            trainer.apply(vec![grads], loss).unwrap();
+            assert_eq!(trainer.latest_loss(), None, "step {step}'s loss was read back before a logged step");
+        }
+        assert_eq!(host_reads_on_this_thread(), reads, "values were read back during the steps");
+        let error = read_losses(&mut [&mut trainer]).unwrap_err().to_string();
+        assert!(host_reads_on_this_thread() > reads);
+        assert!(
+            error.contains("block 2")
+                && error.contains("step 2")
+                && error.contains("NaN")
+                && error.contains("after step 5"),
+            "{error}"
+        );
+    }
+
+    /// A healthy run reads back once per logged step, and the reported
+    /// final loss is the mean of the last steps' losses, all of them.
+    #[test]
+    fn a_logged_step_reads_its_loss_and_the_window_reads_the_rest() {
+        let device = WgpuDevice::DefaultDevice;
+        let config = StudentBlockConfig::Conv { width: 3, out_channels: 4, downsample: Downsample::Pool };
+        let module: StudentBlock<W> = config.init::<W>(1, &[2, 6, 6], &device).unwrap().module;
+        let spec = BlockSpec::infer("conv", &module, &[2, 6, 6], &device).unwrap();
+        let mut trainer = BlockTrainer::new(0, spec, module, &OptimizerConfig::default(), 100);
+        let x = Tensor::<Wgpu, 4>::random([5, 2, 6, 6], Distribution::Default, &device);
+        let y = Tensor::<Wgpu, 4>::random([5, 4, 3, 3], Distribution::Default, &device);
+        let mut values = Vec::new();
+        for step in 0..30 {
+            let (loss, grads) =
+                trainer.compute_grads(Activation::Maps(x.clone()), Activation::Maps(y.clone()), 1.0).unwrap();
+            values.push(loss.value());
+            trainer.apply(vec![grads], loss).unwrap();
+            if step % 10 == 0 {
+                read_losses(&mut [&mut trainer]).unwrap();
+                assert_eq!(trainer.latest_loss(), Some(values[step]));
+            }
+        }
+        let last: Vec<f32> = values[values.len() - super::FINAL_LOSS_WINDOW..].to_vec();
+        let mean = last.iter().sum::<f32>() / last.len() as f32;
+        assert_eq!(trainer.recent_loss(), mean);
+        assert!(values[29] < values[0], "the block did not learn: {values:?}");
     }
 }

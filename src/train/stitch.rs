@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::epoch_order;
 use crate::error::{relabel, Error, Result};
 use crate::train::optim::OptimizerConfig;
-use crate::train::{steps_per_epoch, BlockTrainer, MetricRow, Progress, TrainSettings};
+use crate::train::{steps_per_epoch, BlockTrainer, MetricRow, Progress, StepLoss, TrainSettings};
 
 /// What the stitched pass did.
 #[derive(Debug, Clone, Default)]
@@ -294,7 +294,7 @@ where
             Some(m) => GradientsParams::from_module(&mut grads, m),
             None => GradientsParams::new(),
         };
-        trainer.apply(vec![block_grads], &[value])?;
+        trainer.apply(vec![block_grads], StepLoss::Read(value))?;
     }
     Ok((values, output_value))
 }

@@ -24,9 +24,12 @@
 //! Outputs are allocated uninitialised. [`set_poison_outputs`] makes them start
 //! as NaN instead, so that a test sees any element a kernel failed to write.
 
+mod conv;
+mod optim;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Shape, Tensor as BurnTensor, TensorPrimitive};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::into_contiguous;
@@ -35,7 +38,10 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use crate::{BiasAxis, Epilogue, FusedBackend, LossWithGrad, MatmulVariant};
+use crate::{
+    reference, BiasAxis, ConvBackwardInputs, ConvGrads, Epilogue, FusedBackend, LossWithGrad, MatmulVariant,
+    ParamSlot, ParamUpdate, UpdateRule,
+};
 
 /// Units per cube of the reduction kernels (a power of two).
 const REDUCE_UNITS: u32 = 256;
@@ -48,6 +54,46 @@ static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
 /// the kernel does not write then shows up as NaN). Off by default.
 pub fn set_poison_outputs(on: bool) {
     POISON_OUTPUTS.store(on, Ordering::SeqCst);
+}
+
+/// Whether the user configured CubeCL: a `cubecl.toml` (or `CubeCL.toml`),
+/// or a `burn.toml` with a `[cubecl]` table, in the working folder or above
+/// (where CubeCL looks).
+fn user_configured() -> bool {
+    let Ok(mut dir) = std::env::current_dir() else {
+        return false;
+    };
+    loop {
+        if ["cubecl.toml", "CubeCL.toml"].iter().any(|name| dir.join(name).is_file()) {
+            return true;
+        }
+        let burn = ["burn.toml", "Burn.toml"].iter().map(|name| dir.join(name)).find(|p| p.is_file());
+        if burn.and_then(|p| std::fs::read_to_string(p).ok()).is_some_and(|text| text.contains("[cubecl")) {
+            return true;
+        }
+        if !dir.pop() {
+            return false;
+        }
+    }
+}
+
+/// See [`crate::keep_cubecl_caches_in`].
+pub(crate) fn keep_caches_in(dir: &std::path::Path) -> bool {
+    use cubecl::config::cache::CacheConfig;
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+    if user_configured() {
+        return false;
+    }
+    let mut settings = CubeClRuntimeConfig::storage().lock();
+    if settings.is_some() {
+        // CubeCL has read its settings already: too late to change them.
+        return false;
+    }
+    let mut config = CubeClRuntimeConfig::default().override_from_env();
+    config.autotune.cache = CacheConfig::File(dir.to_path_buf());
+    config.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
+    *settings = Some(std::sync::Arc::new(config));
+    true
 }
 
 /// Second stage of the loss reductions: one cube of [`REDUCE_UNITS`] units
@@ -291,15 +337,23 @@ fn epilogue_backward_kernel<F: Float>(
     }
 }
 
-/// The epilogue activation (`epilogue`: see [`epilogue_code`]).
+/// The epilogue activation (`epilogue`: see [`epilogue_code`]). NaN stays
+/// NaN (as burn's and PyTorch's activations), so that a diverging block
+/// shows in its loss.
+// The nested ifs keep the comptime test (`epilogue`) apart from the runtime one.
+#[allow(clippy::collapsible_if)]
 #[cube]
 fn activate<F: Float>(v: F, #[comptime] epilogue: u32) -> F {
     let mut out = v;
-    if epilogue == 1 {
-        out = F::max(v, F::new(0.0));
+    if epilogue == 1 || epilogue == 2 {
+        if v < F::new(0.0) {
+            out = F::new(0.0);
+        }
     }
     if epilogue == 2 {
-        out = F::min(F::max(v, F::new(0.0)), F::new(6.0));
+        if v > F::new(6.0) {
+            out = F::new(6.0);
+        }
     }
     if epilogue == 3 {
         out =
@@ -526,6 +580,116 @@ fn finish_sum<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBackend
     for CubeBackend<R, F, I, BT>
 {
+    const FUSED_CONV_POOL: bool = true;
+    const ASYNC_DEVICE: bool = true;
+    const FUSED_OPTIMIZER: bool = true;
+
+    fn conv2d_epilogue(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        epilogue: Epilogue,
+    ) -> FloatTensor<Self> {
+        if !conv::takes(&x, &weight, &options, epilogue, false) {
+            return reference::conv2d_epilogue::<Self>(x, weight, bias, options, epilogue);
+        }
+        conv::conv_forward::<R, F, I, BT>(x, weight, bias, &options, epilogue, false).0
+    }
+
+    fn conv2d_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        x_grad: bool,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
+        if !conv::takes(&x, &weight, &options, Epilogue::Identity, false) {
+            return reference::conv2d_backward::<Self>(x, weight, grad, options, x_grad);
+        }
+        let inputs = ConvBackwardInputs {
+            output: grad.clone(),
+            output_grad: grad,
+            x,
+            weight,
+            epilogue: Epilogue::Identity,
+            pool_indices: None,
+            options,
+        };
+        let grads = conv::conv_backward::<R, F, I, BT>(&inputs, x_grad, false);
+        (grads.x, grads.weight)
+    }
+
+    fn conv2d_pool(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        epilogue: Epilogue,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        if !conv::takes(&x, &weight, &options, epilogue, true) {
+            return Self::max_pool2x2_with_indices(Self::conv2d_epilogue(x, weight, bias, options, epilogue));
+        }
+        let (output, indices) = conv::conv_forward::<R, F, I, BT>(x, weight, bias, &options, epilogue, true);
+        (output, indices.expect("a pooled convolution returns the indices of its maxima"))
+    }
+
+    fn conv2d_pool_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        options: ConvOptions<2>,
+        x_grad: bool,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>) {
+        if !conv::takes(&x, &weight, &options, Epilogue::Identity, true) {
+            return crate::unpool_then_conv_backward::<Self>(x, weight, grad, indices, options, x_grad);
+        }
+        let inputs = ConvBackwardInputs {
+            output: grad.clone(),
+            output_grad: grad,
+            x,
+            weight,
+            epilogue: Epilogue::Identity,
+            pool_indices: Some(indices),
+            options,
+        };
+        let grads = conv::conv_backward::<R, F, I, BT>(&inputs, x_grad, false);
+        (grads.x, grads.weight)
+    }
+
+    fn conv2d_layer_backward(
+        inputs: ConvBackwardInputs<Self>,
+        x_grad: bool,
+        bias_grad: bool,
+    ) -> ConvGrads<Self> {
+        let pooled = inputs.pool_indices.is_some();
+        if !conv::takes(&inputs.x, &inputs.weight, &inputs.options, inputs.epilogue, pooled) {
+            return crate::layer_backward_in_steps::<Self>(inputs, x_grad, bias_grad);
+        }
+        conv::conv_backward::<R, F, I, BT>(&inputs, x_grad, bias_grad)
+    }
+
+    fn optimizer_step(slots: Vec<ParamSlot<Self>>, rule: &UpdateRule, lr: f64) -> Vec<ParamUpdate<Self>> {
+        optim::optimizer_step::<R, F, I, BT>(slots, rule, lr)
+    }
+
+    fn max_pool2x2(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        conv::max_pool::<R, F, I, BT>(x, false).0
+    }
+
+    fn max_pool2x2_with_indices(x: FloatTensor<Self>) -> (FloatTensor<Self>, IntTensor<Self>) {
+        conv::max_pool::<R, F, I, BT>(x, true)
+    }
+
+    fn max_pool2x2_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        conv::max_pool_backward::<R, F, I, BT>(&x, grad, indices)
+    }
+
     fn mse_loss(
         student: FloatTensor<Self>,
         teacher: FloatTensor<Self>,

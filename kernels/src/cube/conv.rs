@@ -1,0 +1,1377 @@
+//! Convolutions and the 2x2 max-pool on CubeCL backends, in burn's NCHW
+//! layout (no transposes to NHWC and back).
+//!
+//! Dense convolutions (no groups) are implicit matrix products: a cube owns
+//! a `TM x 64` tile of the output matrix and walks the reduction in steps of
+//! 16, staging a `TM x 16` tile of one operand and a `16 x 64` tile of the
+//! other in shared memory, where the convolution's im2col columns are
+//! gathered (they never exist in global memory); each of its `4 TM` units
+//! keeps a 4x4 block of the tile in registers.
+//! - forward: `act(W [c_out, c_in kh kw] @ cols(x) + bias)`; pooled, a unit's
+//!   four columns are one 2x2 window, so it writes the window's maximum and
+//!   where it came from (the full-resolution output is never stored);
+//! - input gradient: `W^T @ cols(G)`, where `G` is the pre-activation
+//!   gradient, made on the fly from the output gradient and the saved
+//!   output (the activation's derivative) and, pooled, routed to each
+//!   window's maximum by the saved indices;
+//! - weight and bias gradients: `G @ cols(x)^T`, the long reduction over
+//!   batch and pixels split over cubes (partial sums), then one small
+//!   kernel adds the partials.
+//!
+//! Depthwise convolutions (one input channel per filter) are direct: one
+//! unit per output or input element; their weight gradient reduces per
+//! filter tap in shared memory, then through the same partial sums.
+
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::Shape;
+use burn_cubecl::element::BoolElement;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+
+use super::{activate, epilogue_code, new_output};
+use crate::{ConvBackwardInputs, ConvGrads, Epilogue};
+
+/// Columns of the output tile of a cube (units along x: 16, 4 columns each).
+const TILE_N: usize = 64;
+/// Reduction step staged in shared memory.
+const TILE_K: usize = 16;
+/// Most cubes along one grid axis.
+const MAX_GRID: usize = 65_535;
+/// Units per cube of the direct kernels.
+const UNITS: u32 = 256;
+
+/// The activation's derivative at the saved output `s` (epilogue codes as
+/// [`epilogue_code`]; gelu never reaches these kernels).
+#[cube]
+fn keeps_gradient<F: Float>(s: F, #[comptime] epilogue: u32) -> F {
+    let mut keep = F::new(1.0);
+    if epilogue == 1 {
+        if s <= F::new(0.0) {
+            keep = F::new(0.0);
+        }
+    }
+    if epilogue == 2 {
+        if s <= F::new(0.0) || s >= F::new(6.0) {
+            keep = F::new(0.0);
+        }
+    }
+    keep
+}
+
+/// The pre-activation gradient at full-resolution output `(b, c, oy, ox)`.
+/// Unpooled: `grad * act'(saved)` there. Pooled (`grad`, `saved` and
+/// `indices` at half resolution `ph x pw`): that of the window, where the
+/// window's maximum sat, else zero.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn pre_gradient<F: Float, I: Int>(
+    grad: &Array<F>,
+    saved: &Array<F>,
+    indices: &Array<I>,
+    plane: usize,
+    oy: usize,
+    ox: usize,
+    oh: usize,
+    ow: usize,
+    #[comptime] epilogue: u32,
+    #[comptime] pooled: bool,
+) -> F {
+    let mut g = F::new(0.0);
+    if pooled {
+        let (ph, pw) = (oh / 2, ow / 2);
+        if oy < 2 * ph && ox < 2 * pw {
+            let at = (plane * ph + oy / 2) * pw + ox / 2;
+            if u32::cast_from(indices[at]) as usize == oy * ow + ox {
+                g = grad[at] * keeps_gradient::<F>(saved[at], epilogue);
+            }
+        }
+    } else {
+        let at = (plane * oh + oy) * ow + ox;
+        g = grad[at] * keeps_gradient::<F>(saved[at], epilogue);
+    }
+    g
+}
+
+/// The output tile this cube owns along the columns (grids longer than
+/// [`MAX_GRID`] fold into the z axis).
+#[cube]
+fn column_tile() -> usize {
+    CUBE_POS_Z as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize
+}
+
+/// Dense forward: `out = act(W @ cols(x) + bias)`, pooled or not (see the
+/// module docs). `w` is `[c_out, c_in * kh * kw]`, `x` `[batch, c_in, h,
+/// w]`; unpooled `out` is `[batch, c_out, oh, ow]`, pooled `out` and
+/// `indices` are `[batch, c_out, oh / 2, ow / 2]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+fn conv_forward_kernel<F: Float, I: Int>(
+    x: &Array<F>,
+    w: &Array<F>,
+    bias: &Array<F>,
+    out: &mut Array<F>,
+    indices: &mut Array<I>,
+    batch: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    #[comptime] kh: usize,
+    #[comptime] kw: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+    #[comptime] tile_m: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] epilogue: u32,
+    #[comptime] pooled: bool,
+) {
+    let taps = kh * kw;
+    let depth = c_in * taps;
+    let (ph, pw) = (oh / 2, ow / 2);
+    let mut columns = batch * oh * ow;
+    if pooled {
+        columns = batch * ph * pw * 4;
+    }
+    let n0 = column_tile() * 64;
+    let m0 = CUBE_POS_Y as usize * tile_m;
+    if n0 < columns {
+        let units = tile_m * 4;
+        let unit = UNIT_POS as usize;
+        let (ux, uy) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+        let dy = tile_m / 4;
+        let mut a_tile = SharedMemory::<F>::new(tile_m * 16);
+        let mut b_tile = SharedMemory::<F>::new(1024usize);
+
+        // This unit's column of the im2col tile: its output pixel.
+        let load_col = unit % 64;
+        let n = n0 + load_col;
+        let mut b = n / (oh * ow);
+        let mut oy = (n % (oh * ow)) / ow;
+        let mut ox = n % ow;
+        if pooled {
+            let window = n / 4;
+            let quad = n % 4;
+            let at = window % (ph * pw);
+            b = window / (ph * pw);
+            oy = (at / pw) * 2 + quad / 2;
+            ox = (at % pw) * 2 + quad % 2;
+        }
+        let column_ok = n < columns;
+        let x_base = b * c_in * h * wd;
+        let rows_per_pass = units / 64;
+
+        let mut acc = Array::<F>::new(16usize);
+        #[unroll]
+        for i in 0..16usize {
+            acc[i] = F::new(0.0);
+        }
+        let mut k0 = 0usize.runtime();
+        while k0 < depth {
+            // Weights: each unit stages 4 of the tile_m x 16 values.
+            #[unroll]
+            for j in 0..4usize {
+                let idx = unit + j * units;
+                let (m, k) = (m0 + idx / 16, k0 + idx % 16);
+                let mut v = F::new(0.0);
+                if m < c_out && k < depth {
+                    v = w[m * depth + k];
+                }
+                a_tile[idx] = v;
+            }
+            // im2col: this unit's column, rows `unit / 64 + r * rows_per_pass`.
+            let mut r = unit / 64;
+            while r < 16 {
+                let k = k0 + r;
+                let mut v = F::new(0.0);
+                if column_ok && k < depth {
+                    let c = k / taps;
+                    let tap = k % taps;
+                    let yy = oy * sy + tap / kw;
+                    let xx = ox * sx + tap % kw;
+                    if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
+                        v = x[x_base + (c * h + yy - pad_y) * wd + xx - pad_x];
+                    }
+                }
+                b_tile[r * 64 + load_col] = v;
+                r += rows_per_pass;
+            }
+            sync_cube();
+            #[unroll]
+            for kk in 0..16usize {
+                let a0 = a_tile[uy * 16 + kk];
+                let a1 = a_tile[(uy + dy) * 16 + kk];
+                let a2 = a_tile[(uy + 2 * dy) * 16 + kk];
+                let a3 = a_tile[(uy + 3 * dy) * 16 + kk];
+                let mut b0 = b_tile[kk * 64 + ux];
+                let mut b1 = b_tile[kk * 64 + ux + 16];
+                let mut b2 = b_tile[kk * 64 + ux + 32];
+                let mut b3 = b_tile[kk * 64 + ux + 48];
+                if pooled {
+                    b0 = b_tile[kk * 64 + 4 * ux];
+                    b1 = b_tile[kk * 64 + 4 * ux + 1];
+                    b2 = b_tile[kk * 64 + 4 * ux + 2];
+                    b3 = b_tile[kk * 64 + 4 * ux + 3];
+                }
+                acc[0] += a0 * b0;
+                acc[1] += a0 * b1;
+                acc[2] += a0 * b2;
+                acc[3] += a0 * b3;
+                acc[4] += a1 * b0;
+                acc[5] += a1 * b1;
+                acc[6] += a1 * b2;
+                acc[7] += a1 * b3;
+                acc[8] += a2 * b0;
+                acc[9] += a2 * b1;
+                acc[10] += a2 * b2;
+                acc[11] += a2 * b3;
+                acc[12] += a3 * b0;
+                acc[13] += a3 * b1;
+                acc[14] += a3 * b2;
+                acc[15] += a3 * b3;
+            }
+            sync_cube();
+            k0 += 16;
+        }
+
+        if pooled {
+            // The unit's 4 columns are one window, in window order.
+            let window = (n0 + 4 * ux) / 4;
+            if window < batch * ph * pw {
+                let wb = window / (ph * pw);
+                let at = window % (ph * pw);
+                let (py, px) = (at / pw, at % pw);
+                #[unroll]
+                for i in 0..4usize {
+                    let m = m0 + uy + i * dy;
+                    if m < c_out {
+                        let mut shift = F::new(0.0);
+                        if has_bias {
+                            shift = bias[m];
+                        }
+                        let mut best = activate::<F>(acc[i * 4] + shift, epilogue);
+                        let mut best_at = 0usize.runtime();
+                        #[unroll]
+                        for q in 1..4usize {
+                            let v = activate::<F>(acc[i * 4 + q] + shift, epilogue);
+                            if v > best {
+                                best = v;
+                                best_at = q;
+                            }
+                        }
+                        let slot = (wb * c_out + m) * ph * pw + at;
+                        out[slot] = best;
+                        indices[slot] = I::cast_from((2 * py + best_at / 2) * ow + 2 * px + best_at % 2);
+                    }
+                }
+            }
+        } else {
+            #[unroll]
+            for j in 0..4usize {
+                let col = n0 + ux + 16 * j;
+                if col < columns {
+                    let cb = col / (oh * ow);
+                    let at = col % (oh * ow);
+                    #[unroll]
+                    for i in 0..4usize {
+                        let m = m0 + uy + i * dy;
+                        if m < c_out {
+                            let mut v = acc[i * 4 + j];
+                            if has_bias {
+                                v += bias[m];
+                            }
+                            out[(cb * c_out + m) * oh * ow + at] = activate::<F>(v, epilogue);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Dense input gradient: `dx = W^T @ cols(G)` (see [`pre_gradient`] for
+/// `G`). `dx` is `[batch, c_in, h, w]`, every element written.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+fn conv_input_grad_kernel<F: Float, I: Int>(
+    grad: &Array<F>,
+    saved: &Array<F>,
+    indices: &Array<I>,
+    w: &Array<F>,
+    dx: &mut Array<F>,
+    batch: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    #[comptime] kh: usize,
+    #[comptime] kw: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+    #[comptime] tile_m: usize,
+    #[comptime] epilogue: u32,
+    #[comptime] pooled: bool,
+) {
+    let taps = kh * kw;
+    let depth = c_out * taps;
+    let columns = batch * h * wd;
+    let n0 = column_tile() * 64;
+    let m0 = CUBE_POS_Y as usize * tile_m;
+    if n0 < columns {
+        let units = tile_m * 4;
+        let unit = UNIT_POS as usize;
+        let (ux, uy) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+        let dy = tile_m / 4;
+        let mut a_tile = SharedMemory::<F>::new(tile_m * 16);
+        let mut b_tile = SharedMemory::<F>::new(1024usize);
+
+        let load_col = unit % 64;
+        let n = n0 + load_col;
+        let b = n / (h * wd);
+        let at = n % (h * wd);
+        let iy = at / wd;
+        let ix = at % wd;
+        let column_ok = n < columns;
+        let rows_per_pass = units / 64;
+
+        let mut acc = Array::<F>::new(16usize);
+        #[unroll]
+        for i in 0..16usize {
+            acc[i] = F::new(0.0);
+        }
+        let mut k0 = 0usize.runtime();
+        while k0 < depth {
+            // A[c][(co, tap)] = W[co, c, tap].
+            #[unroll]
+            for j in 0..4usize {
+                let idx = unit + j * units;
+                let (c, k) = (m0 + idx / 16, k0 + idx % 16);
+                let mut v = F::new(0.0);
+                if c < c_in && k < depth {
+                    v = w[((k / taps) * c_in + c) * taps + k % taps];
+                }
+                a_tile[idx] = v;
+            }
+            let mut r = unit / 64;
+            while r < 16 {
+                let k = k0 + r;
+                let mut v = F::new(0.0);
+                if column_ok && k < depth {
+                    let co = k / taps;
+                    let tap = k % taps;
+                    let (ky, kx) = (tap / kw, tap % kw);
+                    let ty = iy + pad_y;
+                    let tx = ix + pad_x;
+                    if ty >= ky && tx >= kx {
+                        let (ty, tx) = (ty - ky, tx - kx);
+                        if ty % sy == 0 && tx % sx == 0 && ty / sy < oh && tx / sx < ow {
+                            v = pre_gradient::<F, I>(
+                                grad,
+                                saved,
+                                indices,
+                                b * c_out + co,
+                                ty / sy,
+                                tx / sx,
+                                oh,
+                                ow,
+                                epilogue,
+                                pooled,
+                            );
+                        }
+                    }
+                }
+                b_tile[r * 64 + load_col] = v;
+                r += rows_per_pass;
+            }
+            sync_cube();
+            #[unroll]
+            for kk in 0..16usize {
+                let a0 = a_tile[uy * 16 + kk];
+                let a1 = a_tile[(uy + dy) * 16 + kk];
+                let a2 = a_tile[(uy + 2 * dy) * 16 + kk];
+                let a3 = a_tile[(uy + 3 * dy) * 16 + kk];
+                let b0 = b_tile[kk * 64 + ux];
+                let b1 = b_tile[kk * 64 + ux + 16];
+                let b2 = b_tile[kk * 64 + ux + 32];
+                let b3 = b_tile[kk * 64 + ux + 48];
+                acc[0] += a0 * b0;
+                acc[1] += a0 * b1;
+                acc[2] += a0 * b2;
+                acc[3] += a0 * b3;
+                acc[4] += a1 * b0;
+                acc[5] += a1 * b1;
+                acc[6] += a1 * b2;
+                acc[7] += a1 * b3;
+                acc[8] += a2 * b0;
+                acc[9] += a2 * b1;
+                acc[10] += a2 * b2;
+                acc[11] += a2 * b3;
+                acc[12] += a3 * b0;
+                acc[13] += a3 * b1;
+                acc[14] += a3 * b2;
+                acc[15] += a3 * b3;
+            }
+            sync_cube();
+            k0 += 16;
+        }
+        #[unroll]
+        for j in 0..4usize {
+            let col = n0 + ux + 16 * j;
+            if col < columns {
+                let cb = col / (h * wd);
+                let cat = col % (h * wd);
+                #[unroll]
+                for i in 0..4usize {
+                    let c = m0 + uy + i * dy;
+                    if c < c_in {
+                        dx[(cb * c_in + c) * h * wd + cat] = acc[i * 4 + j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Dense weight and bias gradients, first stage: cube `z` sums `G @
+/// cols(x)^T` over its chunk of `chunk` positions of the reduction (batch x
+/// output pixels) into `partials[z][c_out][c_in * taps]`, and the bias
+/// gradient over the same chunk into `bias_partials[z][c_out]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+fn conv_weight_grad_kernel<F: Float, I: Int>(
+    grad: &Array<F>,
+    saved: &Array<F>,
+    indices: &Array<I>,
+    x: &Array<F>,
+    partials: &mut Array<F>,
+    bias_partials: &mut Array<F>,
+    batch: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    chunk: usize,
+    #[comptime] kh: usize,
+    #[comptime] kw: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+    #[comptime] tile_m: usize,
+    #[comptime] epilogue: u32,
+    #[comptime] pooled: bool,
+) {
+    let taps = kh * kw;
+    let depth = c_in * taps;
+    // Pooled, only the pixels inside a whole window can carry a gradient.
+    let mut rh = oh;
+    let mut rw = ow;
+    if pooled {
+        rh = (oh / 2) * 2;
+        rw = (ow / 2) * 2;
+    }
+    let reduction = batch * rh * rw;
+    let n0 = CUBE_POS_X as usize * 64;
+    let m0 = CUBE_POS_Y as usize * tile_m;
+    let z = CUBE_POS_Z as usize;
+    let r_begin = z * chunk;
+    let mut r_end = r_begin + chunk;
+    if r_end > reduction {
+        r_end = reduction;
+    }
+    let units = tile_m * 4;
+    let unit = UNIT_POS as usize;
+    let (ux, uy) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+    let dy = tile_m / 4;
+    let mut a_tile = SharedMemory::<F>::new(tile_m * 16);
+    let mut b_tile = SharedMemory::<F>::new(1024usize);
+
+    // This unit's column of cols(x)^T: one (c, tap) of the filter.
+    let load_col = unit % 64;
+    let n = n0 + load_col;
+    let column_ok = n < depth;
+    let c = n / taps;
+    let tap = n % taps;
+    let (ky, kx) = (tap / kw, tap % kw);
+    let rows_per_pass = units / 64;
+    // The bias is summed once: by the cubes of the first column tile.
+    let sums_bias = CUBE_POS_X == 0 && ux == 0;
+
+    let mut acc = Array::<F>::new(16usize);
+    let mut bias_acc = Array::<F>::new(4usize);
+    #[unroll]
+    for i in 0..16usize {
+        acc[i] = F::new(0.0);
+    }
+    #[unroll]
+    for i in 0..4usize {
+        bias_acc[i] = F::new(0.0);
+    }
+    let mut k0 = r_begin;
+    while k0 < r_end {
+        // A[co][r] = G at reduction position r.
+        #[unroll]
+        for j in 0..4usize {
+            let idx = unit + j * units;
+            let (m, r) = (m0 + idx / 16, k0 + idx % 16);
+            let mut v = F::new(0.0);
+            if m < c_out && r < r_end {
+                let rb = r / (rh * rw);
+                let at = r % (rh * rw);
+                v = pre_gradient::<F, I>(
+                    grad,
+                    saved,
+                    indices,
+                    rb * c_out + m,
+                    at / rw,
+                    at % rw,
+                    oh,
+                    ow,
+                    epilogue,
+                    pooled,
+                );
+            }
+            a_tile[idx] = v;
+        }
+        // B[r][(c, tap)] = x at the tap of position r.
+        let mut rr = unit / 64;
+        while rr < 16 {
+            let r = k0 + rr;
+            let mut v = F::new(0.0);
+            if column_ok && r < r_end {
+                let rb = r / (rh * rw);
+                let at = r % (rh * rw);
+                let yy = (at / rw) * sy + ky;
+                let xx = (at % rw) * sx + kx;
+                if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
+                    v = x[((rb * c_in + c) * h + yy - pad_y) * wd + xx - pad_x];
+                }
+            }
+            b_tile[rr * 64 + load_col] = v;
+            rr += rows_per_pass;
+        }
+        sync_cube();
+        #[unroll]
+        for kk in 0..16usize {
+            let a0 = a_tile[uy * 16 + kk];
+            let a1 = a_tile[(uy + dy) * 16 + kk];
+            let a2 = a_tile[(uy + 2 * dy) * 16 + kk];
+            let a3 = a_tile[(uy + 3 * dy) * 16 + kk];
+            if sums_bias {
+                bias_acc[0] += a0;
+                bias_acc[1] += a1;
+                bias_acc[2] += a2;
+                bias_acc[3] += a3;
+            }
+            let b0 = b_tile[kk * 64 + ux];
+            let b1 = b_tile[kk * 64 + ux + 16];
+            let b2 = b_tile[kk * 64 + ux + 32];
+            let b3 = b_tile[kk * 64 + ux + 48];
+            acc[0] += a0 * b0;
+            acc[1] += a0 * b1;
+            acc[2] += a0 * b2;
+            acc[3] += a0 * b3;
+            acc[4] += a1 * b0;
+            acc[5] += a1 * b1;
+            acc[6] += a1 * b2;
+            acc[7] += a1 * b3;
+            acc[8] += a2 * b0;
+            acc[9] += a2 * b1;
+            acc[10] += a2 * b2;
+            acc[11] += a2 * b3;
+            acc[12] += a3 * b0;
+            acc[13] += a3 * b1;
+            acc[14] += a3 * b2;
+            acc[15] += a3 * b3;
+        }
+        sync_cube();
+        k0 += 16;
+    }
+    #[unroll]
+    for i in 0..4usize {
+        let m = m0 + uy + i * dy;
+        if m < c_out {
+            #[unroll]
+            for j in 0..4usize {
+                let col = n0 + ux + 16 * j;
+                if col < depth {
+                    partials[(z * c_out + m) * depth + col] = acc[i * 4 + j];
+                }
+            }
+            if sums_bias {
+                bias_partials[z * c_out + m] = bias_acc[i];
+            }
+        }
+    }
+}
+
+/// Second stage of the weight and bias gradients: `weight[e] = sum over z
+/// of partials[z][e]` for the `len` weights, and the same for the biases.
+#[cube(launch)]
+fn sum_partials_kernel<F: Float>(
+    partials: &Array<F>,
+    bias_partials: &Array<F>,
+    weight: &mut Array<F>,
+    bias: &mut Array<F>,
+    len: usize,
+    bias_len: usize,
+    splits: usize,
+    #[comptime] has_bias: bool,
+) {
+    let e = ABSOLUTE_POS;
+    if e < len {
+        let mut acc = F::new(0.0);
+        for z in 0..splits {
+            acc += partials[z * len + e];
+        }
+        weight[e] = acc;
+    }
+    if has_bias {
+        if e >= len && e < len + bias_len {
+            let j = e - len;
+            let mut acc = F::new(0.0);
+            for z in 0..splits {
+                acc += bias_partials[z * bias_len + j];
+            }
+            bias[j] = acc;
+        }
+    }
+}
+
+/// Depthwise forward: one unit per output element; filter `co` reads input
+/// channel `co / multiplier`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn depthwise_forward_kernel<F: Float>(
+    x: &Array<F>,
+    w: &Array<F>,
+    bias: &Array<F>,
+    out: &mut Array<F>,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    #[comptime] kh: usize,
+    #[comptime] kw: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] epilogue: u32,
+) {
+    let e = ABSOLUTE_POS;
+    if e < out.len() {
+        let ox = e % ow;
+        let oy = (e / ow) % oh;
+        let plane = e / (oh * ow);
+        let co = plane % c_out;
+        let b = plane / c_out;
+        let c = co / (c_out / c_in);
+        let mut acc = F::new(0.0);
+        if has_bias {
+            acc = bias[co];
+        }
+        let base = (b * c_in + c) * h * wd;
+        #[unroll]
+        for ky in 0..kh {
+            #[unroll]
+            for kx in 0..kw {
+                let yy = oy * sy + ky;
+                let xx = ox * sx + kx;
+                if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
+                    acc += w[co * kh * kw + ky * kw + kx] * x[base + (yy - pad_y) * wd + xx - pad_x];
+                }
+            }
+        }
+        out[e] = activate::<F>(acc, epilogue);
+    }
+}
+
+/// Depthwise input gradient: one unit per input element, summing over the
+/// channel's filters and the taps that reach it.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn depthwise_input_grad_kernel<F: Float, I: Int>(
+    grad: &Array<F>,
+    saved: &Array<F>,
+    indices: &Array<I>,
+    w: &Array<F>,
+    dx: &mut Array<F>,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    #[comptime] kh: usize,
+    #[comptime] kw: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+    #[comptime] epilogue: u32,
+) {
+    let e = ABSOLUTE_POS;
+    if e < dx.len() {
+        let ix = e % wd;
+        let iy = (e / wd) % h;
+        let plane = e / (h * wd);
+        let c = plane % c_in;
+        let b = plane / c_in;
+        let multiplier = c_out / c_in;
+        let mut acc = F::new(0.0);
+        for j in 0..multiplier {
+            let co = c * multiplier + j;
+            #[unroll]
+            for ky in 0..kh {
+                #[unroll]
+                for kx in 0..kw {
+                    let ty = iy + pad_y;
+                    let tx = ix + pad_x;
+                    if ty >= ky && tx >= kx {
+                        let (ty, tx) = (ty - ky, tx - kx);
+                        if ty % sy == 0 && tx % sx == 0 && ty / sy < oh && tx / sx < ow {
+                            let g = pre_gradient::<F, I>(
+                                grad,
+                                saved,
+                                indices,
+                                b * c_out + co,
+                                ty / sy,
+                                tx / sx,
+                                oh,
+                                ow,
+                                epilogue,
+                                false,
+                            );
+                            acc += w[co * kh * kw + ky * kw + kx] * g;
+                        }
+                    }
+                }
+            }
+        }
+        dx[e] = acc;
+    }
+}
+
+/// Depthwise weight and bias gradients, first stage: cube `(co, z)` sums
+/// over its chunk of batch x pixels, per tap, into `partials[z][co][tap]`
+/// and `bias_partials[z][co]` (a shared-memory tree per tap).
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn depthwise_weight_grad_kernel<F: Float, I: Int>(
+    grad: &Array<F>,
+    saved: &Array<F>,
+    indices: &Array<I>,
+    x: &Array<F>,
+    partials: &mut Array<F>,
+    bias_partials: &mut Array<F>,
+    batch: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    chunk: usize,
+    #[comptime] kh: usize,
+    #[comptime] kw: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+    #[comptime] epilogue: u32,
+) {
+    let taps = kh * kw;
+    let co = CUBE_POS_X as usize;
+    let z = CUBE_POS_Y as usize;
+    let c = co / (c_out / c_in);
+    let unit = UNIT_POS as usize;
+    let reduction = batch * oh * ow;
+    let r_begin = z * chunk;
+    let mut r_end = r_begin + chunk;
+    if r_end > reduction {
+        r_end = reduction;
+    }
+    let mut acc = Array::<F>::new(taps + 1);
+    #[unroll]
+    for t in 0..taps + 1 {
+        acc[t] = F::new(0.0);
+    }
+    let mut r = r_begin + unit;
+    while r < r_end {
+        let b = r / (oh * ow);
+        let at = r % (oh * ow);
+        let (oy, ox) = (at / ow, at % ow);
+        let g = pre_gradient::<F, I>(grad, saved, indices, b * c_out + co, oy, ox, oh, ow, epilogue, false);
+        let base = (b * c_in + c) * h * wd;
+        #[unroll]
+        for ky in 0..kh {
+            #[unroll]
+            for kx in 0..kw {
+                let yy = oy * sy + ky;
+                let xx = ox * sx + kx;
+                if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
+                    acc[ky * kw + kx] += g * x[base + (yy - pad_y) * wd + xx - pad_x];
+                }
+            }
+        }
+        acc[taps] += g;
+        r += 256;
+    }
+    let mut shared = SharedMemory::<F>::new(256usize);
+    #[unroll]
+    for t in 0..taps + 1 {
+        shared[unit] = acc[t];
+        sync_cube();
+        let mut half = 128usize.runtime();
+        while half > 0 {
+            if unit < half {
+                shared[unit] = shared[unit] + shared[unit + half];
+            }
+            sync_cube();
+            half /= 2;
+        }
+        if unit == 0 {
+            if t < taps {
+                partials[(z * c_out + co) * taps + t] = shared[0];
+            } else {
+                bias_partials[z * c_out + co] = shared[0];
+            }
+        }
+        sync_cube();
+    }
+}
+
+/// The 2x2, stride-2 max-pool of `[planes, h, w]` (odd edges dropped), one
+/// unit per output; with `with_indices`, where each maximum sat in its
+/// plane (the first maximum in window order on ties).
+#[cube(launch)]
+fn max_pool_kernel<F: Float, I: Int>(
+    x: &Array<F>,
+    out: &mut Array<F>,
+    indices: &mut Array<I>,
+    h: usize,
+    wd: usize,
+    #[comptime] with_indices: bool,
+) {
+    let e = ABSOLUTE_POS;
+    if e < out.len() {
+        let (ph, pw) = (h / 2, wd / 2);
+        let px = e % pw;
+        let py = (e / pw) % ph;
+        let plane = e / (ph * pw);
+        let top = plane * h * wd + 2 * py * wd + 2 * px;
+        let mut best = x[top];
+        let mut best_at = 0usize.runtime();
+        let v1 = x[top + 1];
+        if v1 > best {
+            best = v1;
+            best_at = 1usize;
+        }
+        let v2 = x[top + wd];
+        if v2 > best {
+            best = v2;
+            best_at = wd;
+        }
+        let v3 = x[top + wd + 1];
+        if v3 > best {
+            best = v3;
+            best_at = wd + 1;
+        }
+        out[e] = best;
+        if with_indices {
+            indices[e] = I::cast_from(2 * py * wd + 2 * px + best_at);
+        }
+    }
+}
+
+/// The 2x2 max-pool's input gradient: one unit per input element, which
+/// takes its window's gradient when it was the window's maximum.
+#[cube(launch)]
+fn max_pool_backward_kernel<F: Float, I: Int>(
+    grad: &Array<F>,
+    indices: &Array<I>,
+    dx: &mut Array<F>,
+    h: usize,
+    wd: usize,
+) {
+    let e = ABSOLUTE_POS;
+    if e < dx.len() {
+        let (ph, pw) = (h / 2, wd / 2);
+        let xx = e % wd;
+        let yy = (e / wd) % h;
+        let plane = e / (h * wd);
+        let mut v = F::new(0.0);
+        if yy < 2 * ph && xx < 2 * pw {
+            let at = (plane * ph + yy / 2) * pw + xx / 2;
+            if u32::cast_from(indices[at]) as usize == yy * wd + xx {
+                v = grad[at];
+            }
+        }
+        dx[e] = v;
+    }
+}
+
+type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+
+/// A convolution's sizes, when our kernels take it: no dilation, and
+/// either no groups (dense) or one input channel per filter (depthwise).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Geometry {
+    batch: usize,
+    c_in: usize,
+    h: usize,
+    w: usize,
+    c_out: usize,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    oh: usize,
+    ow: usize,
+    /// One input channel per filter, `c_out` a multiple of `c_in`.
+    depthwise: bool,
+}
+
+impl Geometry {
+    pub(crate) fn of<R: CubeRuntime>(
+        x: &CubeTensor<R>,
+        weight: &CubeTensor<R>,
+        options: &ConvOptions<2>,
+    ) -> Option<Self> {
+        let [batch, c_in, h, w] = x.meta.shape().dims::<4>();
+        let [c_out, per_group, kh, kw] = weight.meta.shape().dims::<4>();
+        if options.dilation != [1, 1] || batch == 0 || c_out == 0 {
+            return None;
+        }
+        let depthwise = match options.groups {
+            1 if per_group == c_in => false,
+            g if g == c_in && per_group == 1 && c_out % c_in == 0 && g > 1 => true,
+            _ => return None,
+        };
+        let [sy, sx] = options.stride;
+        let [py, px] = options.padding;
+        if h + 2 * py < kh || w + 2 * px < kw || sy == 0 || sx == 0 {
+            return None;
+        }
+        let (oh, ow) = ((h + 2 * py - kh) / sy + 1, (w + 2 * px - kw) / sx + 1);
+        Some(Self {
+            batch,
+            c_in,
+            h,
+            w,
+            c_out,
+            kernel: (kh, kw),
+            stride: (sy, sx),
+            padding: (py, px),
+            oh,
+            ow,
+            depthwise,
+        })
+    }
+
+    fn taps(&self) -> usize {
+        self.kernel.0 * self.kernel.1
+    }
+}
+
+/// Rows of a cube's output tile for a matrix of `rows` rows.
+fn tile_rows(rows: usize) -> usize {
+    match rows {
+        0..=16 => 16,
+        17..=32 => 32,
+        _ => 64,
+    }
+}
+
+/// A grid covering `columns` columns in tiles of [`TILE_N`] (folded into z
+/// past [`MAX_GRID`]) and `rows` rows in tiles of `tile_m`.
+fn matrix_grid(columns: usize, rows: usize, tile_m: usize) -> CubeCount {
+    let tiles = columns.div_ceil(TILE_N).max(1);
+    let x = tiles.min(MAX_GRID);
+    CubeCount::Static(x as u32, rows.div_ceil(tile_m) as u32, tiles.div_ceil(x) as u32)
+}
+
+fn elementwise_grid(elements: usize) -> CubeCount {
+    let cubes = elements.div_ceil(UNITS as usize).max(1);
+    assert!(cubes <= MAX_GRID * MAX_GRID, "{elements} elements: too many for one launch");
+    let x = cubes.min(MAX_GRID);
+    CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1)
+}
+
+/// An int tensor for the pool indices, shaped `shape`.
+fn new_indices<R: CubeRuntime, I: IntElement>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, I::dtype())
+}
+
+/// A buffer the kernels bind but never read (a missing bias or indices).
+fn placeholder<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    like: &CubeTensor<R>,
+) -> CubeTensor<R> {
+    new_output::<R, F, I, BT>(like, Shape::from(vec![1]))
+}
+
+/// Whether our kernels take this convolution (with `epilogue`, followed by
+/// the 2x2 max-pool when `pooled`): no dilation, dense or depthwise (not
+/// pooled), and an activation whose derivative its output tells.
+pub(crate) fn takes<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    weight: &CubeTensor<R>,
+    options: &ConvOptions<2>,
+    epilogue: Epilogue,
+    pooled: bool,
+) -> bool {
+    match Geometry::of(x, weight, options) {
+        Some(g) => epilogue != Epilogue::Gelu && !(pooled && g.depthwise),
+        None => false,
+    }
+}
+
+/// `act(conv(x) + bias)`, pooled or not, for a convolution our kernels take
+/// ([`takes`]): the output and, pooled, where each maximum sat.
+pub(crate) fn conv_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    x: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    bias: Option<CubeTensor<R>>,
+    options: &ConvOptions<2>,
+    epilogue: Epilogue,
+    pooled: bool,
+) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+    let g = Geometry::of(&x, &weight, options)
+        .expect("the caller checked that the kernels take this convolution");
+    let (x, weight) = (into_contiguous(x), into_contiguous(weight));
+    let has_bias = bias.is_some();
+    let bias = bias.map(into_contiguous).unwrap_or_else(|| placeholder::<R, F, I, BT>(&x));
+    let client = x.client.clone();
+    if g.depthwise {
+        let out = new_output::<R, F, I, BT>(&x, Shape::from(vec![g.batch, g.c_out, g.oh, g.ow]));
+        let elements = out.meta.num_elements();
+        depthwise_forward_kernel::launch::<F, R>(
+            &client,
+            elementwise_grid(elements),
+            CubeDim::new_1d(UNITS),
+            x.into_array_arg(),
+            weight.into_array_arg(),
+            bias.into_array_arg(),
+            out.clone().into_array_arg(),
+            g.c_in,
+            g.h,
+            g.w,
+            g.c_out,
+            g.oh,
+            g.ow,
+            g.kernel.0,
+            g.kernel.1,
+            g.stride.0,
+            g.stride.1,
+            g.padding.0,
+            g.padding.1,
+            has_bias,
+            epilogue_code(epilogue),
+        );
+        return (out, None);
+    }
+    let (out, indices, columns) = if pooled {
+        let shape = Shape::from(vec![g.batch, g.c_out, g.oh / 2, g.ow / 2]);
+        let out = new_output::<R, F, I, BT>(&x, shape.clone());
+        (out, new_indices::<R, I>(&x, shape), g.batch * (g.oh / 2) * (g.ow / 2) * 4)
+    } else {
+        let out = new_output::<R, F, I, BT>(&x, Shape::from(vec![g.batch, g.c_out, g.oh, g.ow]));
+        (out, new_indices::<R, I>(&x, Shape::from(vec![1])), g.batch * g.oh * g.ow)
+    };
+    if columns == 0 {
+        return (out, pooled.then_some(indices));
+    }
+    let tile_m = tile_rows(g.c_out);
+    // SAFETY: every load is guarded by the operands' sizes (rows < c_out,
+    // k < c_in * taps, pixels inside the padded input) and every store by
+    // the output's (rows < c_out, columns < batch x pixels or windows).
+    unsafe {
+        conv_forward_kernel::launch_unchecked::<F, I, R>(
+            &client,
+            matrix_grid(columns, g.c_out, tile_m),
+            CubeDim::new_2d(16, (tile_m / 4) as u32),
+            x.into_array_arg(),
+            weight.into_array_arg(),
+            bias.into_array_arg(),
+            out.clone().into_array_arg(),
+            indices.clone().into_array_arg(),
+            g.batch,
+            g.c_in,
+            g.h,
+            g.w,
+            g.c_out,
+            g.oh,
+            g.ow,
+            g.kernel.0,
+            g.kernel.1,
+            g.stride.0,
+            g.stride.1,
+            g.padding.0,
+            g.padding.1,
+            tile_m,
+            has_bias,
+            epilogue_code(epilogue),
+            pooled,
+        );
+    }
+    (out, pooled.then_some(indices))
+}
+
+/// The splits of a reduction of `len` positions over cubes, and the chunk
+/// each sums (a multiple of [`TILE_K`]).
+fn splits(len: usize, per_cube: usize, max: usize) -> (usize, usize) {
+    let splits = len.div_ceil(per_cube).clamp(1, max);
+    let chunk = len.div_ceil(splits).div_ceil(TILE_K) * TILE_K;
+    (len.div_ceil(chunk.max(1)).max(1), chunk.max(TILE_K))
+}
+
+/// Every gradient of a fused convolution layer (see
+/// [`crate::FusedBackend::conv2d_layer_backward`]) our kernels take ([`takes`]).
+pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    inputs: &ConvBackwardInputs<Cube<R, F, I, BT>>,
+    x_grad: bool,
+    bias_grad: bool,
+) -> ConvGrads<Cube<R, F, I, BT>> {
+    let g = Geometry::of(&inputs.x, &inputs.weight, &inputs.options)
+        .expect("the caller checked that the kernels take this convolution");
+    let pooled = inputs.pool_indices.is_some();
+    let x = into_contiguous(inputs.x.clone());
+    let weight = into_contiguous(inputs.weight.clone());
+    let grad = into_contiguous(inputs.output_grad.clone());
+    let saved = into_contiguous(inputs.output.clone());
+    let indices = match &inputs.pool_indices {
+        Some(indices) => into_contiguous(indices.clone()),
+        None => new_indices::<R, I>(&x, Shape::from(vec![1])),
+    };
+    let code = epilogue_code(inputs.epilogue);
+    let client = x.client.clone();
+
+    let dx = x_grad.then(|| {
+        let dx = new_output::<R, F, I, BT>(&x, x.meta.shape().clone());
+        if g.depthwise {
+            depthwise_input_grad_kernel::launch::<F, I, R>(
+                &client,
+                elementwise_grid(dx.meta.num_elements()),
+                CubeDim::new_1d(UNITS),
+                grad.clone().into_array_arg(),
+                saved.clone().into_array_arg(),
+                indices.clone().into_array_arg(),
+                weight.clone().into_array_arg(),
+                dx.clone().into_array_arg(),
+                g.c_in,
+                g.h,
+                g.w,
+                g.c_out,
+                g.oh,
+                g.ow,
+                g.kernel.0,
+                g.kernel.1,
+                g.stride.0,
+                g.stride.1,
+                g.padding.0,
+                g.padding.1,
+                code,
+            );
+        } else {
+            let tile_m = tile_rows(g.c_in);
+            // SAFETY: loads are guarded by the operands' sizes (c < c_in,
+            // k < c_out * taps, output pixels inside the output, windows
+            // inside the pooled output) and stores by dx's.
+            unsafe {
+                conv_input_grad_kernel::launch_unchecked::<F, I, R>(
+                    &client,
+                    matrix_grid(g.batch * g.h * g.w, g.c_in, tile_m),
+                    CubeDim::new_2d(16, (tile_m / 4) as u32),
+                    grad.clone().into_array_arg(),
+                    saved.clone().into_array_arg(),
+                    indices.clone().into_array_arg(),
+                    weight.clone().into_array_arg(),
+                    dx.clone().into_array_arg(),
+                    g.batch,
+                    g.c_in,
+                    g.h,
+                    g.w,
+                    g.c_out,
+                    g.oh,
+                    g.ow,
+                    g.kernel.0,
+                    g.kernel.1,
+                    g.stride.0,
+                    g.stride.1,
+                    g.padding.0,
+                    g.padding.1,
+                    tile_m,
+                    code,
+                    pooled,
+                );
+            }
+        }
+        dx
+    });
+
+    // Weight (and bias) gradients: partial sums, then their sum.
+    let (rh, rw) = if pooled { (g.oh / 2 * 2, g.ow / 2 * 2) } else { (g.oh, g.ow) };
+    let reduction = g.batch * rh * rw;
+    let weights = g.c_out * if g.depthwise { g.taps() } else { g.c_in * g.taps() };
+    // At most 16M partial sums (64 MB in f32).
+    let most = ((1usize << 24) / weights.max(1)).max(1);
+    let (count, chunk) = if g.depthwise {
+        splits(reduction, 4096, most.min(64))
+    } else {
+        splits(reduction, 2048, most.min(256))
+    };
+    let partials = new_output::<R, F, I, BT>(&x, Shape::from(vec![count * weights]));
+    let bias_partials = new_output::<R, F, I, BT>(&x, Shape::from(vec![count * g.c_out]));
+    if g.depthwise {
+        depthwise_weight_grad_kernel::launch::<F, I, R>(
+            &client,
+            CubeCount::Static(g.c_out as u32, count as u32, 1),
+            CubeDim::new_1d(UNITS),
+            grad.into_array_arg(),
+            saved.into_array_arg(),
+            indices.into_array_arg(),
+            x.clone().into_array_arg(),
+            partials.clone().into_array_arg(),
+            bias_partials.clone().into_array_arg(),
+            g.batch,
+            g.c_in,
+            g.h,
+            g.w,
+            g.c_out,
+            g.oh,
+            g.ow,
+            chunk,
+            g.kernel.0,
+            g.kernel.1,
+            g.stride.0,
+            g.stride.1,
+            g.padding.0,
+            g.padding.1,
+            code,
+        );
+    } else {
+        let tile_m = tile_rows(g.c_out);
+        let depth = g.c_in * g.taps();
+        // SAFETY: loads are guarded by the operands' sizes (rows < c_out,
+        // positions < the chunk's end, pixels inside the padded input) and
+        // stores by the partial buffers' (count x c_out x depth, count x c_out).
+        unsafe {
+            conv_weight_grad_kernel::launch_unchecked::<F, I, R>(
+                &client,
+                CubeCount::Static(
+                    depth.div_ceil(TILE_N) as u32,
+                    g.c_out.div_ceil(tile_m) as u32,
+                    count as u32,
+                ),
+                CubeDim::new_2d(16, (tile_m / 4) as u32),
+                grad.into_array_arg(),
+                saved.into_array_arg(),
+                indices.into_array_arg(),
+                x.clone().into_array_arg(),
+                partials.clone().into_array_arg(),
+                bias_partials.clone().into_array_arg(),
+                g.batch,
+                g.c_in,
+                g.h,
+                g.w,
+                g.c_out,
+                g.oh,
+                g.ow,
+                chunk,
+                g.kernel.0,
+                g.kernel.1,
+                g.stride.0,
+                g.stride.1,
+                g.padding.0,
+                g.padding.1,
+                tile_m,
+                code,
+                pooled,
+            );
+        }
+    }
+    let weight_grad = new_output::<R, F, I, BT>(&x, inputs.weight.meta.shape().clone());
+    let bias = bias_grad.then(|| new_output::<R, F, I, BT>(&x, Shape::from(vec![g.c_out])));
+    let bias_out = bias.clone().unwrap_or_else(|| placeholder::<R, F, I, BT>(&x));
+    let total = weights + if bias_grad { g.c_out } else { 0 };
+    sum_partials_kernel::launch::<F, R>(
+        &client,
+        elementwise_grid(total),
+        CubeDim::new_1d(UNITS),
+        partials.into_array_arg(),
+        bias_partials.into_array_arg(),
+        weight_grad.clone().into_array_arg(),
+        bias_out.into_array_arg(),
+        weights,
+        g.c_out,
+        count,
+        bias_grad,
+    );
+    ConvGrads { x: dx, weight: weight_grad, bias }
+}
+
+/// The 2x2 max-pool of `x` and, with `with_indices`, where each maximum sat.
+pub(crate) fn max_pool<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    x: CubeTensor<R>,
+    with_indices: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let x = into_contiguous(x);
+    let [b, c, h, w] = x.meta.shape().dims::<4>();
+    let shape = Shape::from(vec![b, c, h / 2, w / 2]);
+    let out = new_output::<R, F, I, BT>(&x, shape.clone());
+    let indices = new_indices::<R, I>(&x, if with_indices { shape } else { Shape::from(vec![1]) });
+    let elements = out.meta.num_elements();
+    if elements > 0 {
+        max_pool_kernel::launch::<F, I, R>(
+            &x.client.clone(),
+            elementwise_grid(elements),
+            CubeDim::new_1d(UNITS),
+            x.into_array_arg(),
+            out.clone().into_array_arg(),
+            indices.clone().into_array_arg(),
+            h,
+            w,
+            with_indices,
+        );
+    }
+    (out, indices)
+}
+
+/// The 2x2 max-pool's input gradient (`x` gives the shape).
+pub(crate) fn max_pool_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    x: &CubeTensor<R>,
+    grad: CubeTensor<R>,
+    indices: CubeTensor<R>,
+) -> CubeTensor<R> {
+    let [_, _, h, w] = x.meta.shape().dims::<4>();
+    let dx = new_output::<R, F, I, BT>(x, x.meta.shape().clone());
+    let elements = dx.meta.num_elements();
+    if elements > 0 {
+        max_pool_backward_kernel::launch::<F, I, R>(
+            &x.client.clone(),
+            elementwise_grid(elements),
+            CubeDim::new_1d(UNITS),
+            into_contiguous(grad).into_array_arg(),
+            into_contiguous(indices).into_array_arg(),
+            dx.clone().into_array_arg(),
+            h,
+            w,
+        );
+    }
+    dx
+}
