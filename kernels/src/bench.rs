@@ -19,8 +19,8 @@ use crate::reference::unfused;
 use burn::tensor::ops::ConvOptions;
 
 use crate::{
-    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend,
-    Epilogue, MatmulVariant,
+    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_conv_variant, set_matmul_variant,
+    ConvVariant, DistillBackend, Epilogue, MatmulVariant,
 };
 
 /// One timed case: median milliseconds per call of each side.
@@ -208,28 +208,11 @@ pub fn run_with<B: DistillBackend>(device: &B::Device, options: &BenchOptions) -
         }
         set_matmul_variant(MatmulVariant::Auto);
     }
-    // The teacher's and the quickstart students' 3x3 convolutions (padding 1).
-    let conv3x3 = [(1, 28, 32), (32, 14, 64), (64, 7, 128), (1, 28, 6), (16, 14, 16), (24, 7, 24)];
-    for (c_in, hw, c_out) in conv3x3.into_iter().filter(|_| wanted("conv3x3")) {
-        let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
-        let reference_options = options.clone();
-        rows.push(layer_row::<B, 4, 4>(
-            "conv3x3",
-            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} relu"),
-            [batch, c_in, hw, hw],
-            [c_out, c_in, 3, 3],
-            c_out,
-            repeats,
-            device,
-            &move |x, w, b| conv2d(x, w, b, options.clone(), Epilogue::Relu),
-            &move |x, w, b| {
-                crate::reference::activate(
-                    burn::tensor::module::conv2d(x, w, b, reference_options.clone()),
-                    Epilogue::Relu,
-                )
-            },
-        ));
+    for variant in [ConvVariant::Tiled, ConvVariant::Direct, ConvVariant::Auto] {
+        set_conv_variant(variant);
+        conv_rows::<B>(&mut rows, variant, options, device);
     }
+    set_conv_variant(ConvVariant::Auto);
     // The separable students' depthwise 3x3 (one filter per channel).
     for (channels, hw) in [(32, 14), (64, 7)].into_iter().filter(|_| wanted("depthwise3x3")) {
         let options = ConvOptions::new([1, 1], [1, 1], [1, 1], channels);
@@ -250,32 +233,6 @@ pub fn run_with<B: DistillBackend>(device: &B::Device, options: &BenchOptions) -
                     b,
                     reference_options.clone(),
                 ))
-            },
-        ));
-    }
-    // With the 2x2 max-pool fused in: the teacher's stages and the
-    // quickstart's pooled 1x1 projections.
-    let pooled = [(1, 28, 32, 3), (32, 14, 64, 3), (64, 7, 128, 3), (6, 28, 32, 1), (16, 14, 64, 1)];
-    for (c_in, hw, c_out, k) in pooled.into_iter().filter(|_| wanted("conv-relu-pool")) {
-        let options = ConvOptions::new([1, 1], [k / 2, k / 2], [1, 1], 1);
-        let reference_options = options.clone();
-        rows.push(layer_row::<B, 4, 4>(
-            "conv-relu-pool",
-            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} {k}x{k}"),
-            [batch, c_in, hw, hw],
-            [c_out, c_in, k, k],
-            c_out,
-            repeats,
-            device,
-            &move |x, w, b| conv2d_pool(x, w, b, options.clone(), Epilogue::Relu),
-            &move |x, w, b| {
-                let y = burn::tensor::activation::relu(burn::tensor::module::conv2d(
-                    x,
-                    w,
-                    b,
-                    reference_options.clone(),
-                ));
-                burn::tensor::module::max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], false)
             },
         ));
     }
@@ -356,6 +313,72 @@ fn optimizer_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, repeats: usize, d
             fused_train_ms: fused,
             unfused_train_ms: unfused,
         });
+    }
+}
+
+/// The dense convolutions (3x3, and with the 2x2 max-pool fused in) with
+/// the convolution `variant` in force.
+fn conv_rows<B: DistillBackend>(
+    rows: &mut Vec<BenchRow>,
+    variant: ConvVariant,
+    options: &BenchOptions,
+    device: &B::Device,
+) {
+    let (repeats, batch) = (options.repeats, options.batch);
+    let wanted =
+        |op: &str| options.only.is_empty() || options.only.iter().any(|o| op.starts_with(o.as_str()));
+    let tag = match variant {
+        ConvVariant::Auto => "auto",
+        ConvVariant::Tiled => "tiled",
+        ConvVariant::Direct => "direct",
+    };
+    // The teacher's and the quickstart students' 3x3 convolutions (padding 1).
+    let conv3x3 = [(1, 28, 32), (32, 14, 64), (64, 7, 128), (1, 28, 6), (16, 14, 16), (24, 7, 24)];
+    for (c_in, hw, c_out) in conv3x3.into_iter().filter(|_| wanted("conv3x3")) {
+        let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
+        let reference_options = options.clone();
+        rows.push(layer_row::<B, 4, 4>(
+            "conv3x3",
+            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} relu [{tag}]"),
+            [batch, c_in, hw, hw],
+            [c_out, c_in, 3, 3],
+            c_out,
+            repeats,
+            device,
+            &move |x, w, b| conv2d(x, w, b, options.clone(), Epilogue::Relu),
+            &move |x, w, b| {
+                crate::reference::activate(
+                    burn::tensor::module::conv2d(x, w, b, reference_options.clone()),
+                    Epilogue::Relu,
+                )
+            },
+        ));
+    }
+    // With the 2x2 max-pool fused in: the teacher's stages and the
+    // quickstart's pooled 1x1 projections.
+    let pooled = [(1, 28, 32, 3), (32, 14, 64, 3), (64, 7, 128, 3), (6, 28, 32, 1), (16, 14, 64, 1)];
+    for (c_in, hw, c_out, k) in pooled.into_iter().filter(|_| wanted("conv-relu-pool")) {
+        let options = ConvOptions::new([1, 1], [k / 2, k / 2], [1, 1], 1);
+        let reference_options = options.clone();
+        rows.push(layer_row::<B, 4, 4>(
+            "conv-relu-pool",
+            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} {k}x{k} [{tag}]"),
+            [batch, c_in, hw, hw],
+            [c_out, c_in, k, k],
+            c_out,
+            repeats,
+            device,
+            &move |x, w, b| conv2d_pool(x, w, b, options.clone(), Epilogue::Relu),
+            &move |x, w, b| {
+                let y = burn::tensor::activation::relu(burn::tensor::module::conv2d(
+                    x,
+                    w,
+                    b,
+                    reference_options.clone(),
+                ));
+                burn::tensor::module::max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], false)
+            },
+        ));
     }
 }
 

@@ -16,8 +16,8 @@ use crate::reference::unfused;
 use burn::tensor::ops::ConvOptions;
 
 use crate::{
-    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_matmul_variant, DistillBackend,
-    Epilogue, MatmulVariant,
+    conv2d, conv2d_pool, linear, loss, max_pool2x2, pointwise_conv, set_conv_variant, set_matmul_variant,
+    ConvVariant, DistillBackend, Epilogue, MatmulVariant,
 };
 
 /// Relative error allowed for the losses (forward and gradient).
@@ -248,7 +248,11 @@ pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
         check_layers::<B>(&mut out, &mut rng, variant, device);
     }
     set_matmul_variant(MatmulVariant::Auto);
-    check_convolutions::<B>(&mut out, &mut rng, device);
+    for variant in [ConvVariant::Tiled, ConvVariant::Direct] {
+        set_conv_variant(variant);
+        check_convolutions::<B>(&mut out, &mut rng, variant, device);
+    }
+    set_conv_variant(ConvVariant::Auto);
     check_max_pool::<B>(&mut out, &mut rng, device);
     check_optimizers::<B>(&mut out, &mut rng, device);
     out
@@ -472,13 +476,26 @@ fn conv_kxk_pre(
 
 /// The fused convolution (kernels 3x3 and 5x3, strides 1 and 2, with and
 /// without padding) against burn's `conv2d` and the activation.
-fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdRng, device: &B::Device) {
+fn check_convolutions<B: DistillBackend>(
+    out: &mut Vec<CheckRow>,
+    rng: &mut StdRng,
+    variant: ConvVariant,
+    device: &B::Device,
+) {
+    let tag = match variant {
+        ConvVariant::Direct => " [direct]",
+        _ => "",
+    };
     let cpu = burn::tensor::Device::<Reference>::default();
     let cases = [
         ([3, 1, 28, 28], [6, 1, 3, 3], [1, 1], [1, 1]),
         ([4, 16, 14, 14], [16, 16, 3, 3], [1, 1], [1, 1]),
         ([2, 5, 9, 8], [7, 5, 3, 3], [2, 2], [1, 1]),
         ([1, 3, 7, 6], [4, 3, 5, 3], [1, 2], [0, 1]),
+        // Fewer filter entries than output channels (the weight gradient's
+        // transposed product): a 1x1 and a 3x3.
+        ([3, 6, 10, 10], [32, 6, 1, 1], [1, 1], [0, 0]),
+        ([2, 2, 8, 8], [40, 2, 3, 3], [1, 1], [1, 1]),
         // Depthwise (groups = input channels; the weight's second axis is 1).
         ([3, 4, 9, 9], [8, 1, 3, 3], [1, 1], [1, 1]),
         ([2, 6, 8, 7], [6, 1, 3, 3], [2, 2], [1, 1]),
@@ -517,7 +534,7 @@ fn check_convolutions<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdR
                 rows: vec![],
                 op: if pooled { "conv2d-pool" } else { "conv2d" },
                 case: format!(
-                    "x {x_shape:?} w {w_shape:?} s{stride:?} p{padding:?} {} bias={with_bias}",
+                    "x {x_shape:?} w {w_shape:?} s{stride:?} p{padding:?} {} bias={with_bias}{tag}",
                     epilogue.name()
                 ),
                 tolerance: MATMUL_TOLERANCE,

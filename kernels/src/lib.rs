@@ -378,6 +378,33 @@ pub enum MatmulVariant {
 
 static MATMUL_VARIANT: std::sync::Mutex<MatmulVariant> = std::sync::Mutex::new(MatmulVariant::Auto);
 
+/// How a dense convolution's forward (pooled or not) runs on CubeCL
+/// backends (other backends have one way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvVariant {
+    /// Time both variants at the first call of each shape on each device and
+    /// keep the faster one (the default).
+    Auto,
+    /// An implicit matrix product whose operand tiles are staged in shared
+    /// memory (each input value gathered once per cube).
+    Tiled,
+    /// No shared memory and no barriers: each unit gathers its own inputs
+    /// (cheaper on CPU Vulkan drivers, and for few channels).
+    Direct,
+}
+
+static CONV_VARIANT: std::sync::Mutex<ConvVariant> = std::sync::Mutex::new(ConvVariant::Auto);
+
+/// Forces a convolution variant (tests, benchmarks) or restores [`ConvVariant::Auto`].
+pub fn set_conv_variant(variant: ConvVariant) {
+    *CONV_VARIANT.lock().unwrap_or_else(|p| p.into_inner()) = variant;
+}
+
+/// The convolution variant in force.
+pub fn conv_variant() -> ConvVariant {
+    *CONV_VARIANT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Forces a matmul variant (tests, benchmarks) or restores [`MatmulVariant::Auto`].
 pub fn set_matmul_variant(variant: MatmulVariant) {
     *MATMUL_VARIANT.lock().unwrap_or_else(|p| p.into_inner()) = variant;

@@ -1,7 +1,8 @@
 //! burn's wgpu backend (Mesa's software Vulkan where there is no GPU): our
 //! CubeCL kernels against burn's ops, and the whole distillation, where the
-//! students' pointwise convolutions, the head's linear layers and both losses
-//! run as those kernels: it must end where the CPU (flex, burn ops) run ends.
+//! teacher's and the students' convolutions, pools, linear layers, losses and
+//! optimizer steps run as those kernels: it must end where the CPU (flex)
+//! run ends, reading values back only at its logged steps.
 #![cfg(feature = "wgpu")]
 
 use std::path::Path;
@@ -12,7 +13,9 @@ use crate::common;
 
 #[test]
 fn wgpu_run_matches_the_cpu_run() {
-    let text = common::small_config(3000, 1000, 1).replace("batch_size = 64", "batch_size = 32");
+    let text = common::small_config(3000, 1000, 1)
+        .replace("batch_size = 64", "batch_size = 32")
+        .replace("log_every = 1", "log_every = 25");
     let run = |device: &str| {
         let mut config = RunConfig::parse(&text, Path::new("small.toml")).unwrap();
         config.device = device.to_string();
@@ -36,6 +39,20 @@ fn wgpu_run_matches_the_cpu_run() {
     let points = 100.0 * (cpu.student_accuracy - gpu.student_accuracy).abs();
     assert!(points <= 0.5, "student accuracy cpu {} vs wgpu {}", cpu.student_accuracy, gpu.student_accuracy);
     assert!(gpu.student_accuracy > 0.5, "the wgpu student learned: {}", gpu.student_accuracy);
+
+    // The CPU reads every block's loss at every step; on wgpu the losses
+    // stay on the device and the worker reads them once per logged step
+    // (steps 0, 25, 50, 75 and the last), plus once per block for the
+    // loss window of its final checkpoint.
+    let blocks = cpu.blocks.len();
+    let logged = cpu.steps.div_ceil(25) + usize::from((cpu.steps - 1) % 25 != 0);
+    assert_eq!(cpu.host_reads, cpu.steps * blocks, "the CPU run's reads");
+    assert!(
+        gpu.host_reads >= logged && gpu.host_reads <= logged + blocks,
+        "{} reads back on wgpu in {} steps ({logged} logged)",
+        gpu.host_reads,
+        gpu.steps
+    );
 }
 
 /// Our CubeCL kernels on wgpu: every fused op, forward and every gradient,

@@ -31,8 +31,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::{activate, epilogue_code, new_output};
-use crate::{ConvBackwardInputs, ConvGrads, Epilogue};
+use super::{activate, clamp_index, epilogue_code, new_output};
+use crate::{ConvBackwardInputs, ConvGrads, ConvVariant, Epilogue};
 
 /// Columns of the output tile of a cube (units along x: 16, 4 columns each).
 const TILE_N: usize = 64;
@@ -240,58 +240,255 @@ fn conv_forward_kernel<F: Float, I: Int>(
             k0 += 16;
         }
 
-        if pooled {
-            // The unit's 4 columns are one window, in window order.
-            let window = (n0 + 4 * ux) / 4;
-            if window < batch * ph * pw {
-                let wb = window / (ph * pw);
-                let at = window % (ph * pw);
-                let (py, px) = (at / pw, at % pw);
+        store_tile::<F, I>(
+            &acc, bias, out, indices, n0, m0, ux, uy, dy, batch, c_out, oh, ow, columns, has_bias, epilogue,
+            pooled,
+        );
+    }
+}
+
+/// A forward kernel's 4x4 register tile (rows `m0 + uy + i dy`; columns
+/// `n0 + ux + 16 j`, or pooled the window `n0 / 4 + ux`) with its bias and
+/// activation: stored, or pooled the window's maximum and where it sat.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn store_tile<F: Float, I: Int>(
+    acc: &Array<F>,
+    bias: &Array<F>,
+    out: &mut Array<F>,
+    indices: &mut Array<I>,
+    n0: usize,
+    m0: usize,
+    ux: usize,
+    uy: usize,
+    #[comptime] dy: usize,
+    batch: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    columns: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] epilogue: u32,
+    #[comptime] pooled: bool,
+) {
+    let (ph, pw) = (oh / 2, ow / 2);
+    if pooled {
+        // The unit's 4 columns are one window, in window order.
+        let window = (n0 + 4 * ux) / 4;
+        if window < batch * ph * pw {
+            let wb = window / (ph * pw);
+            let at = window % (ph * pw);
+            let (py, px) = (at / pw, at % pw);
+            #[unroll]
+            for i in 0..4usize {
+                let m = m0 + uy + i * dy;
+                if m < c_out {
+                    let mut shift = F::new(0.0);
+                    if has_bias {
+                        shift = bias[m];
+                    }
+                    let mut best = activate::<F>(acc[i * 4] + shift, epilogue);
+                    let mut best_at = 0usize.runtime();
+                    #[unroll]
+                    for q in 1..4usize {
+                        let v = activate::<F>(acc[i * 4 + q] + shift, epilogue);
+                        if v > best {
+                            best = v;
+                            best_at = q;
+                        }
+                    }
+                    let slot = (wb * c_out + m) * ph * pw + at;
+                    out[slot] = best;
+                    indices[slot] = I::cast_from((2 * py + best_at / 2) * ow + 2 * px + best_at % 2);
+                }
+            }
+        }
+    } else {
+        #[unroll]
+        for j in 0..4usize {
+            let col = n0 + ux + 16 * j;
+            if col < columns {
+                let cb = col / (oh * ow);
+                let at = col % (oh * ow);
                 #[unroll]
                 for i in 0..4usize {
                     let m = m0 + uy + i * dy;
                     if m < c_out {
-                        let mut shift = F::new(0.0);
+                        let mut v = acc[i * 4 + j];
                         if has_bias {
-                            shift = bias[m];
+                            v += bias[m];
                         }
-                        let mut best = activate::<F>(acc[i * 4] + shift, epilogue);
-                        let mut best_at = 0usize.runtime();
-                        #[unroll]
-                        for q in 1..4usize {
-                            let v = activate::<F>(acc[i * 4 + q] + shift, epilogue);
-                            if v > best {
-                                best = v;
-                                best_at = q;
-                            }
-                        }
-                        let slot = (wb * c_out + m) * ph * pw + at;
-                        out[slot] = best;
-                        indices[slot] = I::cast_from((2 * py + best_at / 2) * ow + 2 * px + best_at % 2);
-                    }
-                }
-            }
-        } else {
-            #[unroll]
-            for j in 0..4usize {
-                let col = n0 + ux + 16 * j;
-                if col < columns {
-                    let cb = col / (oh * ow);
-                    let at = col % (oh * ow);
-                    #[unroll]
-                    for i in 0..4usize {
-                        let m = m0 + uy + i * dy;
-                        if m < c_out {
-                            let mut v = acc[i * 4 + j];
-                            if has_bias {
-                                v += bias[m];
-                            }
-                            out[(cb * c_out + m) * oh * ow + at] = activate::<F>(v, epilogue);
-                        }
+                        out[(cb * c_out + m) * oh * ow + at] = activate::<F>(v, epilogue);
                     }
                 }
             }
         }
+    }
+}
+
+/// Where output column `col` reads its input: the offset of its sample's
+/// first channel, its window's top row and left column in the padded input
+/// (before the tap), and whether the column exists. Pooled, columns come
+/// in fours: one 2x2 window's positions in window order.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn column_origin(
+    col: usize,
+    columns: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    oh: usize,
+    ow: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pooled: bool,
+) -> (usize, usize, usize, bool) {
+    let mut b = col / (oh * ow);
+    let mut oy = (col % (oh * ow)) / ow;
+    let mut ox = col % ow;
+    if pooled {
+        let (ph, pw) = (oh / 2, ow / 2);
+        let window = col / 4;
+        let quad = col % 4;
+        let at = window % (ph * pw);
+        b = window / (ph * pw);
+        oy = (at / pw) * 2 + quad / 2;
+        ox = (at % pw) * 2 + quad % 2;
+    }
+    (b * c_in * h * wd, oy * sy, ox * sx, col < columns)
+}
+
+/// The input value a column reads at one tap (zero in the padding).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn tap_offset(
+    origin: (usize, usize, usize, bool),
+    #[comptime] ky: usize,
+    #[comptime] kx: usize,
+    h: usize,
+    wd: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+) -> (usize, bool) {
+    let (base, y0, x0, valid) = origin;
+    let yy = y0 + ky;
+    let xx = x0 + kx;
+    let ok = valid && yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x;
+    (select(ok, base + (yy - pad_y) * wd + xx - pad_x, 0usize), ok)
+}
+
+/// Dense forward without shared memory or barriers (the other variant of
+/// [`conv_forward_kernel`], same arguments and output): each unit keeps 4
+/// output channels x 4 columns in registers and walks the filter taps
+/// (unrolled) and, innermost, the input channels, so that each step of the
+/// walk is 8 loads and 16 multiply-adds with no index arithmetic. CPU
+/// Vulkan drivers pay dearly for barriers; GPUs may prefer either.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+fn conv_forward_direct_kernel<F: Float, I: Int>(
+    x: &Array<F>,
+    w: &Array<F>,
+    bias: &Array<F>,
+    out: &mut Array<F>,
+    indices: &mut Array<I>,
+    batch: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    #[comptime] kh: usize,
+    #[comptime] kw: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+    #[comptime] tile_m: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] epilogue: u32,
+    #[comptime] pooled: bool,
+) {
+    let taps = kh * kw;
+    let depth = c_in * taps;
+    let plane = h * wd;
+    let (ph, pw) = (oh / 2, ow / 2);
+    let mut columns = batch * oh * ow;
+    if pooled {
+        columns = batch * ph * pw * 4;
+    }
+    let n0 = column_tile() * 64;
+    let m0 = CUBE_POS_Y as usize * tile_m;
+    if n0 < columns {
+        let (ux, uy) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+        let dy = tile_m / 4;
+        // Columns n0 + ux + 16 j (neighbouring units read neighbouring
+        // pixels), or pooled the window n0 / 4 + ux.
+        let mut c0 = n0 + ux;
+        let mut step = 16usize.runtime();
+        if pooled {
+            c0 = n0 + 4 * ux;
+            step = 1usize.runtime();
+        }
+        let o0 = column_origin(c0, columns, c_in, h, wd, oh, ow, sy, sx, pooled);
+        let o1 = column_origin(c0 + step, columns, c_in, h, wd, oh, ow, sy, sx, pooled);
+        let o2 = column_origin(c0 + 2 * step, columns, c_in, h, wd, oh, ow, sy, sx, pooled);
+        let o3 = column_origin(c0 + 3 * step, columns, c_in, h, wd, oh, ow, sy, sx, pooled);
+        // Rows past c_out read the last filter (never stored).
+        let r0 = clamp_index(m0 + uy, c_out) * depth;
+        let r1 = clamp_index(m0 + uy + dy, c_out) * depth;
+        let r2 = clamp_index(m0 + uy + 2 * dy, c_out) * depth;
+        let r3 = clamp_index(m0 + uy + 3 * dy, c_out) * depth;
+        let mut acc = Array::<F>::new(16usize);
+        #[unroll]
+        for i in 0..16usize {
+            acc[i] = F::new(0.0);
+        }
+        let zero = F::new(0.0);
+        #[unroll]
+        for ky in 0..kh {
+            #[unroll]
+            for kx in 0..kw {
+                let (p0, ok0) = tap_offset(o0, ky, kx, h, wd, pad_y, pad_x);
+                let (p1, ok1) = tap_offset(o1, ky, kx, h, wd, pad_y, pad_x);
+                let (p2, ok2) = tap_offset(o2, ky, kx, h, wd, pad_y, pad_x);
+                let (p3, ok3) = tap_offset(o3, ky, kx, h, wd, pad_y, pad_x);
+                let tap = ky * kw + kx;
+                for c in 0..c_in {
+                    let at = c * plane;
+                    let k = c * taps + tap;
+                    let a0 = w[r0 + k];
+                    let a1 = w[r1 + k];
+                    let a2 = w[r2 + k];
+                    let a3 = w[r3 + k];
+                    let b0 = select(ok0, x[p0 + at], zero);
+                    let b1 = select(ok1, x[p1 + at], zero);
+                    let b2 = select(ok2, x[p2 + at], zero);
+                    let b3 = select(ok3, x[p3 + at], zero);
+                    acc[0] += a0 * b0;
+                    acc[1] += a0 * b1;
+                    acc[2] += a0 * b2;
+                    acc[3] += a0 * b3;
+                    acc[4] += a1 * b0;
+                    acc[5] += a1 * b1;
+                    acc[6] += a1 * b2;
+                    acc[7] += a1 * b3;
+                    acc[8] += a2 * b0;
+                    acc[9] += a2 * b1;
+                    acc[10] += a2 * b2;
+                    acc[11] += a2 * b3;
+                    acc[12] += a3 * b0;
+                    acc[13] += a3 * b1;
+                    acc[14] += a3 * b2;
+                    acc[15] += a3 * b3;
+                }
+            }
+        }
+        store_tile::<F, I>(
+            &acc, bias, out, indices, n0, m0, ux, uy, dy, batch, c_out, oh, ow, columns, has_bias, epilogue,
+            pooled,
+        );
     }
 }
 
@@ -442,10 +639,43 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
     }
 }
 
+/// The input value under filter tap `(ky, kx)` of output position `(oy,
+/// ox)` of sample `b`, channel `c` (zero in the padding).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn input_at<F: Float>(
+    x: &Array<F>,
+    b: usize,
+    c: usize,
+    oy: usize,
+    ox: usize,
+    ky: usize,
+    kx: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+) -> F {
+    let yy = oy * sy + ky;
+    let xx = ox * sx + kx;
+    let mut v = F::new(0.0);
+    if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
+        v = x[((b * c_in + c) * h + yy - pad_y) * wd + xx - pad_x];
+    }
+    v
+}
+
 /// Dense weight and bias gradients, first stage: cube `z` sums `G @
 /// cols(x)^T` over its chunk of `chunk` positions of the reduction (batch x
 /// output pixels) into `partials[z][c_out][c_in * taps]`, and the bias
-/// gradient over the same chunk into `bias_partials[z][c_out]`.
+/// gradient over the same chunk into `bias_partials[z][c_out]`. With
+/// `swap` it computes the transposed product `cols(x) @ G^T` (rows: the
+/// filter's `c_in * taps` entries, columns: the output channels), which
+/// fills the 64 columns of a tile better when the filter has fewer entries
+/// than there are channels; the partials keep their layout.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 fn conv_weight_grad_kernel<F: Float, I: Int>(
@@ -472,9 +702,17 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
     #[comptime] tile_m: usize,
     #[comptime] epilogue: u32,
     #[comptime] pooled: bool,
+    #[comptime] swap: bool,
 ) {
     let taps = kh * kw;
     let depth = c_in * taps;
+    // Rows and columns of the product this kernel computes.
+    let mut rows = c_out;
+    let mut cols = depth;
+    if swap {
+        rows = depth;
+        cols = c_out;
+    }
     // Pooled, only the pixels inside a whole window can carry a gradient.
     let mut rh = oh;
     let mut rw = ow;
@@ -498,16 +736,22 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
     let mut a_tile = SharedMemory::<F>::new(tile_m * 16);
     let mut b_tile = SharedMemory::<F>::new(1024usize);
 
-    // This unit's column of cols(x)^T: one (c, tap) of the filter.
+    // This unit's column of the B tile: a filter entry (c, tap), or with
+    // `swap` an output channel.
     let load_col = unit % 64;
     let n = n0 + load_col;
-    let column_ok = n < depth;
+    let column_ok = n < cols;
     let c = n / taps;
     let tap = n % taps;
     let (ky, kx) = (tap / kw, tap % kw);
     let rows_per_pass = units / 64;
-    // The bias is summed once: by the cubes of the first column tile.
-    let sums_bias = CUBE_POS_X == 0 && ux == 0;
+    // The bias is summed once, from the tile that holds G: by the first
+    // column tile's first unit column (A), or with `swap` by the first row
+    // tile's first unit row (B).
+    let mut sums_bias = CUBE_POS_X == 0 && ux == 0;
+    if swap {
+        sums_bias = CUBE_POS_Y == 0 && uy == 0;
+    }
 
     let mut acc = Array::<F>::new(16usize);
     let mut bias_acc = Array::<F>::new(4usize);
@@ -521,31 +765,53 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
     }
     let mut k0 = r_begin;
     while k0 < r_end {
-        // A[co][r] = G at reduction position r.
+        // A[row][r]: G of output channel `row` (with `swap`: the input
+        // under filter entry `row`) at reduction position r.
         #[unroll]
         for j in 0..4usize {
             let idx = unit + j * units;
             let (m, r) = (m0 + idx / 16, k0 + idx % 16);
             let mut v = F::new(0.0);
-            if m < c_out && r < r_end {
+            if m < rows && r < r_end {
                 let rb = r / (rh * rw);
                 let at = r % (rh * rw);
-                v = pre_gradient::<F, I>(
-                    grad,
-                    saved,
-                    indices,
-                    rb * c_out + m,
-                    at / rw,
-                    at % rw,
-                    oh,
-                    ow,
-                    epilogue,
-                    pooled,
-                );
+                if swap {
+                    let mt = m % taps;
+                    v = input_at::<F>(
+                        x,
+                        rb,
+                        m / taps,
+                        at / rw,
+                        at % rw,
+                        mt / kw,
+                        mt % kw,
+                        c_in,
+                        h,
+                        wd,
+                        sy,
+                        sx,
+                        pad_y,
+                        pad_x,
+                    );
+                } else {
+                    v = pre_gradient::<F, I>(
+                        grad,
+                        saved,
+                        indices,
+                        rb * c_out + m,
+                        at / rw,
+                        at % rw,
+                        oh,
+                        ow,
+                        epilogue,
+                        pooled,
+                    );
+                }
             }
             a_tile[idx] = v;
         }
-        // B[r][(c, tap)] = x at the tap of position r.
+        // B[r][col]: the input under filter entry `col` (with `swap`: G of
+        // output channel `col`) at reduction position r.
         let mut rr = unit / 64;
         while rr < 16 {
             let r = k0 + rr;
@@ -553,10 +819,21 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
             if column_ok && r < r_end {
                 let rb = r / (rh * rw);
                 let at = r % (rh * rw);
-                let yy = (at / rw) * sy + ky;
-                let xx = (at % rw) * sx + kx;
-                if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
-                    v = x[((rb * c_in + c) * h + yy - pad_y) * wd + xx - pad_x];
+                if swap {
+                    v = pre_gradient::<F, I>(
+                        grad,
+                        saved,
+                        indices,
+                        rb * c_out + n,
+                        at / rw,
+                        at % rw,
+                        oh,
+                        ow,
+                        epilogue,
+                        pooled,
+                    );
+                } else {
+                    v = input_at::<F>(x, rb, c, at / rw, at % rw, ky, kx, c_in, h, wd, sy, sx, pad_y, pad_x);
                 }
             }
             b_tile[rr * 64 + load_col] = v;
@@ -569,16 +846,23 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
             let a1 = a_tile[(uy + dy) * 16 + kk];
             let a2 = a_tile[(uy + 2 * dy) * 16 + kk];
             let a3 = a_tile[(uy + 3 * dy) * 16 + kk];
-            if sums_bias {
-                bias_acc[0] += a0;
-                bias_acc[1] += a1;
-                bias_acc[2] += a2;
-                bias_acc[3] += a3;
-            }
             let b0 = b_tile[kk * 64 + ux];
             let b1 = b_tile[kk * 64 + ux + 16];
             let b2 = b_tile[kk * 64 + ux + 32];
             let b3 = b_tile[kk * 64 + ux + 48];
+            if sums_bias {
+                if swap {
+                    bias_acc[0] += b0;
+                    bias_acc[1] += b1;
+                    bias_acc[2] += b2;
+                    bias_acc[3] += b3;
+                } else {
+                    bias_acc[0] += a0;
+                    bias_acc[1] += a1;
+                    bias_acc[2] += a2;
+                    bias_acc[3] += a3;
+                }
+            }
             acc[0] += a0 * b0;
             acc[1] += a0 * b1;
             acc[2] += a0 * b2;
@@ -602,16 +886,27 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
     #[unroll]
     for i in 0..4usize {
         let m = m0 + uy + i * dy;
-        if m < c_out {
-            #[unroll]
-            for j in 0..4usize {
-                let col = n0 + ux + 16 * j;
-                if col < depth {
-                    partials[(z * c_out + m) * depth + col] = acc[i * 4 + j];
+        #[unroll]
+        for j in 0..4usize {
+            let col = n0 + ux + 16 * j;
+            if m < rows && col < cols {
+                let mut at = (z * c_out + m) * depth + col;
+                if swap {
+                    at = (z * c_out + col) * depth + m;
                 }
+                partials[at] = acc[i * 4 + j];
             }
-            if sums_bias {
-                bias_partials[z * c_out + m] = bias_acc[i];
+        }
+    }
+    if sums_bias {
+        #[unroll]
+        for i in 0..4usize {
+            let mut channel = m0 + uy + i * dy;
+            if swap {
+                channel = n0 + ux + 16 * i;
+            }
+            if channel < c_out {
+                bias_partials[z * c_out + channel] = bias_acc[i];
             }
         }
     }
@@ -1096,20 +1391,112 @@ pub(crate) fn conv_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: B
     if columns == 0 {
         return (out, pooled.then_some(indices));
     }
-    let tile_m = tile_rows(g.c_out);
-    // SAFETY: every load is guarded by the operands' sizes (rows < c_out,
-    // k < c_in * taps, pixels inside the padded input) and every store by
-    // the output's (rows < c_out, columns < batch x pixels or windows).
+    let call = ForwardCall {
+        x,
+        weight,
+        bias,
+        out: out.clone(),
+        indices: indices.clone(),
+        g,
+        columns,
+        has_bias,
+        epilogue,
+        pooled,
+    };
+    match choose_forward::<R, F, I, BT>(&call) {
+        ConvVariant::Direct => forward_direct::<R, F, I, BT>(call),
+        _ => forward_tiled::<R, F, I, BT>(call),
+    }
+    (out, pooled.then_some(indices))
+}
+
+/// The arguments of one dense forward launch.
+#[derive(Clone)]
+struct ForwardCall<R: CubeRuntime> {
+    x: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    out: CubeTensor<R>,
+    indices: CubeTensor<R>,
+    g: Geometry,
+    columns: usize,
+    has_bias: bool,
+    epilogue: Epilogue,
+    pooled: bool,
+}
+
+fn tuned() -> &'static std::sync::Mutex<std::collections::HashMap<String, ConvVariant>> {
+    static TUNED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, ConvVariant>>> =
+        std::sync::OnceLock::new();
+    TUNED.get_or_init(Default::default)
+}
+
+/// The variant in force, or the faster one for this call's shapes on this
+/// device (both timed at the first call of each, and remembered).
+fn choose_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    call: &ForwardCall<R>,
+) -> ConvVariant {
+    let forced = crate::conv_variant();
+    if forced != ConvVariant::Auto {
+        return forced;
+    }
+    let key = format!(
+        "{:?} {:?} {:?} {} {:?} {}",
+        call.x.device, call.g, call.has_bias, call.columns, call.epilogue, call.pooled
+    );
+    if let Some(variant) = tuned().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return *variant;
+    }
+    let time = |variant: ConvVariant| {
+        let run = || {
+            match variant {
+                ConvVariant::Direct => forward_direct::<R, F, I, BT>(call.clone()),
+                _ => forward_tiled::<R, F, I, BT>(call.clone()),
+            }
+            let _ = <Cube<R, F, I, BT> as burn::tensor::backend::Backend>::sync(&call.x.device);
+        };
+        run();
+        (0..3)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                run();
+                start.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    };
+    let variant = if time(ConvVariant::Tiled) <= time(ConvVariant::Direct) {
+        ConvVariant::Tiled
+    } else {
+        ConvVariant::Direct
+    };
+    tuned().lock().unwrap_or_else(|p| p.into_inner()).insert(key, variant);
+    variant
+}
+
+/// Rows of a direct kernel's cube: `c_out` rounded up to a power of two
+/// from 4 to 64 (4 rows per unit row).
+fn direct_rows(rows: usize) -> usize {
+    rows.next_power_of_two().clamp(4, 64)
+}
+
+fn forward_direct<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(call: ForwardCall<R>) {
+    let ForwardCall { x, weight, bias, out, indices, g, columns, has_bias, epilogue, pooled } = call;
+    let tile_m = direct_rows(g.c_out);
+    let client = x.client.clone();
+    // SAFETY: filter rows are read clamped to c_out and input pixels only
+    // inside the input (a padding tap reads offset 0 and discards it);
+    // stores are guarded by the output's rows and columns.
     unsafe {
-        conv_forward_kernel::launch_unchecked::<F, I, R>(
+        conv_forward_direct_kernel::launch_unchecked::<F, I, R>(
             &client,
             matrix_grid(columns, g.c_out, tile_m),
             CubeDim::new_2d(16, (tile_m / 4) as u32),
             x.into_array_arg(),
             weight.into_array_arg(),
             bias.into_array_arg(),
-            out.clone().into_array_arg(),
-            indices.clone().into_array_arg(),
+            out.into_array_arg(),
+            indices.into_array_arg(),
             g.batch,
             g.c_in,
             g.h,
@@ -1129,7 +1516,44 @@ pub(crate) fn conv_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: B
             pooled,
         );
     }
-    (out, pooled.then_some(indices))
+}
+
+fn forward_tiled<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(call: ForwardCall<R>) {
+    let ForwardCall { x, weight, bias, out, indices, g, columns, has_bias, epilogue, pooled } = call;
+    let client = x.client.clone();
+    let tile_m = tile_rows(g.c_out);
+    // SAFETY: every load is guarded by the operands' sizes (rows < c_out,
+    // k < c_in * taps, pixels inside the padded input) and every store by
+    // the output's (rows < c_out, columns < batch x pixels or windows).
+    unsafe {
+        conv_forward_kernel::launch_unchecked::<F, I, R>(
+            &client,
+            matrix_grid(columns, g.c_out, tile_m),
+            CubeDim::new_2d(16, (tile_m / 4) as u32),
+            x.into_array_arg(),
+            weight.into_array_arg(),
+            bias.into_array_arg(),
+            out.into_array_arg(),
+            indices.into_array_arg(),
+            g.batch,
+            g.c_in,
+            g.h,
+            g.w,
+            g.c_out,
+            g.oh,
+            g.ow,
+            g.kernel.0,
+            g.kernel.1,
+            g.stride.0,
+            g.stride.1,
+            g.padding.0,
+            g.padding.1,
+            tile_m,
+            has_bias,
+            epilogue_code(epilogue),
+            pooled,
+        );
+    }
 }
 
 /// The splits of a reduction of `len` positions over cubes, and the chunk
@@ -1265,19 +1689,18 @@ pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: 
             code,
         );
     } else {
-        let tile_m = tile_rows(g.c_out);
         let depth = g.c_in * g.taps();
+        // The longer side along the tile's 64 columns.
+        let swap = depth < g.c_out;
+        let (rows, cols) = if swap { (depth, g.c_out) } else { (g.c_out, depth) };
+        let tile_m = tile_rows(rows);
         // SAFETY: loads are guarded by the operands' sizes (rows < c_out,
         // positions < the chunk's end, pixels inside the padded input) and
         // stores by the partial buffers' (count x c_out x depth, count x c_out).
         unsafe {
             conv_weight_grad_kernel::launch_unchecked::<F, I, R>(
                 &client,
-                CubeCount::Static(
-                    depth.div_ceil(TILE_N) as u32,
-                    g.c_out.div_ceil(tile_m) as u32,
-                    count as u32,
-                ),
+                CubeCount::Static(cols.div_ceil(TILE_N) as u32, rows.div_ceil(tile_m) as u32, count as u32),
                 CubeDim::new_2d(16, (tile_m / 4) as u32),
                 grad.into_array_arg(),
                 saved.into_array_arg(),
@@ -1302,6 +1725,7 @@ pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: 
                 tile_m,
                 code,
                 pooled,
+                swap,
             );
         }
     }
