@@ -31,7 +31,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::{activate, clamp_index, epilogue_code, new_output};
+use super::{activate, clamp_index, epilogue_code, new_output, outer_product_add};
 use crate::{ConvBackwardInputs, ConvGrads, ConvVariant, Epilogue};
 
 /// Columns of the output tile of a cube (units along x: 16, 4 columns each).
@@ -219,22 +219,7 @@ fn conv_forward_kernel<F: Float, I: Int>(
                     b2 = b_tile[kk * 64 + 4 * ux + 2];
                     b3 = b_tile[kk * 64 + 4 * ux + 3];
                 }
-                acc[0] += a0 * b0;
-                acc[1] += a0 * b1;
-                acc[2] += a0 * b2;
-                acc[3] += a0 * b3;
-                acc[4] += a1 * b0;
-                acc[5] += a1 * b1;
-                acc[6] += a1 * b2;
-                acc[7] += a1 * b3;
-                acc[8] += a2 * b0;
-                acc[9] += a2 * b1;
-                acc[10] += a2 * b2;
-                acc[11] += a2 * b3;
-                acc[12] += a3 * b0;
-                acc[13] += a3 * b1;
-                acc[14] += a3 * b2;
-                acc[15] += a3 * b3;
+                outer_product_add::<F>(&mut acc, a0, a1, a2, a3, b0, b1, b2, b3);
             }
             sync_cube();
             k0 += 16;
@@ -466,22 +451,7 @@ fn conv_forward_direct_kernel<F: Float, I: Int>(
                     let b1 = select(ok1, x[p1 + at], zero);
                     let b2 = select(ok2, x[p2 + at], zero);
                     let b3 = select(ok3, x[p3 + at], zero);
-                    acc[0] += a0 * b0;
-                    acc[1] += a0 * b1;
-                    acc[2] += a0 * b2;
-                    acc[3] += a0 * b3;
-                    acc[4] += a1 * b0;
-                    acc[5] += a1 * b1;
-                    acc[6] += a1 * b2;
-                    acc[7] += a1 * b3;
-                    acc[8] += a2 * b0;
-                    acc[9] += a2 * b1;
-                    acc[10] += a2 * b2;
-                    acc[11] += a2 * b3;
-                    acc[12] += a3 * b0;
-                    acc[13] += a3 * b1;
-                    acc[14] += a3 * b2;
-                    acc[15] += a3 * b3;
+                    outer_product_add::<F>(&mut acc, a0, a1, a2, a3, b0, b1, b2, b3);
                 }
             }
         }
@@ -601,22 +571,7 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
                 let b1 = b_tile[kk * 64 + ux + 16];
                 let b2 = b_tile[kk * 64 + ux + 32];
                 let b3 = b_tile[kk * 64 + ux + 48];
-                acc[0] += a0 * b0;
-                acc[1] += a0 * b1;
-                acc[2] += a0 * b2;
-                acc[3] += a0 * b3;
-                acc[4] += a1 * b0;
-                acc[5] += a1 * b1;
-                acc[6] += a1 * b2;
-                acc[7] += a1 * b3;
-                acc[8] += a2 * b0;
-                acc[9] += a2 * b1;
-                acc[10] += a2 * b2;
-                acc[11] += a2 * b3;
-                acc[12] += a3 * b0;
-                acc[13] += a3 * b1;
-                acc[14] += a3 * b2;
-                acc[15] += a3 * b3;
+                outer_product_add::<F>(&mut acc, a0, a1, a2, a3, b0, b1, b2, b3);
             }
             sync_cube();
             k0 += 16;
@@ -863,22 +818,7 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
                     bias_acc[3] += a3;
                 }
             }
-            acc[0] += a0 * b0;
-            acc[1] += a0 * b1;
-            acc[2] += a0 * b2;
-            acc[3] += a0 * b3;
-            acc[4] += a1 * b0;
-            acc[5] += a1 * b1;
-            acc[6] += a1 * b2;
-            acc[7] += a1 * b3;
-            acc[8] += a2 * b0;
-            acc[9] += a2 * b1;
-            acc[10] += a2 * b2;
-            acc[11] += a2 * b3;
-            acc[12] += a3 * b0;
-            acc[13] += a3 * b1;
-            acc[14] += a3 * b2;
-            acc[15] += a3 * b3;
+            outer_product_add::<F>(&mut acc, a0, a1, a2, a3, b0, b1, b2, b3);
         }
         sync_cube();
         k0 += 16;
@@ -1425,14 +1365,8 @@ struct ForwardCall<R: CubeRuntime> {
     pooled: bool,
 }
 
-fn tuned() -> &'static std::sync::Mutex<std::collections::HashMap<String, ConvVariant>> {
-    static TUNED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, ConvVariant>>> =
-        std::sync::OnceLock::new();
-    TUNED.get_or_init(Default::default)
-}
-
 /// The variant in force, or the faster one for this call's shapes on this
-/// device (both timed at the first call of each, and remembered).
+/// device ([`super::tuning::faster`]).
 fn choose_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     call: &ForwardCall<R>,
 ) -> ConvVariant {
@@ -1441,37 +1375,23 @@ fn choose_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
         return forced;
     }
     let key = format!(
-        "{:?} {:?} {:?} {} {:?} {}",
+        "conv {:?} {:?} {:?} {} {:?} {}",
         call.x.device, call.g, call.has_bias, call.columns, call.epilogue, call.pooled
     );
-    if let Some(variant) = tuned().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
-        return *variant;
-    }
-    let time = |variant: ConvVariant| {
-        let run = || {
+    let timed = |variant: ConvVariant| {
+        move || {
             match variant {
                 ConvVariant::Direct => forward_direct::<R, F, I, BT>(call.clone()),
                 _ => forward_tiled::<R, F, I, BT>(call.clone()),
             }
             let _ = <Cube<R, F, I, BT> as burn::tensor::backend::Backend>::sync(&call.x.device);
-        };
-        run();
-        (0..3)
-            .map(|_| {
-                let start = std::time::Instant::now();
-                run();
-                start.elapsed()
-            })
-            .min()
-            .unwrap_or_default()
+        }
     };
-    let variant = if time(ConvVariant::Tiled) <= time(ConvVariant::Direct) {
-        ConvVariant::Tiled
-    } else {
-        ConvVariant::Direct
-    };
-    tuned().lock().unwrap_or_else(|p| p.into_inner()).insert(key, variant);
-    variant
+    let (tiled, direct) = (timed(ConvVariant::Tiled), timed(ConvVariant::Direct));
+    match super::tuning::faster(key, [("tiled", &tiled), ("direct", &direct)]) {
+        "direct" => ConvVariant::Direct,
+        _ => ConvVariant::Tiled,
+    }
 }
 
 /// Rows of a direct kernel's cube: `c_out` rounded up to a power of two
@@ -1747,6 +1667,31 @@ pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: 
         bias_grad,
     );
     ConvGrads { x: dx, weight: weight_grad, bias }
+}
+
+/// The input (when `x_grad`) and weight gradients of a convolution, pooled
+/// when `indices` is set, from the gradient of its output before any
+/// activation, for a convolution our kernels take ([`takes`]).
+pub(crate) fn plain_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    x: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    indices: Option<CubeTensor<R>>,
+    options: ConvOptions<2>,
+    x_grad: bool,
+) -> (Option<CubeTensor<R>>, CubeTensor<R>) {
+    // The identity's derivative is 1: the saved output (the gradient itself here) only fills the slot.
+    let inputs = ConvBackwardInputs {
+        output: grad.clone(),
+        output_grad: grad,
+        x,
+        weight,
+        epilogue: Epilogue::Identity,
+        pool_indices: indices,
+        options,
+    };
+    let grads = conv_backward::<R, F, I, BT>(&inputs, x_grad, false);
+    (grads.x, grads.weight)
 }
 
 /// The 2x2 max-pool of `x` and, with `with_indices`, where each maximum sat.

@@ -26,6 +26,7 @@
 
 mod conv;
 mod optim;
+mod tuning;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -81,6 +82,8 @@ fn user_configured() -> bool {
 pub(crate) fn keep_caches_in(dir: &std::path::Path) -> bool {
     use cubecl::config::cache::CacheConfig;
     use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+    // Our own choices between kernel variants, whatever CubeCL's settings.
+    tuning::keep_in(dir);
     if user_configured() {
         return false;
     }
@@ -390,6 +393,30 @@ fn epilogue_kernel<F: Float>(
     }
 }
 
+/// `acc[4 i + j] += a_i * b_j`: a 4x4 register tile's update by one column
+/// of the left operand and one row of the right one (every register-tiled
+/// product kernel's inner step).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn outer_product_add<F: Float>(acc: &mut Array<F>, a0: F, a1: F, a2: F, a3: F, b0: F, b1: F, b2: F, b3: F) {
+    acc[0] += a0 * b0;
+    acc[1] += a0 * b1;
+    acc[2] += a0 * b2;
+    acc[3] += a0 * b3;
+    acc[4] += a1 * b0;
+    acc[5] += a1 * b1;
+    acc[6] += a1 * b2;
+    acc[7] += a1 * b3;
+    acc[8] += a2 * b0;
+    acc[9] += a2 * b1;
+    acc[10] += a2 * b2;
+    acc[11] += a2 * b3;
+    acc[12] += a3 * b0;
+    acc[13] += a3 * b1;
+    acc[14] += a3 * b2;
+    acc[15] += a3 * b3;
+}
+
 /// `min(i, len - 1)`: operand indices past the edge are read clamped, so the
 /// matmul's inner loop has no branches (their products are never stored).
 #[cube]
@@ -474,22 +501,7 @@ fn matmul_epilogue_kernel<F: Float>(
                 let b1 = rhs[rb + c1];
                 let b2 = rhs[rb + c2];
                 let b3 = rhs[rb + c3];
-                acc[0] += a0 * b0;
-                acc[1] += a0 * b1;
-                acc[2] += a0 * b2;
-                acc[3] += a0 * b3;
-                acc[4] += a1 * b0;
-                acc[5] += a1 * b1;
-                acc[6] += a1 * b2;
-                acc[7] += a1 * b3;
-                acc[8] += a2 * b0;
-                acc[9] += a2 * b1;
-                acc[10] += a2 * b2;
-                acc[11] += a2 * b3;
-                acc[12] += a3 * b0;
-                acc[13] += a3 * b1;
-                acc[14] += a3 * b2;
-                acc[15] += a3 * b3;
+                outer_product_add::<F>(&mut acc, a0, a1, a2, a3, b0, b1, b2, b3);
                 la += ls_k;
                 rb += rs_k;
             }
@@ -607,17 +619,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         if !conv::takes(&x, &weight, &options, Epilogue::Identity, false) {
             return reference::conv2d_backward::<Self>(x, weight, grad, options, x_grad);
         }
-        let inputs = ConvBackwardInputs {
-            output: grad.clone(),
-            output_grad: grad,
-            x,
-            weight,
-            epilogue: Epilogue::Identity,
-            pool_indices: None,
-            options,
-        };
-        let grads = conv::conv_backward::<R, F, I, BT>(&inputs, x_grad, false);
-        (grads.x, grads.weight)
+        conv::plain_backward::<R, F, I, BT>(x, weight, grad, None, options, x_grad)
     }
 
     fn conv2d_pool(
@@ -645,17 +647,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         if !conv::takes(&x, &weight, &options, Epilogue::Identity, true) {
             return crate::unpool_then_conv_backward::<Self>(x, weight, grad, indices, options, x_grad);
         }
-        let inputs = ConvBackwardInputs {
-            output: grad.clone(),
-            output_grad: grad,
-            x,
-            weight,
-            epilogue: Epilogue::Identity,
-            pool_indices: Some(indices),
-            options,
-        };
-        let grads = conv::conv_backward::<R, F, I, BT>(&inputs, x_grad, false);
-        (grads.x, grads.weight)
+        conv::plain_backward::<R, F, I, BT>(x, weight, grad, Some(indices), options, x_grad)
     }
 
     fn conv2d_layer_backward(
@@ -868,12 +860,8 @@ impl<R: CubeRuntime> MatmulCall<R> {
     }
 }
 
-fn tuned() -> &'static std::sync::Mutex<std::collections::HashMap<String, MatmulVariant>> {
-    static TUNED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, MatmulVariant>>> =
-        std::sync::OnceLock::new();
-    TUNED.get_or_init(Default::default)
-}
-
+/// The matmul variant in force, or the faster one for this call's shapes on
+/// this device ([`tuning::faster`]).
 fn choose_variant<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     call: &MatmulCall<R>,
 ) -> MatmulVariant {
@@ -881,35 +869,20 @@ fn choose_variant<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     if forced != MatmulVariant::Auto {
         return forced;
     }
-    let key = call.key();
-    if let Some(variant) = tuned().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
-        return *variant;
-    }
-    let time = |variant: MatmulVariant| {
-        let run = || {
+    let timed = |variant: MatmulVariant| {
+        move || {
             let out = match variant {
                 MatmulVariant::Split => split_matmul::<R, F, I, BT>(call.clone()),
                 _ => fused_matmul::<R, F, I, BT>(call.clone()),
             };
             let _ = <Cube<R, F, I, BT> as burn::tensor::backend::Backend>::sync(&out.device);
-        };
-        run();
-        (0..3)
-            .map(|_| {
-                let start = std::time::Instant::now();
-                run();
-                start.elapsed()
-            })
-            .min()
-            .unwrap_or_default()
+        }
     };
-    let variant = if time(MatmulVariant::Fused) <= time(MatmulVariant::Split) {
-        MatmulVariant::Fused
-    } else {
-        MatmulVariant::Split
-    };
-    tuned().lock().unwrap_or_else(|p| p.into_inner()).insert(key, variant);
-    variant
+    let (fused, split) = (timed(MatmulVariant::Fused), timed(MatmulVariant::Split));
+    match tuning::faster(format!("matmul {}", call.key()), [("fused", &fused), ("split", &split)]) {
+        "split" => MatmulVariant::Split,
+        _ => MatmulVariant::Fused,
+    }
 }
 
 /// Our one-kernel matmul with the epilogue.
