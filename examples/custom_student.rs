@@ -21,8 +21,9 @@ use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use pipe_bd::data::{ImageDataset, Split};
+use pipe_bd::eval::{score, TopOneAccuracy};
 use pipe_bd::runtime::Distillation;
-use pipe_bd::train::{accuracy, inference_blocks, TrainSettings};
+use pipe_bd::train::{inference_blocks, TrainSettings};
 use pipe_bd::{Activation, Block, BlockResult, FusedBackend, Plan, Students};
 
 /// Training backend: burn's CPU backend with autodiff (the teacher runs on
@@ -122,14 +123,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         output.log.final_losses
     );
 
+    // Top-1 accuracy of the teacher and of the stitched student.
     let stitched = inference_blocks(&output.students);
-    let teacher_accuracy = accuracy(&teacher.blocks, &test, &device, 500)?;
-    let student_accuracy = accuracy(&stitched, &test, &device, 500)?;
+    let evaluation = TopOneAccuracy(test);
+    let scored = score(
+        Some(&evaluation),
+        (&teacher.blocks, &teacher.specs),
+        (&stitched, &output.students.specs),
+        &device,
+    )?;
     println!(
         "test accuracy on {} images: teacher {:.2}%, stitched student {:.2}%",
-        test.len(),
-        100.0 * teacher_accuracy,
-        100.0 * student_accuracy
+        scored.test_samples,
+        100.0 * scored.teacher_accuracy,
+        100.0 * scored.student_accuracy
     );
     Ok(())
 }

@@ -32,7 +32,7 @@ use pipe_bd::train::checkpoint::CheckpointPolicy;
 use pipe_bd::train::stitch::{stitched_pass, StitchedGradients, StitchedPass};
 use pipe_bd::train::{inference_blocks, TrainSettings};
 use pipe_bd::{
-    forward_chain, Activation, Block, BlockResult, Dataset, FusedBackend, Plan, Students, Teacher,
+    forward_chain, Activation, Block, BlockResult, Dataset, FusedBackend, Plan, Samples, Students, Teacher,
 };
 
 type Train = Autodiff<Flex>;
@@ -40,11 +40,13 @@ type Train = Autodiff<Flex>;
 /// MNIST images as flat `[784]` vectors, normalised like the CNN teacher's.
 struct FlatMnist(ImageDataset);
 
-impl<B: Backend> Dataset<B> for FlatMnist {
+impl Samples for FlatMnist {
     fn len(&self) -> usize {
         self.0.len()
     }
+}
 
+impl<B: Backend> Dataset<B> for FlatMnist {
     fn batch(&self, indices: &[usize], device: &B::Device) -> BlockResult<Activation<B>> {
         if let Some(i) = indices.iter().find(|&&i| i >= self.0.len()) {
             return Err(pipe_bd::BlockError::Data { message: format!("no image {i}") });
@@ -128,7 +130,7 @@ fn train_teacher(data: &FlatMnist, device: &Device<Flex>) -> Vec<Dense<Flex>> {
     };
     let mut optimizer = AdamConfig::new().init::<Train, Mlp<Train>>();
     let loss = CrossEntropyLossConfig::new().init(device);
-    let order: Vec<usize> = (0..2).flat_map(|epoch| epoch_order(data.0.len(), 1, epoch)).collect();
+    let order: Vec<usize> = (0..2).flat_map(|epoch| epoch_order(data.len(), 1, epoch)).collect();
     for batch in order.chunks_exact(64) {
         let mut x = data.0.images::<Train>(batch, device).flatten(1, 3);
         for layer in &mlp.layers {
@@ -145,7 +147,7 @@ fn train_teacher(data: &FlatMnist, device: &Device<Flex>) -> Vec<Dense<Flex>> {
 /// Top-1 accuracy of `blocks` chained, on `data`.
 fn accuracy<M: Block<Flex>>(blocks: &[M], data: &FlatMnist) -> Result<f64, Box<dyn std::error::Error>> {
     let device = Default::default();
-    let indices: Vec<usize> = (0..data.0.len()).collect();
+    let indices: Vec<usize> = (0..data.len()).collect();
     let Activation::Flat(logits) = forward_chain(blocks, Dataset::<Flex>::batch(data, &indices, &device)?)?
     else {
         return Err("the last block must produce logits".into());
@@ -207,7 +209,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let reloaded = load_student_records(out, fresh, &device)?;
     println!(
         "test accuracy on {} images: teacher {:.2}%, student {:.2}% after blockwise training, {:.2}% after the stitched pass (saved to and reloaded from {})",
-        test.0.len(),
+        test.len(),
         100.0 * accuracy(&teacher.blocks, &test)?,
         100.0 * blockwise_accuracy,
         100.0 * accuracy(&reloaded, &test)?,

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use pipebd_core::{Dataset, StudentModule, Students};
+use pipebd_core::{Samples, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
@@ -225,33 +225,9 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
         // The single-device reference: teacher once, every block on one slot.
         let (ideal_seconds, _, _, _) = time(&Plan::ideal(blocks), say)?;
         let costs = &self.costs;
-        let block_costs: Vec<BlockCost> = (0..blocks)
-            .map(|k| BlockCost {
-                block: k + 1,
-                teacher_forward: costs.teacher_forward[k][0].unwrap_or(f64::NAN),
-                student_step: costs.student_step[k][0].unwrap_or(f64::NAN),
-            })
-            .collect();
+        let block_costs = first_slot_costs(costs, blocks);
         let data_load: Vec<f64> = costs.input_transfer[0].clone();
-        // Stage cuts of `ls`, `tr` and `tr-dpu` balance the measured costs.
-        let measured: Vec<f64> = block_costs.iter().map(|c| c.teacher_forward + c.student_step).collect();
-        let plans = self
-            .schedules
-            .iter()
-            .map(|name| {
-                if name == Schedule::Auto.name() {
-                    let best =
-                        crate::planning::planner::plan(costs, slots, config.runtime.memory_per_device, 1);
-                    let best = best.first().ok_or_else(|| Error::Plan {
-                        plan: Schedule::Auto.name().into(),
-                        message: "no feasible plan for the profiled costs".into(),
-                    })?;
-                    return plan_from_candidate(best, blocks, slots);
-                }
-                Plan::named(name, blocks, slots, &measured, &config.stages)
-                    .map_err(|e| Error::Plan { plan: name.clone(), message: e.0 })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let plans = bench_plans(config, self.schedules, costs, &block_costs, slots)?;
         let capacity = options.channel_capacity;
         let predictions = plans
             .iter()
@@ -306,6 +282,46 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
             rows,
         })
     }
+}
+
+/// The plans of `schedules` for `config`: `auto` is the planner's best for
+/// the profiled `costs`; the stage cuts of `ls`, `tr` and `tr-dpu` balance
+/// the measured costs of `block_costs`.
+fn bench_plans(
+    config: &RunConfig,
+    schedules: &[String],
+    costs: &CostTable,
+    block_costs: &[BlockCost],
+    slots: usize,
+) -> Result<Vec<Plan>> {
+    let blocks = block_costs.len();
+    let measured: Vec<f64> = block_costs.iter().map(|c| c.teacher_forward + c.student_step).collect();
+    let memory = config.runtime.memory_per_device;
+    let plan = |name: &String| {
+        if name == Schedule::Auto.name() {
+            let best = crate::planning::planner::plan(costs, slots, memory, 1);
+            let best = best.first().ok_or_else(|| Error::Plan {
+                plan: Schedule::Auto.name().into(),
+                message: "no feasible plan for the profiled costs".into(),
+            })?;
+            return plan_from_candidate(best, blocks, slots);
+        }
+        Plan::named(name, blocks, slots, &measured, &config.stages)
+            .map_err(|e| Error::Plan { plan: name.clone(), message: e.0 })
+    };
+    schedules.iter().map(plan).collect()
+}
+
+/// Each block's profiled costs on the first device slot (NaN where the
+/// profile has none).
+fn first_slot_costs(costs: &CostTable, blocks: usize) -> Vec<BlockCost> {
+    (0..blocks)
+        .map(|k| BlockCost {
+            block: k + 1,
+            teacher_forward: costs.teacher_forward[k][0].unwrap_or(f64::NAN),
+            student_step: costs.student_step[k][0].unwrap_or(f64::NAN),
+        })
+        .collect()
 }
 
 /// Independent copies of the initial students, so every schedule starts

@@ -273,11 +273,6 @@ impl DataConfig {
     pub fn max_tokens(&self) -> usize {
         self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
     }
-
-    /// True for a text corpus (token-state blocks).
-    pub fn is_text(&self) -> bool {
-        self.dataset == "brown"
-    }
 }
 
 /// Which teacher, with which weights.
@@ -438,6 +433,29 @@ fn default_log_every() -> usize {
     10
 }
 
+/// A rule of the config that a file breaks: where (the table and key, for
+/// the line number) and what was expected.
+struct Broken {
+    table: &'static str,
+    key: &'static str,
+    /// The field as the error names it, where it is not `table.key`.
+    field: Option<String>,
+    message: String,
+}
+
+impl Broken {
+    fn new(table: &'static str, key: &'static str, message: impl Into<String>) -> Self {
+        Self { table, key, field: None, message: message.into() }
+    }
+}
+
+/// The outcome of one group of config rules.
+type Rule = std::result::Result<(), Broken>;
+
+fn broken(table: &'static str, key: &'static str, message: impl Into<String>) -> Rule {
+    Err(Broken::new(table, key, message))
+}
+
 impl RunConfig {
     /// Reads, parses and validates a config file: the engine's checks only
     /// (see [`crate::zoo::Zoo::load_config`] for the zoo's too).
@@ -478,147 +496,170 @@ impl RunConfig {
     }
 
     fn validate(&self, text: &str, path: &Path) -> Result<()> {
-        let fail = |table: &str, key: &str, message: String| {
-            let field = if table.is_empty() { key.to_string() } else { format!("{table}.{key}") };
-            Err(Error::Config {
-                path: path.to_path_buf(),
-                line: find_key_line(text, table, key),
-                field: Some(field),
-                message,
-            })
-        };
+        let rules = [
+            Self::check_train,
+            Self::check_placement,
+            Self::check_students,
+            Self::check_search,
+            Self::check_stitched,
+            Self::check_checkpoint,
+        ];
+        for rule in rules {
+            if let Err(broken) = rule(self) {
+                let field = match (&broken.field, broken.table) {
+                    (Some(field), _) => field.clone(),
+                    (None, "") => broken.key.to_string(),
+                    (None, table) => format!("{table}.{}", broken.key),
+                };
+                return Err(Error::Config {
+                    path: path.to_path_buf(),
+                    line: find_key_line(text, broken.table, broken.key),
+                    field: Some(field),
+                    message: broken.message,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// `[train]`, `[optimizer]` and `[data]`.
+    fn check_train(&self) -> Rule {
         if self.train.epochs == 0 && (self.train.stitched_epochs == 0 || self.has_candidates()) {
             let message = if self.has_candidates() {
                 "must be at least 1: a search trains its candidates blockwise"
             } else {
                 "must be at least 1, or 0 with `stitched_epochs` at least 1 (stitched finetuning only)"
             };
-            return fail("train", "epochs", message.into());
+            return broken("train", "epochs", message);
         }
         if self.train.batch_size == 0 {
-            return fail("train", "batch_size", "must be at least 1".into());
+            return broken("train", "batch_size", "must be at least 1");
         }
         if self.train.log_every == 0 {
-            return fail("train", "log_every", "must be at least 1".into());
+            return broken("train", "log_every", "must be at least 1");
         }
         if let Err((key, message)) = validate_optimizer(&self.optimizer) {
-            return fail("optimizer", key, message);
+            return broken("optimizer", key, message);
         }
         if !(self.train.temperature > 0.0 && self.train.temperature.is_finite()) {
-            let message = format!("must be a positive number, got {}", self.train.temperature);
-            return fail("train", "temperature", message);
+            return broken(
+                "train",
+                "temperature",
+                format!("must be a positive number, got {}", self.train.temperature),
+            );
         }
         for (key, limit) in [("train_limit", self.data.train_limit), ("test_limit", self.data.test_limit)] {
             if limit == Some(0) {
-                return fail("data", key, "must be at least 1 (leave it out to use every sample)".into());
+                return broken("data", key, "must be at least 1 (leave it out to use every sample)");
             }
         }
-        let schedule = match Schedule::parse(&self.schedule) {
-            Ok(schedule) => schedule,
-            Err(e) => return fail("", "schedule", e.0),
-        };
+        Ok(())
+    }
+
+    /// `schedule`, `device`, `devices` and `[runtime]`.
+    fn check_placement(&self) -> Rule {
+        let schedule = Schedule::parse(&self.schedule).map_err(|e| Broken::new("", "schedule", e.0))?;
         if schedule == Schedule::Hybrid && self.stages.is_empty() {
-            return fail(
-                "",
-                "schedule",
-                "`hybrid` needs [[stages]] entries (blocks = [..], replicas = N)".into(),
-            );
+            return broken("", "schedule", "`hybrid` needs [[stages]] entries (blocks = [..], replicas = N)");
         }
-        if let Err(e) = crate::device::DeviceSpec::parse(&self.device) {
-            return fail("", "device", e);
-        }
+        crate::device::DeviceSpec::parse(&self.device).map_err(|e| Broken::new("", "device", e))?;
         if let Some(devices) = &self.devices {
-            if let Err(e) = crate::device::parse_slots(devices) {
-                return fail("", "devices", e);
-            }
+            crate::device::parse_slots(devices).map_err(|e| Broken::new("", "devices", e))?;
         }
         if self.runtime.channel_capacity == 0 {
-            return fail("runtime", "channel_capacity", "must be at least 1".into());
+            return broken("runtime", "channel_capacity", "must be at least 1");
         }
         if !(self.runtime.timeout_seconds > 0.0 && self.runtime.timeout_seconds.is_finite()) {
-            return fail(
-                "runtime",
-                "timeout_seconds",
-                format!("must be a positive number, got {}", self.runtime.timeout_seconds),
-            );
+            let message = format!("must be a positive number, got {}", self.runtime.timeout_seconds);
+            return broken("runtime", "timeout_seconds", message);
         }
+        Ok(())
+    }
+
+    /// `[[students]]`: at least one, and `weights` paths are strings.
+    fn check_students(&self) -> Rule {
         if self.students.is_empty() {
-            return fail("", "students", "at least one [[students]] block is required".into());
+            return broken("", "students", "at least one [[students]] block is required");
         }
         for (k, table) in self.students.iter().enumerate() {
-            if let Some(value) = table.get("weights") {
-                if !value.is_str() {
-                    let message =
-                        format!("`weights` of block {} must be a file path (a string), got {value}", k + 1);
-                    return Err(Error::Config {
-                        path: path.to_path_buf(),
-                        line: find_key_line(text, "students", "weights"),
-                        field: Some(format!("students[{k}].weights")),
-                        message,
-                    });
-                }
+            if let Some(value) = table.get("weights").filter(|value| !value.is_str()) {
+                let message =
+                    format!("`weights` of block {} must be a file path (a string), got {value}", k + 1);
+                let mut issue = Broken::new("students", "weights", message);
+                issue.field = Some(format!("students[{k}].weights"));
+                return Err(issue);
             }
         }
-        if !(self.search.held_out > 0.0 && self.search.held_out < 1.0) {
-            return fail("search", "held_out", format!("must be in (0, 1), got {}", self.search.held_out));
+        Ok(())
+    }
+
+    /// `[search]`.
+    fn check_search(&self) -> Rule {
+        let search = &self.search;
+        if !(search.held_out > 0.0 && search.held_out < 1.0) {
+            return broken("search", "held_out", format!("must be in (0, 1), got {}", search.held_out));
         }
-        if self.search.arch_every == 0 {
-            return fail("search", "arch_every", "must be at least 1".into());
+        if search.arch_every == 0 {
+            return broken("search", "arch_every", "must be at least 1");
         }
-        if !(0.0..=1.0).contains(&self.search.arch_warmup) {
-            return fail(
-                "search",
-                "arch_warmup",
-                format!("must be in [0, 1], got {}", self.search.arch_warmup),
-            );
+        if !(0.0..=1.0).contains(&search.arch_warmup) {
+            return broken("search", "arch_warmup", format!("must be in [0, 1], got {}", search.arch_warmup));
         }
-        if !(self.search.arch_lr > 0.0 && self.search.arch_lr.is_finite()) {
-            return fail(
-                "search",
-                "arch_lr",
-                format!("must be a positive number, got {}", self.search.arch_lr),
-            );
+        if !(search.arch_lr > 0.0 && search.arch_lr.is_finite()) {
+            return broken("search", "arch_lr", format!("must be a positive number, got {}", search.arch_lr));
         }
-        if self.search.mode == SearchMode::SinglePath && !self.has_candidates() {
-            return fail(
+        if search.mode == SearchMode::SinglePath && !self.has_candidates() {
+            return broken(
                 "search",
                 "mode",
-                "`single-path` searches among candidates, but no [[students]] entry has kind = \"candidates\"".into(),
+                "`single-path` searches among candidates, but no [[students]] entry has kind = \"candidates\"",
             );
         }
+        Ok(())
+    }
+
+    /// The stitched pass's fields of `[train]`.
+    fn check_stitched(&self) -> Rule {
         if let Some(lr) = self.train.stitched_lr {
             if !(lr > 0.0 && lr.is_finite()) {
-                return fail("train", "stitched_lr", format!("must be a positive number, got {lr}"));
+                return broken("train", "stitched_lr", format!("must be a positive number, got {lr}"));
             }
         }
-        if !(self.train.stitched_output_weight > 0.0 && self.train.stitched_output_weight.is_finite()) {
-            let message = format!("must be a positive number, got {}", self.train.stitched_output_weight);
-            return fail("train", "stitched_output_weight", message);
+        let weight = self.train.stitched_output_weight;
+        if !(weight > 0.0 && weight.is_finite()) {
+            return broken(
+                "train",
+                "stitched_output_weight",
+                format!("must be a positive number, got {weight}"),
+            );
         }
         if self.train.stitched_output_loss.is_some()
             && self.train.stitched_gradients == StitchedGradients::Local
         {
-            return fail(
+            return broken(
                 "train",
                 "stitched_output_loss",
-                "needs stitched_gradients = \"end-to-end\" (with `local` the output loss would reach the last block only)"
-                    .into(),
+                "needs stitched_gradients = \"end-to-end\" (with `local` the output loss would reach the last block only)",
             );
         }
+        Ok(())
+    }
+
+    /// `[checkpoint]` and `[[faults]]`.
+    fn check_checkpoint(&self) -> Rule {
         if self.checkpoint.keep == 0 {
-            return fail("checkpoint", "keep", "must be at least 1".into());
+            return broken("checkpoint", "keep", "must be at least 1");
         }
-        if !(self.checkpoint.every_minutes >= 0.0 && self.checkpoint.every_minutes.is_finite()) {
-            return fail(
+        let every = self.checkpoint.every_minutes;
+        if !(every >= 0.0 && every.is_finite()) {
+            return broken(
                 "checkpoint",
                 "every_minutes",
-                format!("must be 0 or a positive number, got {}", self.checkpoint.every_minutes),
+                format!("must be 0 or a positive number, got {every}"),
             );
         }
         for fault in &self.faults {
-            if let Err(message) = fault.validate() {
-                return fail("faults", "kind", message);
-            }
+            fault.validate().map_err(|message| Broken::new("faults", "kind", message))?;
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! The engine's one error type.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Everything the engine can fail with. Each variant names the file, field
 /// or block it is about.
@@ -107,12 +107,14 @@ pub enum Error {
         /// The worker's error.
         source: Box<Error>,
     },
-    /// A teacher model could not be built.
+    /// A zoo's teacher could not be built (its weight or tokenizer file is
+    /// missing, unreadable or not what it should be): the zoo's own error.
     #[error(transparent)]
-    Teacher(#[from] pipebd_teachers::TeacherError),
-    /// A student block could not be built.
+    Teacher(Box<dyn std::error::Error + Send + Sync>),
+    /// A zoo's student block could not be built from its config (a size out
+    /// of range, an input shape it cannot take): the zoo's own error.
     #[error(transparent)]
-    Student(#[from] pipebd_students::StudentError),
+    Student(Box<dyn std::error::Error + Send + Sync>),
     /// A worker panicked (a bug in a block, or a device that failed).
     #[error("{}panicked: {message}", at_block(*block, *step))]
     Panic {
@@ -147,17 +149,47 @@ pub enum Error {
         /// What does not match, or what is missing.
         message: String,
     },
-    /// Saving or loading a trained student failed.
-    #[error("student record {path}: {message}")]
+    /// Saving or loading a trained block's record (burn's weights file) failed.
+    #[error("record {path}: {message}")]
     Record {
         /// The record file.
         path: PathBuf,
         /// What went wrong.
         message: String,
     },
+    /// A zoo of the user's own could not use one of its inputs (a teacher
+    /// file, its data): counted as the user's input, like a config error.
+    #[error("{}{message}", path.as_ref().map(|p| format!("{}: ", p.display())).unwrap_or_default())]
+    Zoo {
+        /// The file or folder, when there is one.
+        path: Option<PathBuf>,
+        /// What went wrong.
+        message: String,
+    },
 }
 
 impl Error {
+    /// This error, when it is about the config file at `path` without naming
+    /// it (a student that does not fit its teacher block, a config field
+    /// checked after parsing), as a config error that names it.
+    pub fn in_config(self, path: &Path) -> Error {
+        match self {
+            // Checks after parsing name the config by its `name` only.
+            Error::Config { path: named, line, field, message }
+                if named.to_string_lossy().starts_with("config `") =>
+            {
+                Error::Config { path: path.to_path_buf(), line, field, message }
+            }
+            e @ (Error::Core(
+                pipebd_core::Error::ShapeMismatch { .. } | pipebd_core::Error::BlockCount { .. },
+            )
+            | Error::Student(_)) => {
+                Error::Config { path: path.to_path_buf(), line: None, field: None, message: e.to_string() }
+            }
+            other => other,
+        }
+    }
+
     /// True when the error is the user's input (config, data paths, teacher
     /// weights, shapes, device): the CLI exits with code 2 for those, 1 for
     /// the rest.
@@ -173,6 +205,7 @@ impl Error {
                 | Error::Checkpoint { .. }
                 // Missing, unreadable or not-a-checkpoint weight and tokenizer files.
                 | Error::Teacher(_)
+                | Error::Zoo { .. }
         )
     }
 

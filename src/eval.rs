@@ -5,17 +5,15 @@ use std::path::{Path, PathBuf};
 
 use burn::module::{AutodiffModule, Module};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use pipebd_core::{Block, BlockSpec, StudentModule, Students};
-use pipebd_kernels::DistillBackend;
+use pipebd_core::{forward_chain, Activation, Block, BlockSpec, StudentModule, Students};
+use pipebd_kernels::{DistillBackend, FusedBackend};
 
 use crate::config::RunConfig;
-use crate::data::text::{
-    cosine_by_length, cosines, mean_and_min_cosine, sentence_embeddings, ProbeReport, TextReport,
-};
+use crate::data::text::TextReport;
+use crate::data::ImageDataset;
 use crate::error::{Error, Result};
 use crate::report::RunReport;
-use crate::train::accuracy;
-use crate::zoo::{Evaluation, Zoo};
+use crate::zoo::Zoo;
 
 /// Test images per evaluation chunk.
 const EVAL_CHUNK: usize = 1000;
@@ -33,73 +31,110 @@ pub struct Score {
     pub text: Option<TextReport>,
 }
 
-/// Scores the teacher and the stitched student on the evaluation data. For
-/// text without a probe the two accuracies are 0 (see `text`).
-pub fn score<B, T, S>(
-    evaluation: &Evaluation<B>,
-    teacher: &[T],
-    student: &[S],
+/// A network as an evaluation runs it: its blocks in turn, and their specs.
+pub struct Network<'a, B: FusedBackend> {
+    forward: &'a dyn Fn(Activation<B>) -> pipebd_core::Result<Activation<B>>,
+    /// The specs of its blocks, in order.
+    pub specs: &'a [BlockSpec],
+}
+
+impl<'a, B: FusedBackend> Network<'a, B> {
+    /// The network that runs `forward` and has blocks of `specs`.
+    pub fn new(
+        forward: &'a dyn Fn(Activation<B>) -> pipebd_core::Result<Activation<B>>,
+        specs: &'a [BlockSpec],
+    ) -> Self {
+        Self { forward, specs }
+    }
+
+    /// Runs every block on `input`.
+    pub fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
+        Ok((self.forward)(input)?)
+    }
+
+    /// How many blocks it has (the last one's number, in errors).
+    pub fn blocks(&self) -> usize {
+        self.specs.len()
+    }
+}
+
+/// How a zoo scores a trained student next to its teacher
+/// ([`crate::zoo::Workload::evaluation`]): [`TopOneAccuracy`] for
+/// classifiers, the built-in zoo's `SentenceEmbeddings` for text, or a zoo's
+/// own test set and metric.
+pub trait Evaluate<B: FusedBackend> {
+    /// Scores `teacher` and the stitched `student` on `device`.
+    fn score(&self, teacher: &Network<'_, B>, student: &Network<'_, B>, device: &B::Device) -> Result<Score>;
+
+    /// Scores the teacher alone (`pipebd eval-teacher`): its accuracy and
+    /// the test samples it was scored on.
+    fn score_teacher(&self, teacher: &Network<'_, B>, device: &B::Device) -> Result<(f64, usize)>;
+}
+
+/// Classification: top-1 accuracy of the last block's logits on labelled
+/// test images.
+pub struct TopOneAccuracy(pub ImageDataset);
+
+impl<B: FusedBackend> Evaluate<B> for TopOneAccuracy {
+    fn score(&self, teacher: &Network<'_, B>, student: &Network<'_, B>, device: &B::Device) -> Result<Score> {
+        Ok(Score {
+            teacher_accuracy: accuracy(teacher, &self.0, device, EVAL_CHUNK)?,
+            student_accuracy: accuracy(student, &self.0, device, EVAL_CHUNK)?,
+            test_samples: self.0.len(),
+            text: None,
+        })
+    }
+
+    fn score_teacher(&self, teacher: &Network<'_, B>, device: &B::Device) -> Result<(f64, usize)> {
+        Ok((accuracy(teacher, &self.0, device, EVAL_CHUNK)?, self.0.len()))
+    }
+}
+
+/// Top-1 accuracy of `network`'s logits on `data`, `chunk` images at a time.
+pub fn accuracy<B: FusedBackend>(
+    network: &Network<'_, B>,
+    data: &ImageDataset,
     device: &B::Device,
-    teacher_specs: &[BlockSpec],
-    student_specs: &[BlockSpec],
+    chunk: usize,
+) -> Result<f64> {
+    let indices: Vec<usize> = (0..data.len()).collect();
+    let mut correct = 0usize;
+    for part in indices.chunks(chunk.max(1)) {
+        let x = network.forward(Activation::Maps(data.images::<B>(part, device)))?;
+        let Activation::Flat(logits) = x else {
+            return Err(Error::block(
+                network.blocks(),
+                format!("the last block must produce logits [batch, classes], got {:?}", x.dims()),
+            ));
+        };
+        let predicted: Vec<i64> = logits.argmax(1).into_data().iter::<i64>().collect();
+        let labels = data.labels_at(part);
+        correct += predicted.iter().zip(&labels).filter(|(p, l)| **p == **l as i64).count();
+    }
+    Ok(correct as f64 / data.len().max(1) as f64)
+}
+
+/// Scores the teacher's blocks and the stitched student's blocks with
+/// `evaluation` (`None`: nothing to score, every figure 0).
+pub fn score<B, T, S>(
+    evaluation: Option<&dyn Evaluate<B>>,
+    (teacher, teacher_specs): (&[T], &[BlockSpec]),
+    (student, student_specs): (&[S], &[BlockSpec]),
+    device: &B::Device,
 ) -> Result<Score>
 where
-    B: pipebd_kernels::FusedBackend,
+    B: FusedBackend,
     T: Block<B>,
     S: Block<B>,
 {
-    match evaluation {
-        Evaluation::None => {
-            Ok(Score { teacher_accuracy: 0.0, student_accuracy: 0.0, test_samples: 0, text: None })
-        }
-        Evaluation::Images(test) => Ok(Score {
-            teacher_accuracy: accuracy(teacher, test, device, EVAL_CHUNK)?,
-            student_accuracy: accuracy(student, test, device, EVAL_CHUNK)?,
-            test_samples: test.len(),
-            text: None,
-        }),
-        Evaluation::Text { embeddings, heldout, max_tokens, probe, mean_tokens } => {
-            let chunk = 64;
-            let ours = sentence_embeddings(embeddings, student, heldout, *max_tokens, device, chunk)?;
-            let theirs = sentence_embeddings(embeddings, teacher, heldout, *max_tokens, device, chunk)?;
-            let (embedding_cosine, min_embedding_cosine) = mean_and_min_cosine(&ours, &theirs);
-            let tokens: Vec<usize> = heldout.iter().map(|s| s.len().min(*max_tokens)).collect();
-            let cosine_by_length = cosine_by_length(&cosines(&ours, &theirs), &tokens, *max_tokens);
-            let probe = match probe {
-                None => None,
-                Some(data) => {
-                    let spam = data.test.1.iter().filter(|&&s| s).count();
-                    Some(ProbeReport {
-                        train_emails: data.train.0.len(),
-                        test_emails: data.test.0.len(),
-                        test_spam_fraction: spam as f64 / data.test.0.len().max(1) as f64,
-                        teacher_accuracy: data.score(embeddings, teacher, device)?,
-                        student_accuracy: data.score(embeddings, student, device)?,
-                    })
-                }
-            };
-            let sum = |specs: &[BlockSpec], f: fn(&BlockSpec) -> f64| specs.iter().map(f).sum::<f64>();
-            let params_ratio =
-                sum(student_specs, |s| s.params as f64) / sum(teacher_specs, |s| s.params as f64);
-            let flops_ratio = sum(student_specs, |s| s.flops as f64) / sum(teacher_specs, |s| s.flops as f64);
-            Ok(Score {
-                teacher_accuracy: probe.as_ref().map_or(0.0, |p| p.teacher_accuracy),
-                student_accuracy: probe.as_ref().map_or(0.0, |p| p.student_accuracy),
-                test_samples: probe.as_ref().map_or(0, |p| p.test_emails),
-                text: Some(TextReport {
-                    embedding_cosine,
-                    min_embedding_cosine,
-                    heldout_sentences: heldout.len(),
-                    max_tokens: *max_tokens,
-                    mean_tokens: *mean_tokens,
-                    params_ratio,
-                    flops_ratio,
-                    probe,
-                    cosine_by_length,
-                }),
-            })
-        }
-    }
+    let Some(evaluation) = evaluation else {
+        return Ok(Score { teacher_accuracy: 0.0, student_accuracy: 0.0, test_samples: 0, text: None });
+    };
+    let run_teacher = |x| forward_chain(teacher, x);
+    let run_student = |x| forward_chain(student, x);
+    let teacher = Network::new(&run_teacher, teacher_specs);
+    let student = Network::new(&run_student, student_specs);
+    evaluation.score(&teacher, &student, device)
 }
 
 /// Path of block `k`'s (zero-based) saved weights inside a run folder.
@@ -245,12 +280,6 @@ pub struct EvalResult {
     pub text: Option<TextReport>,
 }
 
-/// [`eval_run`] with the built-in zoo, compiled once in this library (see
-/// [`crate::cli::run_builtin`]).
-pub fn eval_builtin_run(run_dir: &Path) -> Result<EvalResult> {
-    eval_run(&crate::zoo::Builtin, run_dir)
-}
-
 /// Reloads the student saved in `run_dir` (by `pipebd run` with `zoo`) and
 /// scores it on the evaluation data named in the run's config (on the CPU).
 pub fn eval_run<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<EvalResult> {
@@ -262,8 +291,8 @@ pub fn eval_run<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<EvalResult> {
     let workload = zoo.workload::<B>(config, &device, true)?;
     let teacher = &workload.teacher.specs;
     let (loaded, student_specs) = load_students(zoo, run_dir, config, teacher)?;
-    let scored =
-        score(&workload.evaluation, &workload.teacher.blocks, &loaded, &device, teacher, &student_specs)?;
+    let evaluation = workload.evaluation.as_deref();
+    let scored = score(evaluation, (&workload.teacher.blocks, teacher), (&loaded, &student_specs), &device)?;
     Ok(EvalResult {
         student_accuracy: scored.student_accuracy,
         recorded_accuracy: report.student_accuracy,
@@ -279,16 +308,10 @@ pub fn eval_teacher<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(f64, usize)>
     let device = Default::default();
     zoo.check(config)?;
     let workload = zoo.workload::<B>(config, &device, true)?;
+    let Some(evaluation) = &workload.evaluation else { return Ok((0.0, 0)) };
     let blocks = &workload.teacher.blocks;
-    // The teacher alone: no student to compare, so no embedding cosine.
-    match &workload.evaluation {
-        Evaluation::None => Ok((0.0, 0)),
-        Evaluation::Images(test) => Ok((accuracy(blocks, test, &device, EVAL_CHUNK)?, test.len())),
-        Evaluation::Text { probe: None, .. } => Ok((0.0, 0)),
-        Evaluation::Text { embeddings, probe: Some(data), .. } => {
-            Ok((data.score(embeddings, blocks, &device)?, data.test.0.len()))
-        }
-    }
+    let run_teacher = |x| forward_chain(blocks, x);
+    evaluation.score_teacher(&Network::new(&run_teacher, &workload.teacher.specs), &device)
 }
 
 /// Writes the initial weights of the config's students (exactly as a run
@@ -332,14 +355,9 @@ pub fn score_configs<Z: Zoo>(zoo: &Z, configs: &[RunConfig]) -> Result<Vec<f64>>
         let students = zoo.students::<CpuTrain>(config, teacher, &device)?;
         let students = load_student_weights(config, students, &device)?;
         let blocks: Vec<_> = students.blocks.iter().map(|b| b.valid()).collect();
-        let scored = score(
-            &workload.evaluation,
-            &workload.teacher.blocks,
-            &blocks,
-            &device,
-            teacher,
-            &students.specs,
-        )?;
+        let evaluation = workload.evaluation.as_deref();
+        let scored =
+            score(evaluation, (&workload.teacher.blocks, teacher), (&blocks, &students.specs), &device)?;
         scores.push(match (&scored.text, scored.test_samples) {
             (Some(text), 0) => text.embedding_cosine,
             _ => scored.student_accuracy,

@@ -8,7 +8,9 @@
 //! The block API comes from `pipebd-core` and is re-exported here
 //! ([`Activation`], [`Block`], [`BlockSpec`], [`Teacher`], [`Students`],
 //! [`Dataset`], [`Plan`], and the backend traits [`FusedBackend`] and
-//! [`DistillBackend`]), so a user's crate needs only `pipe-bd` and `burn`.
+//! [`DistillBackend`]), so a user's crate needs only `pipe-bd` and `burn`
+//! (the built-in [`teachers`] and [`students`] and [`serde`] are re-exported
+//! for a zoo of its own).
 //! Train your own blocks with [`runtime::Distillation`]; see
 //! `examples/` and `ARCHITECTURE.md`.
 //!
@@ -61,6 +63,16 @@ pub mod zoo;
 pub use error::{Error, Result};
 pub use pipebd_core::{
     flat_parameters, forward_chain, parameter_tensors, Activation, Block, BlockSpec, Dataset, DistillBackend,
-    FusedBackend, Loss, LossKind, Phase, Plan, Schedule, Stage, StageSpec, StudentModule, Students, Teacher,
+    FusedBackend, Loss, LossKind, Phase, Plan, Samples, Schedule, Stage, StageSpec, StudentModule, Students,
+    Teacher,
 };
 pub use pipebd_core::{Error as BlockError, Result as BlockResult};
+/// The built-in student zoo (`pipebd-students`), for a zoo that reuses its blocks.
+pub use pipebd_students as students;
+/// The built-in teachers and their weight import (`pipebd-teachers`), for a
+/// zoo that reuses them.
+pub use pipebd_teachers as teachers;
+/// serde, which a [`zoo::Zoo`] parses its config sections with: derive with
+/// `#[derive(pipe_bd::serde::Deserialize)]` and `#[serde(crate =
+/// "pipe_bd::serde")]`, and a crate needs no serde of its own.
+pub use serde;

@@ -32,6 +32,7 @@ pub fn preflight<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(Vec<DeviceSpec>
         _ => Some(plan_for(config, &teacher, &students, devices.len())?),
     };
     zoo.check_inputs(config)?;
+    check_batch_fits(zoo, config)?;
     for (k, weights) in config.student_weights().into_iter().enumerate() {
         if let Some(path) = weights.filter(|p| !p.is_file()) {
             return Err(Error::Record {
@@ -41,6 +42,39 @@ pub fn preflight<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(Vec<DeviceSpec>
         }
     }
     Ok((devices, plan))
+}
+
+/// Fails when the batch is larger than the training set (after a search's
+/// held-out share), where the zoo knows its size: `run` would refuse it
+/// after loading everything.
+fn check_batch_fits<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<()> {
+    let Some(samples) = zoo.train_samples(config)? else {
+        return Ok(());
+    };
+    let held_out = match config.has_candidates() {
+        true => {
+            ((samples as f64 * config.search.held_out).round() as usize).clamp(1, samples.saturating_sub(1))
+        }
+        false => 0,
+    };
+    let trained_on = samples - held_out;
+    let batch = config.train.batch_size;
+    if batch <= trained_on {
+        return Ok(());
+    }
+    let held = if held_out > 0 {
+        format!(" ({held_out} of {samples} held out for the search)")
+    } else {
+        String::new()
+    };
+    Err(Error::Config {
+        path: format!("config `{}`", config.name).into(),
+        line: None,
+        field: Some("train.batch_size".into()),
+        message: format!(
+            "{batch} is larger than the {trained_on} training samples{held}: not one step would run"
+        ),
+    })
 }
 
 /// Fails unless the stitched pass's output loss, if any, can compare the

@@ -292,6 +292,47 @@ impl<Z> ProfileJob<'_, Z> {
     }
 }
 
+/// Runs `measure` while each trainer of `others` keeps doing the work of
+/// the measured block (teacher `block`'s forward and a student step on the
+/// same batch) on a thread of its own with a pool of `threads`.
+fn contended<B, T, S, R>(
+    others: Vec<BlockTrainer<B, S>>,
+    threads: usize,
+    block: &T,
+    (input, y): (&Activation<B::InnerBackend>, &Activation<B::InnerBackend>),
+    measure: impl FnOnce() -> R,
+) -> R
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend> + Sync,
+    S: pipebd_core::StudentModule<B>,
+{
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for mut other in others {
+            let stop = &stop;
+            scope.spawn(move || {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                let mut work = || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let busy = block.forward(input.clone()).map(wait_for);
+                        if busy.is_err() || other.step(input.clone(), y.clone()).is_err() {
+                            break;
+                        }
+                    }
+                };
+                match pool {
+                    Ok(pool) => pool.install(work),
+                    Err(_) => work(),
+                }
+            });
+        }
+        let measured = measure();
+        stop.store(true, Ordering::Relaxed);
+        measured
+    })
+}
+
 impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
     type Output = Profile;
 
@@ -336,35 +377,20 @@ impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
                     // The other W - 1 workers are busy too when the runtime runs:
                     // keep as many threads doing the same block's work meanwhile,
                     // so that shared caches and memory bandwidth are contended.
-                    let stop = AtomicBool::new(false);
-                    let measured = std::thread::scope(|scope| {
-                        for _ in 0..others {
-                            let (stop, input, y, block, settings) =
-                                (&stop, &input, &y, &teacher.blocks[k], &settings);
-                            let module = detached_copy(&students.blocks[k]);
-                            let spec = students.specs[k].clone();
-                            scope.spawn(move || {
-                                let mut other =
-                                    BlockTrainer::new(k, spec, module, &config.optimizer, usize::MAX / 2)
-                                        .configured(settings);
-                                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
-                                let mut work = || {
-                                    while !stop.load(Ordering::Relaxed) {
-                                        let busy = block.forward(input.clone()).map(wait_for);
-                                        if busy.is_err() || other.step(input.clone(), y.clone()).is_err() {
-                                            break;
-                                        }
-                                    }
-                                };
-                                match pool {
-                                    Ok(pool) => pool.install(work),
-                                    Err(_) => work(),
-                                }
-                            });
-                        }
-                        let measured = self.measure_block(g, &teacher.blocks[k], &mut trainer, &input, &y);
-                        stop.store(true, Ordering::Relaxed);
-                        measured
+                    let copies = (0..others).map(|_| {
+                        let module = detached_copy(&students.blocks[k]);
+                        BlockTrainer::new(
+                            k,
+                            students.specs[k].clone(),
+                            module,
+                            &config.optimizer,
+                            usize::MAX / 2,
+                        )
+                        .configured(&settings)
+                    });
+                    let block = &teacher.blocks[k];
+                    let measured = contended(copies.collect(), threads, block, (&input, &y), || {
+                        self.measure_block(g, block, &mut trainer, &input, &y)
                     });
                     let (teacher_forward, student_step, optimizer_update, gradient_average, peak) = measured;
                     let input_transfer = if k == 0 { load.clone() } else { handoff_time(&input) };
@@ -468,7 +494,7 @@ pub fn profile_key(config: &RunConfig) -> String {
         "students": config.students,
         "custom": config.custom,
         "batch": config.train.batch_size,
-        "tokens": config.data.is_text().then(|| config.data.max_tokens()),
+        "tokens": config.data.max_tokens,
         "devices": config.device_slots(),
         "optimizer": config.optimizer,
         "threads": config.runtime.threads_per_worker,

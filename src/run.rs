@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pipebd_core::{Block, BlockSpec, Dataset, Loss, StudentModule, Students};
+use pipebd_core::{Block, BlockSpec, Dataset, Loss, Samples, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 
 use crate::choose::SearchScores;
@@ -25,7 +25,8 @@ use crate::planning::simulate::simulate_shared;
 use crate::preflight::{check_out_dir, preflight};
 use crate::profile::auto_plan;
 use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
-use crate::runtime::transport::{rank_mismatch, ranks_on_this_node, Tag, Transport};
+use crate::runtime::launch::ranks_on_this_node;
+use crate::runtime::transport::{rank_mismatch, Tag, Transport};
 use crate::runtime::{concurrent_workers, cores, threads_per_worker, Distillation};
 use crate::search::score::{block_scores, measure_candidates};
 use crate::trace::write_chrome_trace;
@@ -53,7 +54,7 @@ pub fn checkpoint_identity(config: &RunConfig) -> std::collections::BTreeMap<Str
     let mut identity = std::collections::BTreeMap::new();
     identity.insert("data.dataset".into(), json!(config.data.dataset));
     identity.insert("data.train_limit".into(), json!(config.data.train_limit));
-    identity.insert("data.max_tokens".into(), json!(config.data.is_text().then(|| config.data.max_tokens())));
+    identity.insert("data.max_tokens".into(), json!(config.data.max_tokens));
     identity.insert("teacher.kind".into(), json!(config.teacher.kind));
     identity.insert("teacher.layers_per_block".into(), json!(config.teacher.layers_per_block));
     identity.insert("train.epochs".into(), json!(config.train.epochs));
@@ -87,18 +88,6 @@ pub fn runtime_settings_for(
     }
     runtime.costs = costs.cloned();
     Ok(runtime)
-}
-
-/// [`run`] with the built-in zoo, compiled once in this library (see
-/// [`crate::cli::run_builtin`]): callers outside it should prefer this to
-/// `run(&Builtin, ...)`.
-pub fn run_builtin(
-    config: &RunConfig,
-    out_dir: &Path,
-    options: &RunFlags,
-    observer: &mut dyn FnMut(&Progress),
-) -> Result<RunReport> {
-    run(&crate::zoo::Builtin, config, out_dir, options, observer)
 }
 
 /// Runs the job described by `config`, with the teacher, students and data
@@ -261,64 +250,25 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let mut log = output.log;
         let (students, stitched) = match config.train.stitched_epochs {
             0 => (output.students, None),
-            epochs => {
-                let mut optimizer = config.optimizer.clone();
-                optimizer.lr = config.train.stitched_lr.unwrap_or(config.optimizer.lr / 3.0);
-                optimizer.min_lr = optimizer.min_lr.min(optimizer.lr);
-                let pass = StitchedPass {
-                    epochs,
-                    optimizer: optimizer.clone(),
-                    first_step: log.steps,
-                    gradients: config.train.stitched_gradients,
-                    output_loss: config
-                        .train
-                        .stitched_output_loss
-                        .map(|kind| OutputLoss { kind, weight: config.train.stitched_output_weight }),
-                };
-                let (students, pass) = crate::train::stitch::stitched_pass(
-                    &teacher,
-                    output.students,
-                    &trained_on,
-                    &settings,
-                    &pass,
-                    device,
-                    self.observer,
-                )?;
-                log.rows.extend(pass.rows);
-                let report = StitchedReport {
-                    epochs,
-                    gradients: config.train.stitched_gradients,
-                    steps: pass.steps,
-                    lr: optimizer.lr,
-                    seconds: pass.seconds,
-                    final_losses: pass.final_losses,
-                    output_loss: config.train.stitched_output_loss.map(|kind| kind.name().to_string()),
-                    output_weight: config
-                        .train
-                        .stitched_output_loss
-                        .map(|_| config.train.stitched_output_weight),
-                    final_output_loss: pass.final_output_loss,
-                };
+            _ => {
+                let run = (&teacher, &trained_on as &dyn Dataset<B::InnerBackend>, &settings, device);
+                let (students, rows, report) =
+                    stitch(config, output.students, log.steps, run, self.observer)?;
+                log.rows.extend(rows);
                 (students, Some(report))
             }
         };
-        let predicted_step_seconds = self.costs.and_then(|costs| {
-            let data_load = costs.input_transfer.first().cloned().unwrap_or_default();
-            let threads = threads_per_worker(config.runtime.threads_per_worker, devices.len());
-            let processors = concurrent_workers(threads) as f64;
-            simulate_shared(
-                self.plan,
-                costs,
-                &data_load,
-                log.steps,
-                config.runtime.channel_capacity,
-                processors,
-            )
-            .map(|p| p.step_seconds)
-        });
+        let predicted_step_seconds = self
+            .costs
+            .and_then(|costs| predicted_step_seconds(config, self.plan, costs, log.steps, devices.len()));
 
         let trained = inference_blocks(&students);
-        let score = score(&evaluation, &teacher.blocks, &trained, device, &teacher.specs, &students.specs)?;
+        let score = score(
+            evaluation.as_deref(),
+            (&teacher.blocks, &teacher.specs),
+            (&trained, &students.specs),
+            device,
+        )?;
         save_students(self.out_dir, &students)?;
         if let Some(held_out) = &held_out {
             let scores = score_search(self.zoo, config, &teacher, &students, &trained, held_out, device)?;
@@ -330,21 +280,8 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             let roles: Vec<String> = output.workers.iter().map(|w| w.role.clone()).collect();
             write_chrome_trace(&self.out_dir.join("trace.json"), &output.spans, &roles)?;
         }
+        let blocks = block_reports(&teacher.specs, &students.specs, &log, stitched.as_ref());
 
-        // Without blockwise steps (`train.epochs = 0`) the blocks' last
-        // losses are the stitched pass's.
-        let final_losses = match &stitched {
-            Some(pass) if log.steps == 0 => &pass.final_losses,
-            _ => &log.final_losses,
-        };
-        let blocks = teacher
-            .specs
-            .iter()
-            .zip(&students.specs)
-            .zip(final_losses)
-            .enumerate()
-            .map(|(k, ((t, s), &final_loss))| block_report(k, t, s, final_loss))
-            .collect();
         let report = RunReport {
             name: config.name.clone(),
             schedule: self.plan.name.clone(),
@@ -375,6 +312,90 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         report.write(self.out_dir)?;
         Ok(Some(report))
     }
+}
+
+/// The stitched pass after the blockwise epochs: its learning rate (the
+/// config's, else a third of the blockwise one), its run, and its report.
+/// `run` is the teacher, the training samples, the settings and the device.
+#[allow(clippy::type_complexity)]
+fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
+    config: &RunConfig,
+    students: Students<B, S>,
+    first_step: usize,
+    run: (
+        &pipebd_core::Teacher<B::InnerBackend, T>,
+        &dyn Dataset<B::InnerBackend>,
+        &crate::train::TrainSettings,
+        &B::Device,
+    ),
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<(Students<B, S>, Vec<crate::train::MetricRow>, StitchedReport)> {
+    let (teacher, data, settings, device) = run;
+    let epochs = config.train.stitched_epochs;
+    let mut optimizer = config.optimizer.clone();
+    optimizer.lr = config.train.stitched_lr.unwrap_or(config.optimizer.lr / 3.0);
+    optimizer.min_lr = optimizer.min_lr.min(optimizer.lr);
+    let pass = StitchedPass {
+        epochs,
+        optimizer: optimizer.clone(),
+        first_step,
+        gradients: config.train.stitched_gradients,
+        output_loss: config
+            .train
+            .stitched_output_loss
+            .map(|kind| OutputLoss { kind, weight: config.train.stitched_output_weight }),
+    };
+    let (students, pass) =
+        crate::train::stitch::stitched_pass(teacher, students, data, settings, &pass, device, observer)?;
+    let report = StitchedReport {
+        epochs,
+        gradients: config.train.stitched_gradients,
+        steps: pass.steps,
+        lr: optimizer.lr,
+        seconds: pass.seconds,
+        final_losses: pass.final_losses,
+        output_loss: config.train.stitched_output_loss.map(|kind| kind.name().to_string()),
+        output_weight: config.train.stitched_output_loss.map(|_| config.train.stitched_output_weight),
+        final_output_loss: pass.final_output_loss,
+    };
+    Ok((students, pass.rows, report))
+}
+
+/// What the simulator predicts per step for `plan` on the measured `costs`
+/// (`schedule = "auto"`), with the run's threads and channel capacity.
+fn predicted_step_seconds(
+    config: &RunConfig,
+    plan: &Plan,
+    costs: &CostTable,
+    steps: usize,
+    slots: usize,
+) -> Option<f64> {
+    let data_load = costs.input_transfer.first().cloned().unwrap_or_default();
+    let threads = threads_per_worker(config.runtime.threads_per_worker, slots);
+    let processors = concurrent_workers(threads) as f64;
+    simulate_shared(plan, costs, &data_load, steps, config.runtime.channel_capacity, processors)
+        .map(|p| p.step_seconds)
+}
+
+/// One report line per block. Without blockwise steps (`train.epochs = 0`)
+/// the blocks' last losses are the stitched pass's.
+fn block_reports(
+    teacher: &[BlockSpec],
+    students: &[BlockSpec],
+    log: &crate::train::TrainLog,
+    stitched: Option<&StitchedReport>,
+) -> Vec<crate::report::BlockReport> {
+    let final_losses = match stitched {
+        Some(pass) if log.steps == 0 => &pass.final_losses,
+        _ => &log.final_losses,
+    };
+    teacher
+        .iter()
+        .zip(students)
+        .zip(final_losses)
+        .enumerate()
+        .map(|(k, ((t, s), &final_loss))| block_report(k, t, s, final_loss))
+        .collect()
 }
 
 /// Scores every block's candidates on the held-out samples (an ordinary

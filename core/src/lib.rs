@@ -36,7 +36,7 @@ pub use block::{
     check_against_teacher, check_block_count, flat_parameters, forward_chain, parameter_tensors, Block,
     BlockSpec, StudentModule, Students, Teacher,
 };
-pub use dataset::Dataset;
+pub use dataset::{Dataset, Samples};
 pub use error::{panic_message, Error, Result};
 pub use loss::{Loss, LossKind};
 pub use pipebd_kernels::{DistillBackend, FusedBackend};

@@ -113,6 +113,10 @@ impl Schedule {
         Schedule::Auto,
     ];
 
+    /// What `pipebd bench` compares unless told otherwise: the paper's two
+    /// baselines and its two schedules.
+    pub const BENCHED: [Schedule; 4] = [Schedule::Dp, Schedule::Ls, Schedule::Tr, Schedule::TrDpu];
+
     /// The name as written in configs and reports (`tr-dpu`).
     pub fn name(self) -> &'static str {
         match self {

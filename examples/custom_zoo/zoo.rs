@@ -9,15 +9,17 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use pipe_bd::config::{ConfigIssue, RunConfig};
 use pipe_bd::data::{ImageDataset, Split};
-use pipe_bd::zoo::{parse_custom, parse_students, Evaluation, Workload, Zoo};
+use pipe_bd::eval::TopOneAccuracy;
+use pipe_bd::serde::Deserialize;
+use pipe_bd::teachers::mnist_cnn::{block_flops, MnistBlock, MnistCnn};
+use pipe_bd::zoo::{parse_custom, parse_students, Workload, Zoo};
 use pipe_bd::{forward_chain, Activation, Block, BlockError, BlockResult, BlockSpec, DistillBackend};
 use pipe_bd::{FusedBackend, Students, Teacher};
-use pipebd_teachers::mnist_cnn::{block_flops, MnistBlock, MnistCnn};
-use serde::Deserialize;
 
-/// The zoo's own settings: the `[custom]` table.
+/// The zoo's own settings: the `[custom]` table. (serde comes through
+/// pipe-bd: this crate needs only `pipe-bd` and `burn`.)
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(crate = "pipe_bd::serde", deny_unknown_fields)]
 struct Custom {
     /// How many of the CNN's four blocks each student replaces, in order.
     cut: Vec<usize>,
@@ -25,7 +27,7 @@ struct Custom {
 
 /// The zoo's student kinds: one `[[students]]` table each.
 #[derive(Clone, Copy, Deserialize)]
-#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(crate = "pipe_bd::serde", tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
 enum StudentKind {
     /// Two stride-2 3x3 convolutions, pooled to the teacher block's size.
     Strided { width: usize },
@@ -230,7 +232,10 @@ impl Zoo for MyZoo {
         with_evaluation: bool,
     ) -> pipe_bd::Result<Workload<B, Group<B>>> {
         let cnn = MnistCnn::load_pytorch(&config.teacher.weights, device)?;
-        let test_limit = if with_evaluation { config.data.test_limit } else { Some(0) };
+        let test = match with_evaluation {
+            true => Some(ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?),
+            false => None,
+        };
         Ok(Workload {
             teacher: Self::teacher(config, cnn, device)?,
             train: Box::new(ImageDataset::load_mnist(
@@ -238,11 +243,8 @@ impl Zoo for MyZoo {
                 Split::Train,
                 config.data.train_limit,
             )?),
-            evaluation: Evaluation::Images(ImageDataset::load_mnist(
-                &config.data.dir,
-                Split::Test,
-                test_limit,
-            )?),
+            // Top-1 accuracy of the stitched student on the test images.
+            evaluation: test.map(|test| Box::new(TopOneAccuracy(test)) as _),
         })
     }
 

@@ -1,22 +1,23 @@
 //! The `pipebd` command line, for any [`Zoo`]: `pipebd` itself is
 //! [`run_with`]`(Builtin)`, and a user crate with its own teachers, students
 //! and datasets gets the same commands for them with its own zoo (see
-//! `examples/custom_zoo.rs`).
+//! `examples/custom_zoo/`).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use crate::config::Overrides;
+use crate::plan::Schedule;
 use crate::train::Progress;
 use crate::zoo::Zoo;
 use crate::Error;
+use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+mod commands;
 mod print;
-
-use print::{print_bench, print_blocks, print_resilience, print_text_report};
 
 /// Pipelined parallel blockwise knowledge distillation.
 #[derive(Parser)]
@@ -51,8 +52,8 @@ enum Command {
         /// Override the config's device slots, comma-separated (e.g. cpu,cpu or cuda:0,cuda:1).
         #[arg(long, value_delimiter = ',')]
         devices: Option<Vec<String>>,
-        /// Override the config's schedule (ideal, dp, ls, tr, tr-dpu, hybrid).
-        #[arg(long)]
+        /// Override the config's schedule.
+        #[arg(long, value_parser = PossibleValuesParser::new(Schedule::names()))]
         schedule: Option<String>,
         /// Record every worker's spans to trace.json (Chrome trace format).
         #[arg(long)]
@@ -66,16 +67,17 @@ enum Command {
         /// How the processes of a run talk: `auto` (MPI when started by
         /// `mpirun`/`srun` with more than one rank), `local` (one process),
         /// `mpi` (needs a build with `--features mpi`).
-        #[arg(long, default_value = "auto", value_parser = crate::runtime::transport::TransportChoice::parse)]
-        transport: crate::runtime::transport::TransportChoice,
+        #[arg(long, default_value = "auto", value_parser = crate::runtime::launch::TransportChoice::parse)]
+        transport: crate::runtime::launch::TransportChoice,
     },
     /// Time the same workload under several schedules side by side, with the
     /// speedups the single-device block costs predict.
     Bench {
         /// The run config (data, teacher, students, batch size, device slots).
         config: PathBuf,
-        /// Schedules to compare, comma-separated (`hybrid` uses the config's [[stages]]).
-        #[arg(long, value_delimiter = ',', default_value = "dp,ls,tr,tr-dpu")]
+        /// Schedules to compare, comma-separated (`hybrid` uses the config's
+        /// [[stages]]; default: the paper's baselines and its two schedules).
+        #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(Schedule::names()))]
         schedules: Vec<String>,
         /// Override the config's device slots, comma-separated (e.g. cpu,cpu).
         #[arg(long, value_delimiter = ',')]
@@ -235,7 +237,7 @@ pub fn run_with<Z: Zoo>(zoo: Z) -> ExitCode {
     match execute(&zoo, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            match crate::runtime::transport::launcher_rank() {
+            match crate::runtime::launch::launcher_rank() {
                 Some(rank) => eprintln!("error (rank {rank}): {e}"),
                 None => eprintln!("error: {e}"),
             }
@@ -265,6 +267,23 @@ fn close_transport(transport: std::sync::Arc<dyn crate::runtime::transport::Tran
 }
 
 fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
+    // Errors about a config that do not name its file get its name.
+    let config_path = match &command {
+        Command::Run { config, .. }
+        | Command::Check { config }
+        | Command::Bench { config, .. }
+        | Command::Profile { config, .. } => Some(config.clone()),
+        _ => None,
+    };
+    execute_command(zoo, command).map_err(|e| match &config_path {
+        Some(path) => e.in_config(path),
+        None => e,
+    })
+}
+
+/// [`execute`] without the config file's name added to its errors: each
+/// command's function ([`commands`]).
+fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
     match command {
         Command::Run {
             config,
@@ -279,181 +298,22 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             quiet,
             transport,
         } => {
-            let out = out.or_else(|| resume.clone()).unwrap_or_else(|| PathBuf::from("runs/latest"));
-            let config = zoo.load_config(&config, Overrides { device, devices, schedule, epochs })?;
-            let transport = crate::runtime::transport::open(transport)?;
-            let rank = transport.as_ref().map_or(0, |t| t.rank());
-            let mut view = ProgressView::new(quiet || rank != 0);
-            let mut observer = |p: &Progress| view.show(p);
-            let options = crate::run::RunFlags { trace, resume, max_failures };
-            let report = crate::run::run_rank(zoo, &config, &out, &options, transport.clone(), &mut observer);
-            view.finish();
-            if let Some(transport) = transport {
-                close_transport(transport, report.is_err());
-            }
-            let Some(report) = report? else {
-                return Ok(());
-            };
-            println!(
-                "run `{}`: schedule {} {} on {}",
-                report.name, report.schedule, report.plan, report.device
-            );
-            match &report.text {
-                None => println!(
-                    "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
-                    100.0 * report.teacher_accuracy,
-                    100.0 * report.student_accuracy,
-                    report.test_samples
-                ),
-                Some(text) => print_text_report(text),
-            }
-            print_blocks(&report.blocks);
-            let resumed = if report.steps_run < report.steps {
-                format!(" (of {}; the rest came from checkpoints)", report.steps)
-            } else {
-                String::new()
-            };
-            println!(
-                "trained {} steps{resumed} in {:.1}s ({:.0} samples/s); whole run {:.1}s",
-                report.steps_run, report.train_seconds, report.samples_per_second, report.wall_seconds
-            );
-            for w in &report.workers {
-                println!(
-                    "worker {} ({}, slot {}): busy {:.0}%",
-                    w.worker,
-                    w.role,
-                    w.slot,
-                    100.0 * w.busy_fraction
-                );
-            }
-            if let Some(s) = &report.stitched {
-                let losses: Vec<String> = s.final_losses.iter().map(|l| format!("{l:.5}")).collect();
-                println!(
-                    "then stitched ({} gradients): {} epochs, {} steps at lr {} in {:.1}s; final losses [{}]",
-                    s.gradients.name(),
-                    s.epochs,
-                    s.steps,
-                    s.lr,
-                    s.seconds,
-                    losses.join(" ")
-                );
-                if let (Some(kind), Some(value)) = (&s.output_loss, s.final_output_loss) {
-                    let weight = s.output_weight.unwrap_or(1.0);
-                    println!("  output loss {kind} (weight {weight}): {value:.5} over the last epoch");
-                }
-            }
-            print_resilience(&report.resilience);
-            let trace_note = if trace { ", trace.json" } else { "" };
-            println!("wrote {}/report.json, metrics.csv, student/{trace_note}", out.display());
-            if report.config.has_candidates() {
-                println!(
-                    "search: every candidate scored on the held-out {:.0}% of the training samples in \
-                     {}/search.json and search.csv (weights in candidates/); choose with \
-                     `pipebd search {} --budget flops=N`{} or `--pareto flops`",
-                    100.0 * report.config.search.held_out,
-                    out.display(),
-                    out.display(),
-                    if report.config.search.mode == crate::config::SearchMode::SinglePath {
-                        ", `--argmax` (alpha's choice)"
-                    } else {
-                        ""
-                    }
-                );
-            }
-            Ok(())
+            let flags = RunCommand { out, resume, max_failures, trace, quiet, transport };
+            commands::run(zoo, &config, Overrides { device, devices, schedule, epochs }, flags)
         }
-        Command::Link { config, rounds, out } => {
-            let config = zoo.load_config(&config, Overrides::default())?;
-            let transport =
-                crate::runtime::transport::open(crate::runtime::transport::TransportChoice::Auto)?;
-            let mut say = |line: &str| eprintln!("link: {line}");
-            let report = crate::link::link_bench(zoo, &config, transport.clone(), rounds, &out, &mut say);
-            if let Some(transport) = transport {
-                close_transport(transport, report.is_err());
-            }
-            if let Some(report) = report? {
-                print::print_link(&report);
-                println!("wrote {}", out.join("link.json").display());
-            }
-            Ok(())
-        }
+        Command::Link { config, rounds, out } => commands::link(zoo, &config, rounds, &out),
         Command::Bench { config, schedules, devices, out } => {
-            let config = zoo.load_config(&config, Overrides { devices, ..Default::default() })?;
-            let mut say = |line: &str| eprintln!("bench: {line}");
-            let report = crate::bench::bench(zoo, &config, &schedules, &out, &mut say)?;
-            print_bench(&report);
-            println!("wrote {}/bench.json and bench.csv", out.display());
-            Ok(())
-        }
-        Command::Profile { config, devices, out } => {
-            let config = zoo.load_config(&config, Overrides { devices, ..Default::default() })?;
-            let slots = config.device_slots().len();
-            let mut say = |line: &str| eprintln!("profile: {line}");
-            let profile = crate::profile::profile(zoo, &config, slots, &out, &mut say)?;
-            println!(
-                "block  g  batch  teacher fwd (ms)  student step (ms)  grad avg (ms)  input (ms)  peak MiB"
-            );
-            let ms = |t: &Option<crate::profile::Timing>| {
-                t.map_or("infeasible".to_string(), |t| {
-                    format!("{:.2} ±{:.0}%", 1e3 * t.median, 100.0 * t.spread)
-                })
+            let schedules = match schedules.is_empty() {
+                true => Schedule::BENCHED.iter().map(|s| s.name().to_string()).collect(),
+                false => schedules,
             };
-            for (k, row) in profile.entries.iter().enumerate() {
-                for e in row {
-                    println!(
-                        "{:>5} {:>2} {:>6}  {:>16}  {:>17}  {:>13}  {:>10}  {:>8}",
-                        k + 1,
-                        e.replicas,
-                        e.batch,
-                        ms(&e.teacher_forward),
-                        ms(&e.student_step),
-                        ms(&e.gradient_average),
-                        ms(&e.input_transfer),
-                        e.peak_memory_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
-                    );
-                }
-            }
-            println!("wrote {}", out.display());
-            Ok(())
+            commands::bench(zoo, &config, &schedules, devices, &out)
         }
+        Command::Profile { config, devices, out } => commands::profile(zoo, &config, devices, &out),
         Command::Plan { profile, devices, memory_per_device, top, out } => {
-            let profile = crate::profile::Profile::read(&profile)?;
-            let table = profile.cost_table(devices);
-            let start = std::time::Instant::now();
-            let plans = crate::planning::planner::plan(&table, devices, memory_per_device, top.max(1));
-            let seconds = start.elapsed().as_secs_f64();
-            let Some(best) = plans.first() else {
-                return Err(Error::Plan {
-                    plan: crate::Schedule::Auto.name().into(),
-                    message: format!("no plan of the {} blocks on {devices} slots fits (memory limit {memory_per_device:?})", table.blocks()),
-                });
-            };
-            println!("{} blocks on {devices} slots (searched in {:.3} ms):", table.blocks(), 1e3 * seconds);
-            for (i, c) in plans.iter().enumerate() {
-                let mark = if i == 0 { "chosen" } else { "      " };
-                println!("{mark} {:<40} predicted {:.2} ms per step", c.describe(), 1e3 * c.step_seconds);
-            }
-            let text = best.to_toml(table.blocks(), devices);
-            crate::fsio::write_atomic(&out, text.as_bytes())?;
-            println!("wrote {}", out.display());
-            Ok(())
+            commands::plan(&profile, devices, memory_per_device, top, &out)
         }
-        Command::Sweep { sweep } => {
-            let mut say = |line: &str| eprintln!("sweep: {line}");
-            let rows = crate::sweep::sweep(zoo, &sweep, &mut say)?;
-            println!("{:<48} {:>11} {:>9} {:>9}  plan", "point", "samples/s", "step ms", "accuracy");
-            for r in &rows {
-                println!(
-                    "{:<48} {:>11.1} {:>9.1} {:>8.2}%  {}",
-                    r.id,
-                    r.samples_per_second,
-                    1e3 * r.step_seconds,
-                    100.0 * r.student_accuracy,
-                    r.plan
-                );
-            }
-            Ok(())
-        }
+        Command::Sweep { sweep } => commands::sweep(zoo, &sweep),
         Command::Search { run_dir, budget, out, pareto, evaluate, argmax, objective } => {
             let choice = match (budget, argmax) {
                 (Some(budget), _) => Some(Choice::Budget(budget)),
@@ -463,69 +323,29 @@ fn execute<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             let objective = crate::choose::Objective::parse(&objective)?;
             search_command(zoo, &run_dir, choice, out, pareto.as_deref(), evaluate, objective)
         }
-        Command::Eval { run_dir } => {
-            let result = crate::eval::eval_run(zoo, &run_dir)?;
-            if let Some(text) = &result.text {
-                print_text_report(text);
-                return Ok(());
-            }
-            println!(
-                "student accuracy {:.2}% on {} test images (recorded at the end of training: {:.2}%)",
-                100.0 * result.student_accuracy,
-                result.test_samples,
-                100.0 * result.recorded_accuracy
-            );
-            Ok(())
-        }
-        Command::EvalTeacher { config } => {
-            let config = zoo.load_config(&config, Overrides::default())?;
-            let (acc, n) = crate::eval::eval_teacher(zoo, &config)?;
-            println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
-            Ok(())
-        }
-        Command::Kernels { device, check, bench, repeats, batch, only, seed, verbose } => {
-            let (check, bench) = if check || bench { (check, bench) } else { (true, true) };
-            let seed = seed.unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64)
-            });
-            let options = pipebd_kernels::bench::BenchOptions { repeats, batch, only };
-            let report = crate::kernels::kernels(&device, check.then_some(seed), bench.then_some(options))?;
-            if check {
-                println!("fused ops against burn's ops on {} (seed {seed}):", report.device);
-                if verbose {
-                    print!("{}", pipebd_kernels::check::table(&report.checks));
-                } else {
-                    print!("{}", pipebd_kernels::check::summary(&report.checks));
-                }
-            }
-            if bench {
-                println!("fused against unfused on {}, median of {repeats} calls:", report.device);
-                print!("{}", pipebd_kernels::bench::table(&report.timings));
-            }
-            let failed = report.checks.iter().filter(|r| !r.passed()).count();
-            if failed > 0 {
-                return Err(Error::Device {
-                    device: report.device,
-                    message: format!("{failed} kernel checks out of {} failed", report.checks.len()),
-                });
-            }
-            Ok(())
-        }
-        Command::Check { config } => {
-            let config = zoo.load_config(&config, Overrides::default())?;
-            crate::preflight::preflight(zoo, &config)?;
-            println!("{}: ok", config.name);
-            Ok(())
-        }
-        Command::ExportInit { config, out } => {
-            let config = zoo.load_config(&config, Overrides::default())?;
-            let files = crate::eval::export_initial_weights(zoo, &config, &out)?;
-            println!("wrote {} files: {}", files.len(), out.join("block-K.json").display());
-            Ok(())
-        }
+        Command::Eval { run_dir } => commands::eval(zoo, &run_dir),
+        Command::EvalTeacher { config } => commands::eval_teacher(zoo, &config),
+        Command::Kernels { device, check, bench, repeats, batch, only, seed, verbose } => commands::kernels(
+            &device,
+            check,
+            bench,
+            pipebd_kernels::bench::BenchOptions { repeats, batch, only },
+            seed,
+            verbose,
+        ),
+        Command::Check { config } => commands::check(zoo, &config),
+        Command::ExportInit { config, out } => commands::export_init(zoo, &config, &out),
     }
+}
+
+/// `pipebd run`'s flags besides the config overrides.
+struct RunCommand {
+    out: Option<PathBuf>,
+    resume: Option<PathBuf>,
+    max_failures: Option<usize>,
+    trace: bool,
+    quiet: bool,
+    transport: crate::runtime::launch::TransportChoice,
 }
 
 /// Seconds between progress lines when stderr is not a terminal.

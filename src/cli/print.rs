@@ -186,3 +186,105 @@ pub(super) fn print_link(report: &crate::link::LinkReport) {
         );
     }
 }
+
+/// What `pipebd run` prints after a run: the scores, the blocks, the
+/// throughput, the workers, the stitched pass, the resilience log and where
+/// the files went.
+pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path, trace: bool) {
+    println!("run `{}`: schedule {} {} on {}", report.name, report.schedule, report.plan, report.device);
+    match &report.text {
+        None => println!(
+            "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
+            100.0 * report.teacher_accuracy,
+            100.0 * report.student_accuracy,
+            report.test_samples
+        ),
+        Some(text) => print_text_report(text),
+    }
+    print_blocks(&report.blocks);
+    let resumed = if report.steps_run < report.steps {
+        format!(" (of {}; the rest came from checkpoints)", report.steps)
+    } else {
+        String::new()
+    };
+    println!(
+        "trained {} steps{resumed} in {:.1}s ({:.0} samples/s); whole run {:.1}s",
+        report.steps_run, report.train_seconds, report.samples_per_second, report.wall_seconds
+    );
+    for w in &report.workers {
+        println!("worker {} ({}, slot {}): busy {:.0}%", w.worker, w.role, w.slot, 100.0 * w.busy_fraction);
+    }
+    if let Some(s) = &report.stitched {
+        let losses: Vec<String> = s.final_losses.iter().map(|l| format!("{l:.5}")).collect();
+        println!(
+            "then stitched ({} gradients): {} epoch{}, {} steps at lr {:.3e} in {:.1}s; final losses [{}]",
+            s.gradients.name(),
+            s.epochs,
+            if s.epochs == 1 { "" } else { "s" },
+            s.steps,
+            s.lr,
+            s.seconds,
+            losses.join(" ")
+        );
+        if let (Some(kind), Some(value)) = (&s.output_loss, s.final_output_loss) {
+            let weight = s.output_weight.unwrap_or(1.0);
+            println!("  output loss {kind} (weight {weight}): {value:.5} over the last epoch");
+        }
+    }
+    print_resilience(&report.resilience);
+    let trace_note = if trace { ", trace.json" } else { "" };
+    println!("wrote {}/report.json, metrics.csv, student/{trace_note}", out.display());
+    if report.config.has_candidates() {
+        println!(
+            "search: every candidate scored on the held-out {:.0}% of the training samples in \
+             {}/search.json and search.csv (weights in candidates/); choose with \
+             `pipebd search {} --budget flops=N`{} or `--pareto flops`",
+            100.0 * report.config.search.held_out,
+            out.display(),
+            out.display(),
+            if report.config.search.mode == crate::config::SearchMode::SinglePath {
+                ", `--argmax` (alpha's choice)"
+            } else {
+                ""
+            }
+        );
+    }
+}
+
+/// `pipebd profile`'s table: one line per block and replica count.
+pub(super) fn print_profile(profile: &crate::profile::Profile) {
+    println!("block  g  batch  teacher fwd (ms)  student step (ms)  grad avg (ms)  input (ms)  peak MiB");
+    let ms = |t: &Option<crate::profile::Timing>| {
+        t.map_or("infeasible".to_string(), |t| format!("{:.2} ±{:.0}%", 1e3 * t.median, 100.0 * t.spread))
+    };
+    for (k, row) in profile.entries.iter().enumerate() {
+        for e in row {
+            println!(
+                "{:>5} {:>2} {:>6}  {:>16}  {:>17}  {:>13}  {:>10}  {:>8}",
+                k + 1,
+                e.replicas,
+                e.batch,
+                ms(&e.teacher_forward),
+                ms(&e.student_step),
+                ms(&e.gradient_average),
+                ms(&e.input_transfer),
+                e.peak_memory_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
+            );
+        }
+    }
+}
+
+/// `pipebd sweep`'s table: one line per grid point.
+pub(super) fn print_sweep(rows: &[crate::sweep::Row]) {
+    println!("{:<48} {:>11} {:>9} {:>9}  plan", "point", "samples/s", "step ms", "accuracy");
+    for r in rows {
+        println!(
+            "{:<48} {:>11.1} {:>9.1} {:>8.2}%  {}",
+            r.id,
+            r.samples_per_second,
+            1e3 * r.step_seconds,
+            100.0 * r.student_accuracy,
+            r.plan
+        );
+    }
+}

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use pipebd_core::{Activation, Dataset};
+use pipebd_core::{Activation, Dataset, Samples};
 use pipebd_kernels::FusedBackend;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -19,11 +19,13 @@ use rand::SeedableRng;
 
 use crate::error::{Error, Result};
 
-impl<B: FusedBackend> Dataset<B> for ImageDataset {
+impl Samples for ImageDataset {
     fn len(&self) -> usize {
         self.labels.len()
     }
+}
 
+impl<B: FusedBackend> Dataset<B> for ImageDataset {
     /// The normalised images; on an asynchronous device
     /// ([`FusedBackend::ASYNC_DEVICE`]) gathered from a copy of the whole
     /// set kept there (uploaded at the first batch), by an index tensor.
@@ -205,16 +207,25 @@ fn check_idx_file(path: &Path, magic: u32, dims: usize, what: &str) -> Result<us
     Ok(idx_dims(path, &head, size, magic, dims, what)?[0] as usize)
 }
 
+/// Mean of MNIST's training pixels in [0, 1]: what [`ImageDataset::load_mnist`]
+/// subtracts (as torchvision's MNIST examples, and the pretrained teacher, do).
+pub const MNIST_MEAN: f32 = 0.1307;
+/// Standard deviation of MNIST's training pixels in [0, 1]: what
+/// [`ImageDataset::load_mnist`] divides by.
+pub const MNIST_STD: f32 = 0.3081;
+
 /// Checks the four MNIST files in `dir` without reading their pixels: each
 /// is there, has the right magic number and is as long as its header says,
 /// and each split has as many labels as images. What `pipebd check` runs.
-pub fn check_mnist_files(dir: &Path) -> Result<()> {
+/// Returns the number of training images.
+pub fn check_mnist_files(dir: &Path) -> Result<usize> {
     if !dir.is_dir() {
         return Err(data_error(
             dir,
             "folder not found (run scripts/setup-data.sh, or fix `data.dir` in the config)",
         ));
     }
+    let mut train = 0;
     for split in [Split::Train, Split::Test] {
         let (images, labels) = split.files(dir);
         let image_count = check_idx_file(&images, IMAGES_MAGIC, 3, IMAGES_WHAT)?;
@@ -225,8 +236,11 @@ pub fn check_mnist_files(dir: &Path) -> Result<()> {
                 format!("{label_count} labels for {image_count} images in {}", images.display()),
             ));
         }
+        if split == Split::Train {
+            train = image_count;
+        }
     }
-    Ok(())
+    Ok(train)
 }
 
 /// Which half of a dataset.
@@ -284,8 +298,7 @@ impl ImageDataset {
             images.count = n;
             labels.truncate(n);
         }
-        use pipebd_teachers::mnist_cnn::{PIXEL_MEAN, PIXEL_STD};
-        Ok(Self { images, labels, mean: PIXEL_MEAN, std: PIXEL_STD, on_device: DeviceCopies::default() })
+        Ok(Self { images, labels, mean: MNIST_MEAN, std: MNIST_STD, on_device: DeviceCopies::default() })
     }
 
     /// Number of samples.
@@ -410,11 +423,13 @@ pub fn held_out_split<'a, B: burn::tensor::backend::Backend>(
     }
 }
 
-impl<B: burn::tensor::backend::Backend> Dataset<B> for DatasetSlice<'_, B> {
+impl<B: burn::tensor::backend::Backend> Samples for DatasetSlice<'_, B> {
     fn len(&self) -> usize {
         self.len
     }
+}
 
+impl<B: burn::tensor::backend::Backend> Dataset<B> for DatasetSlice<'_, B> {
     fn batch(&self, indices: &[usize], device: &B::Device) -> pipebd_core::Result<Activation<B>> {
         if let Some(&outside) = indices.iter().find(|&&i| i >= self.len) {
             return Err(pipebd_core::Error::Data {

@@ -13,6 +13,8 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use crate::plan::Schedule;
+
 /// Measured costs the planner works from. Index `[k][g - 1]` is block `k`
 /// (zero-based) run by a stage of `g` replicas, each on `batch / g` samples.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,8 +89,9 @@ impl Candidate {
     pub fn to_toml(&self, blocks: usize, slots: usize) -> String {
         let mut text = format!(
             "# Written by `pipebd plan`: {blocks} blocks on {slots} device slots, predicted {:.2} ms per step.\n\
-             # Use it in a run config with {slots} entries in `devices`.\nschedule = \"hybrid\"\n",
-            1e3 * self.step_seconds
+             # Use it in a run config with {slots} entries in `devices`.\nschedule = \"{}\"\n",
+            1e3 * self.step_seconds,
+            Schedule::Hybrid.name()
         );
         for stage in &self.stages {
             let blocks: Vec<String> = stage.blocks.clone().map(|k| (k + 1).to_string()).collect();
@@ -170,9 +173,10 @@ fn rebuild(best: &[Vec<Vec<Entry>>], blocks: usize, slots: usize, rank: usize) -
     Candidate { step_seconds, stages }
 }
 
-/// Every plan by enumeration (for tests and tiny cases): each way to cut the
+/// Every plan by enumeration (the tests' oracle): each way to cut the
 /// blocks into contiguous stages, each assignment of replicas summing to `slots`.
-pub fn brute_force(costs: &CostTable, slots: usize, memory_limit: Option<u64>) -> Vec<Candidate> {
+#[cfg(test)]
+fn brute_force(costs: &CostTable, slots: usize, memory_limit: Option<u64>) -> Vec<Candidate> {
     let k = costs.blocks();
     let mut out = Vec::new();
     // Cut points: a bitmask over the K-1 gaps between blocks.
@@ -193,6 +197,8 @@ pub fn brute_force(costs: &CostTable, slots: usize, memory_limit: Option<u64>) -
     out
 }
 
+/// Every assignment of replicas to the stages of a cut (the oracle's inner loop).
+#[cfg(test)]
 fn assign(
     costs: &CostTable,
     slots: usize,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use pipebd_core::StudentModule;
 use pipebd_kernels::DistillBackend;
 
-use super::phase::ProgressMsg;
+use super::messages::ProgressMsg;
 use super::sync::{Stop, POLL};
 use super::transport::{Tag, Transport};
 use super::wire::{decode_state, encode_state, Reader, Writer};

@@ -32,10 +32,14 @@
 //! `topology` (the workers of a phase and their channels), `phase` (a
 //! phase's threads and watchdog), `worker` (one worker's training loop),
 //! `resume` (checkpoint identity and restore), [`recovery`] (what a lost
-//! device changes), [`transport`], `wire`, `cluster` and `mpi` (runs
+//! device changes), [`transport`], [`launch`] (the transport a run opens
+//! and what the MPI launcher says), `wire`, `cluster` and `mpi` (runs
 //! across processes).
 
 mod cluster;
+mod context;
+pub mod launch;
+mod messages;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod phase;
@@ -52,7 +56,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use phase::{run_phase, PhaseContext};
+use context::PhaseContext;
+use phase::{run_phase, PhaseFailure, PhaseOutcome};
 use pipebd_core::{Block, Dataset, StudentModule, Students, Teacher};
 use pipebd_kernels::DistillBackend;
 use recovery::{recover, RecoveryContext, ResilienceLog};
@@ -279,52 +284,11 @@ where
     let batch = settings.batch_size;
     let per_epoch = steps_per_epoch(data.len(), batch);
     let plan_error = |message: String| Error::Plan { plan: plan.name.clone(), message };
-    if batch == 0 || per_epoch == 0 {
-        return Err(plan_error(format!(
-            "batch size {batch} does not fit the {} training samples",
-            data.len()
-        )));
-    }
-    if plan.slots() > devices.len() {
-        return Err(plan_error(format!("needs {} device slots, {} given", plan.slots(), devices.len())));
-    }
-    if let Some(transport) = options.transport.as_ref().filter(|t| plan.slots() > t.ranks()) {
-        return Err(transport::rank_mismatch(plan, transport.ranks()));
-    }
     let blocks = students.blocks.len();
-    for phase in &plan.phases {
-        for stage in &phase.stages {
-            if stage.blocks.end > blocks || stage.blocks.is_empty() {
-                return Err(plan_error(format!(
-                    "stage with blocks {:?} but there are {blocks} blocks",
-                    stage.blocks
-                )));
-            }
-            if stage.replicas() > batch {
-                return Err(plan_error(format!(
-                    "{} replicas cannot share a batch of {batch}",
-                    stage.replicas()
-                )));
-            }
-        }
-    }
+    check_plan(plan, blocks, batch, data.len(), devices.len(), options)?;
     let total_steps = per_epoch * settings.epochs;
     let supernets = students.blocks.iter().filter(|b| b.arch_logits().is_some()).count();
-    let arch_steps = match &settings.single_path {
-        Some(single_path) if supernets > 0 => single_path.arch_steps(total_steps),
-        _ => 0,
-    };
-    let held_out = match held_out {
-        _ if arch_steps == 0 => None,
-        Some(held) if held.len() >= batch => Some(held),
-        found => {
-            return Err(plan_error(format!(
-            "a single-path search takes its {arch_steps} architecture steps on held-out batches of {batch}, \
-                 but {} held-out samples were given",
-            found.map_or(0, |h| h.len())
-        )))
-        }
-    };
+    let held_out = arch_batches(plan, settings, supernets, total_steps, held_out)?;
     let Students { blocks: modules, specs, .. } = students;
     let order = DataOrder::new(settings.generator, settings.seed, specs.iter().map(|s| s.params).sum());
     let identities: Vec<BTreeMap<String, serde_json::Value>> =
@@ -339,45 +303,27 @@ where
         .into_iter()
         .zip(specs.iter().cloned())
         .enumerate()
-        .map(|(k, (m, spec))| {
-            Some(BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps).configured(settings))
-        })
+        .map(|(k, (m, spec))| BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps))
+        .map(|trainer| Some(trainer.configured(settings)))
         .collect();
 
-    let mut resilience = ResilienceLog::default();
+    let mut record = RunRecord::default();
     if let Some(dir) = &options.resume_from {
-        let dir = checkpoint::resolve_dir(dir);
-        let any = (1..=blocks).any(|b| !checkpoint::list(&dir, b).is_empty());
-        if !any {
-            return Err(Error::Checkpoint {
-                path: dir,
-                message: "no checkpoints to resume from (expected block-NN/step-NNNNNNNN folders)".into(),
-            });
-        }
-        for k in 0..blocks {
-            let trainer = trainers[k].as_mut().ok_or_else(|| plan_error("block missing".into()))?;
-            let resumed = restore_newest(trainer, &dir, &identities[k], &devices[0], true)?;
-            resilience.resumed.push(resumed);
-        }
+        record.resilience.resumed = resume_all(dir, &mut trainers, &identities, &devices[0])?;
     }
 
     let resumed_from = trainers.iter().flatten().map(|t| t.step).min().unwrap_or(0).min(total_steps);
     let origin = Instant::now();
-    let mut log = TrainLog::default();
-    let mut spans = Vec::new();
-    let mut workers = Vec::new();
     let mut plan = plan.clone();
     let recovery: RecoveryContext<'_, B, S> = RecoveryContext {
         options,
         teacher_specs: &teacher.specs,
         student_specs: &specs,
+        total_steps,
         identities: &identities,
         devices,
         fresh: &fresh,
     };
-    // After a failure: when it was detected, and the step every stage must
-    // complete again for the run to have regained what it lost.
-    let mut awaiting_recovery: Option<(Instant, usize)> = None;
     let mut phase_index = 0;
     while phase_index < plan.phases.len() {
         let description = plan.describe();
@@ -396,58 +342,21 @@ where
             order,
             total_steps,
             origin,
-            first_worker: workers.len(),
+            first_worker: record.workers.len(),
             identities: &identities,
-            recovery_target: awaiting_recovery.map(|(_, target)| target),
+            recovery_target: record.awaiting_recovery.map(|(_, target)| target),
         };
         let outcome = run_phase(&context, &mut trainers, observer)?;
-        log.rows.extend(outcome.rows);
-        spans.extend(outcome.spans);
-        workers.extend(outcome.workers);
-        resilience.checkpoints_written += outcome.checkpoints_written;
-        if let (Some((detected, _)), Some(regained)) = (awaiting_recovery, outcome.target_reached_at) {
-            if let Some(last) = resilience.failures.last_mut() {
-                last.recovery_seconds = regained.saturating_duration_since(detected).as_secs_f64();
-            }
-            awaiting_recovery = None;
-        }
-        let Some(failure) = outcome.failure else {
+        let Some(failure) = record.absorb(outcome) else {
             phase_index += 1;
             continue;
         };
-        if options.transport.is_some() {
-            // Across processes a lost rank cannot be replaced within the
-            // run: every rank stops; the checkpoints resume it.
-            return Err(failure.error);
-        }
-        let recovered = recover(failure, &plan, phase_index, &resilience.failures, &recovery)?;
-        for trainer in recovered.trainers {
-            let k = trainer.index;
-            trainers[k] = Some(trainer);
-        }
-        resilience.failures.push(recovered.record);
-        awaiting_recovery = Some((recovered.detected_at, recovered.target.min(total_steps)));
-        plan = recovered.plan;
+        plan = record.recover(failure, &plan, phase_index, &recovery, &mut trainers)?;
     }
+    let RunRecord { mut log, spans, workers, mut resilience, .. } = record;
     resilience.final_plan = plan.describe();
-    // Steps redone after a failure or resume log twice; keep the last row.
-    log.rows.sort_by_key(|r| (r.step, r.block));
-    log.rows.dedup_by_key(|r| (r.step, r.block));
-    log.seconds = origin.elapsed().as_secs_f64();
-    log.steps = total_steps;
-    log.steps_run = total_steps - resumed_from;
-    log.samples = log.steps_run * batch;
-    let mut trained = Vec::with_capacity(blocks);
-    for (k, t) in trainers.into_iter().enumerate() {
-        let t = t.ok_or_else(|| plan_error(format!("block {} was not trained by any stage", k + 1)))?;
-        log.final_losses.push(t.recent_loss());
-        let index = t.index;
-        trained.push(t.into_module().ok_or(Error::Training {
-            block: index + 1,
-            step: total_steps,
-            message: "module missing after training".into(),
-        })?);
-    }
+    let (trained, final_losses) = trained_modules(trainers, &plan_error, total_steps)?;
+    log.finish(origin.elapsed().as_secs_f64(), (resumed_from, total_steps), batch, final_losses);
     Ok(PlanOutput {
         students: Students::new(trained, specs.clone(), &specs)?,
         log,
@@ -456,4 +365,172 @@ where
         resilience,
         final_plan: plan,
     })
+}
+
+/// What a run has recorded over its phases so far.
+#[derive(Default)]
+struct RunRecord {
+    log: TrainLog,
+    spans: Vec<Span>,
+    workers: Vec<WorkerSummary>,
+    resilience: ResilienceLog,
+    /// After a failure: when it was detected, and the step every stage must
+    /// complete again for the run to have regained what it lost.
+    awaiting_recovery: Option<(Instant, usize)>,
+}
+
+impl RunRecord {
+    /// Adds a phase's rows, spans, workers and checkpoints, and the recovery
+    /// time of the last failure once the phase has regained what it lost;
+    /// returns the failure that ended the phase, if one did.
+    fn absorb(&mut self, outcome: PhaseOutcome) -> Option<PhaseFailure> {
+        self.log.rows.extend(outcome.rows);
+        self.spans.extend(outcome.spans);
+        self.workers.extend(outcome.workers);
+        self.resilience.checkpoints_written += outcome.checkpoints_written;
+        if let (Some((detected, _)), Some(regained)) = (self.awaiting_recovery, outcome.target_reached_at) {
+            if let Some(last) = self.resilience.failures.last_mut() {
+                last.recovery_seconds = regained.saturating_duration_since(detected).as_secs_f64();
+            }
+            self.awaiting_recovery = None;
+        }
+        outcome.failure
+    }
+
+    /// Recovers from `failure` in phase `phase_index` of `plan`: puts the
+    /// lost blocks' restored trainers into `trainers`, records the failure
+    /// and returns the plan to go on with. Across processes a lost rank
+    /// cannot be replaced within the run: every rank stops (the checkpoints
+    /// resume it).
+    fn recover<B: DistillBackend, S: StudentModule<B>>(
+        &mut self,
+        failure: PhaseFailure,
+        plan: &Plan,
+        phase_index: usize,
+        context: &RecoveryContext<'_, B, S>,
+        trainers: &mut [Option<BlockTrainer<B, S>>],
+    ) -> Result<Plan> {
+        if context.options.transport.is_some() {
+            return Err(failure.error);
+        }
+        let recovered = recover(failure, plan, phase_index, &self.resilience.failures, context)?;
+        for trainer in recovered.trainers {
+            let k = trainer.index;
+            trainers[k] = Some(trainer);
+        }
+        self.resilience.failures.push(recovered.record);
+        self.awaiting_recovery = Some((recovered.detected_at, recovered.target.min(context.total_steps)));
+        Ok(recovered.plan)
+    }
+}
+
+/// Checks that `plan` can run: a batch that gives at least one step, the
+/// device slots (and ranks) it needs, stages within the blocks, replicas
+/// no more than the batch's samples.
+fn check_plan(
+    plan: &Plan,
+    blocks: usize,
+    batch: usize,
+    samples: usize,
+    devices: usize,
+    options: &RuntimeSettings,
+) -> Result<()> {
+    let plan_error = |message: String| Error::Plan { plan: plan.name.clone(), message };
+    if batch == 0 || steps_per_epoch(samples, batch) == 0 {
+        return Err(plan_error(format!("batch size {batch} does not fit the {samples} training samples")));
+    }
+    if plan.slots() > devices {
+        return Err(plan_error(format!("needs {} device slots, {devices} given", plan.slots())));
+    }
+    if let Some(transport) = options.transport.as_ref().filter(|t| plan.slots() > t.ranks()) {
+        return Err(transport::rank_mismatch(plan, transport.ranks()));
+    }
+    for stage in plan.phases.iter().flat_map(|p| &p.stages) {
+        if stage.blocks.end > blocks || stage.blocks.is_empty() {
+            return Err(plan_error(format!(
+                "stage with blocks {:?} but there are {blocks} blocks",
+                stage.blocks
+            )));
+        }
+        if stage.replicas() > batch {
+            return Err(plan_error(format!("{} replicas cannot share a batch of {batch}", stage.replicas())));
+        }
+    }
+    Ok(())
+}
+
+/// Where a single-path search's architecture steps take their batches:
+/// `None` when the run takes none, else the held-out samples (an error when
+/// they are fewer than a batch).
+fn arch_batches<'a, B: burn::tensor::backend::Backend>(
+    plan: &Plan,
+    settings: &TrainSettings,
+    supernets: usize,
+    total_steps: usize,
+    held_out: Option<&'a dyn Dataset<B>>,
+) -> Result<Option<&'a dyn Dataset<B>>> {
+    let batch = settings.batch_size;
+    let arch_steps = match &settings.single_path {
+        Some(single_path) if supernets > 0 => single_path.arch_steps(total_steps),
+        _ => 0,
+    };
+    match held_out {
+        _ if arch_steps == 0 => Ok(None),
+        Some(held) if held.len() >= batch => Ok(Some(held)),
+        found => Err(Error::Plan {
+            plan: plan.name.clone(),
+            message: format!(
+                "a single-path search takes its {arch_steps} architecture steps on held-out batches of {batch}, \
+                 but {} held-out samples were given",
+                found.map_or(0, |h| h.len())
+            ),
+        }),
+    }
+}
+
+/// Restores every block from its newest matching checkpoint under `dir`.
+fn resume_all<B: DistillBackend, S: StudentModule<B>>(
+    dir: &std::path::Path,
+    trainers: &mut [Option<BlockTrainer<B, S>>],
+    identities: &[BTreeMap<String, serde_json::Value>],
+    device: &B::Device,
+) -> Result<Vec<crate::train::checkpoint::ResumedBlock>> {
+    let dir = checkpoint::resolve_dir(dir);
+    if (1..=trainers.len()).all(|b| checkpoint::list(&dir, b).is_empty()) {
+        return Err(Error::Checkpoint {
+            path: dir,
+            message: "no checkpoints to resume from (expected block-NN/step-NNNNNNNN folders)".into(),
+        });
+    }
+    let mut resumed = Vec::with_capacity(trainers.len());
+    for (k, trainer) in trainers.iter_mut().enumerate() {
+        let trainer = trainer.as_mut().ok_or_else(|| Error::Training {
+            block: k + 1,
+            step: 0,
+            message: "block missing before the resume".into(),
+        })?;
+        resumed.push(restore_newest(trainer, &dir, &identities[k], device, true)?);
+    }
+    Ok(resumed)
+}
+
+/// The trained modules and their final losses, in block order.
+fn trained_modules<B: DistillBackend, S: StudentModule<B>>(
+    trainers: Vec<Option<BlockTrainer<B, S>>>,
+    plan_error: &dyn Fn(String) -> Error,
+    total_steps: usize,
+) -> Result<(Vec<S>, Vec<f32>)> {
+    let mut trained = Vec::with_capacity(trainers.len());
+    let mut losses = Vec::with_capacity(trainers.len());
+    for (k, t) in trainers.into_iter().enumerate() {
+        let t = t.ok_or_else(|| plan_error(format!("block {} was not trained by any stage", k + 1)))?;
+        losses.push(t.recent_loss());
+        let index = t.index;
+        trained.push(t.into_module().ok_or(Error::Training {
+            block: index + 1,
+            step: total_steps,
+            message: "module missing after training".into(),
+        })?);
+    }
+    Ok((trained, losses))
 }

@@ -9,44 +9,19 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, RecvTimeoutError, Sender};
-use pipebd_core::{Block, Dataset, StudentModule, Teacher};
+use pipebd_core::{Block, StudentModule};
 use pipebd_kernels::DistillBackend;
 
 use super::cluster::{ClusterWatch, PhaseEnd};
+use super::context::PhaseContext;
+use super::messages::{Peer, ProgressMsg};
 use super::sync::{Halt, Heartbeat, StepBarrier, Stop, POLL};
-use super::topology::{build_workers, Peer, Worker};
+use super::threads_per_worker;
+use super::topology::{build_workers, Worker};
 use super::worker::{worker_loop, LoopState, Position};
-use super::{threads_per_worker, RuntimeSettings};
 use crate::error::{Error, Result};
-use crate::plan::Phase;
 use crate::trace::{summarise, Span, SpanRecorder, WorkerSummary};
-use crate::train::{BlockTrainer, MetricRow, Progress, TrainSettings};
-
-/// What every worker of a phase reads: the phase, the run's inputs and
-/// settings, and where the phase stands in the run.
-pub(super) struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>> {
-    pub(super) phase: &'a Phase,
-    pub(super) teacher: &'a Teacher<B::InnerBackend, T>,
-    pub(super) data: &'a dyn Dataset<B::InnerBackend>,
-    /// Where a single-path search's architecture steps take their batches
-    /// (`None`: the run takes none).
-    pub(super) held_out: Option<&'a dyn Dataset<B::InnerBackend>>,
-    pub(super) settings: &'a TrainSettings,
-    pub(super) devices: &'a [B::Device],
-    pub(super) options: &'a RuntimeSettings,
-    pub(super) per_epoch: usize,
-    /// Where each epoch's sample order comes from.
-    pub(super) order: crate::data::DataOrder,
-    pub(super) total_steps: usize,
-    pub(super) origin: Instant,
-    pub(super) first_worker: usize,
-    pub(super) phase_index: usize,
-    pub(super) phases: usize,
-    pub(super) plan_description: &'a str,
-    pub(super) identities: &'a [BTreeMap<String, serde_json::Value>],
-    /// Note when every stage has completed this many steps.
-    pub(super) recovery_target: Option<usize>,
-}
+use crate::train::{BlockTrainer, MetricRow, Progress};
 
 /// What a phase produced, and how it ended.
 pub(super) struct PhaseOutcome {
@@ -70,13 +45,6 @@ pub(super) struct PhaseFailure {
     pub(super) block_steps: BTreeMap<usize, usize>,
     /// Steps every stage had completed.
     pub(super) completed: usize,
-}
-
-/// A stage leader's step done, with its blocks' losses, for the watchdog.
-pub(super) struct ProgressMsg {
-    pub(super) stage: usize,
-    pub(super) step: usize,
-    pub(super) losses: Vec<(usize, f32)>,
 }
 
 /// Runs one phase: one thread per worker, and on this thread the watchdog
@@ -107,23 +75,12 @@ where
     let who: Vec<(usize, usize, usize)> = workers.iter().map(|w| (w.stage, w.replica, w.slot)).collect();
     let heartbeats: Vec<Heartbeat> = (0..count).map(|_| Heartbeat::new(Instant::now())).collect();
     let stop = Stop::new();
-    let cluster = context.options.transport.clone();
-    let barrier = context.phase.barrier.then(|| match &cluster {
-        // One worker per rank: the barrier is with the other ranks of the phase.
-        Some(transport) => {
-            let mut ranks: Vec<usize> = context.phase.stages.iter().flat_map(|s| s.slots.clone()).collect();
-            ranks.sort_unstable();
-            ranks.dedup();
-            let peers = ranks
-                .into_iter()
-                .filter(|&r| r != transport.rank())
-                .map(|rank| Peer { transport: transport.clone(), rank })
-                .collect();
-            StepBarrier::across(peers)
-        }
-        None => StepBarrier::new(count),
-    });
-    let mut watch = cluster.map(|t| ClusterWatch::new(t, context.options.timeout.as_secs_f64()));
+    let barrier = context.phase.barrier.then(|| phase_barrier(context, count));
+    let mut watch = context
+        .options
+        .transport
+        .clone()
+        .map(|t| ClusterWatch::new(t, context.options.timeout.as_secs_f64()));
     let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
     let stages = context.phase.stages.len();
     let threads = threads_per_worker(context.options.threads_per_worker, count);
@@ -155,59 +112,11 @@ where
             })
             .collect();
         drop(progress_tx);
-        // Forward progress to the observer until every worker has hung up,
-        // and watch for workers that stopped moving.
-        loop {
-            let mut arrived = Vec::new();
-            let mut hung_up = false;
-            match progress_rx.recv_timeout(POLL * 5) {
-                Ok(msg) => arrived.push(msg),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => hung_up = true,
-            }
-            if let Some(watch) = watch.as_mut() {
-                for msg in arrived.iter().filter(|_| watch.rank() != 0) {
-                    if let Err(e) = watch.forward(msg) {
-                        stop.raise(e);
-                    }
-                }
-                arrived.extend(watch.tick(&stop));
-            }
-            for msg in arrived {
-                tally.take(msg, context, observer, &mut block_steps);
-            }
-            if hung_up {
-                break;
-            }
-            if stop.is_raised() {
-                continue;
-            }
-            let stalled = heartbeats
-                .iter()
-                .enumerate()
-                .find_map(|(i, beat)| beat.silent_for().filter(|&s| s > stall_limit).map(|s| (i, s)));
-            if let Some((i, seconds)) = stalled {
-                let (stage, replica, slot) = who[i];
-                let step = heartbeats[i].step.load(Ordering::SeqCst);
-                stop.raise(Error::Worker {
-                    stage: stage + 1,
-                    replica,
-                    slot,
-                    source: Box::new(Error::Stalled { seconds, step }),
-                });
-            }
-        }
+        let mut forward = |msg| tally.take(msg, context, observer, &mut block_steps);
+        watchdog(&progress_rx, watch.as_mut(), &heartbeats, &who, &stop, stall_limit, &mut forward);
         handles.into_iter().map(|h| h.join()).collect()
     });
 
-    let mut outcome = PhaseOutcome {
-        rows: Vec::new(),
-        spans: Vec::new(),
-        workers: Vec::new(),
-        checkpoints_written: 0,
-        target_reached_at: None,
-        failure: None,
-    };
     // The worker named by the first error is the failed one (its device is
     // gone with the state on it), whether it reported the error itself or
     // the watchdog found it silent.
@@ -217,6 +126,112 @@ where
             who.iter().position(|&(s, r, _)| s + 1 == *stage && r == *replica)
         }
         _ => None,
+    };
+    let (mut outcome, lost_blocks) = collect_results(results, failed_worker, trainers)?;
+    // Across processes: every rank hands the others its leaders' block
+    // states and its records, and takes theirs.
+    if let (Some(watch), None) = (watch.as_mut(), &first) {
+        let mut on_progress = |msg| tally.take(msg, context, observer, &mut block_steps);
+        exchange_with_ranks(context, watch, trainers, &mut outcome, &stop, &mut on_progress)?;
+    }
+    let first = first.or_else(|| stop.take());
+    outcome.target_reached_at = tally.target_reached_at;
+    if let Some((error, detected_at)) = first {
+        let completed = tally.reported;
+        outcome.failure = Some(PhaseFailure { error, detected_at, lost_blocks, block_steps, completed });
+    }
+    Ok(outcome)
+}
+
+/// The barrier of a phase that has one: among its workers, or across the
+/// ranks of the phase (one worker per rank) in a run over processes.
+fn phase_barrier<B: DistillBackend, T: Block<B::InnerBackend>>(
+    context: &PhaseContext<'_, B, T>,
+    workers: usize,
+) -> StepBarrier {
+    let Some(transport) = &context.options.transport else {
+        return StepBarrier::new(workers);
+    };
+    let mut ranks: Vec<usize> = context.phase.stages.iter().flat_map(|s| s.slots.clone()).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let peers = ranks
+        .into_iter()
+        .filter(|&r| r != transport.rank())
+        .map(|rank| Peer { transport: transport.clone(), rank })
+        .collect();
+    StepBarrier::across(peers)
+}
+
+/// Forwards progress (this process's, and across ranks the others') to
+/// `forward` until every worker has hung up, and raises the stop signal for
+/// a worker silent for longer than `stall_limit` seconds.
+fn watchdog(
+    progress: &crossbeam_channel::Receiver<ProgressMsg>,
+    mut watch: Option<&mut ClusterWatch>,
+    heartbeats: &[Heartbeat],
+    who: &[(usize, usize, usize)],
+    stop: &Stop,
+    stall_limit: f64,
+    forward: &mut dyn FnMut(ProgressMsg),
+) {
+    loop {
+        let mut arrived = Vec::new();
+        let mut hung_up = false;
+        match progress.recv_timeout(POLL * 5) {
+            Ok(msg) => arrived.push(msg),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => hung_up = true,
+        }
+        if let Some(watch) = watch.as_deref_mut() {
+            for msg in arrived.iter().filter(|_| watch.rank() != 0) {
+                if let Err(e) = watch.forward(msg) {
+                    stop.raise(e);
+                }
+            }
+            arrived.extend(watch.tick(stop));
+        }
+        for msg in arrived {
+            forward(msg);
+        }
+        if hung_up {
+            break;
+        }
+        if stop.is_raised() {
+            continue;
+        }
+        let stalled = heartbeats
+            .iter()
+            .enumerate()
+            .find_map(|(i, beat)| beat.silent_for().filter(|&s| s > stall_limit).map(|s| (i, s)));
+        if let Some((i, seconds)) = stalled {
+            let (stage, replica, slot) = who[i];
+            let step = heartbeats[i].step.load(Ordering::SeqCst);
+            stop.raise(Error::Worker {
+                stage: stage + 1,
+                replica,
+                slot,
+                source: Box::new(Error::Stalled { seconds, step }),
+            });
+        }
+    }
+}
+
+/// The phase's outcome from its workers' results: their rows, spans and
+/// summaries, and their trainers back in `trainers`, but for the failed
+/// worker's, whose blocks are returned as lost.
+fn collect_results<B: DistillBackend, S: StudentModule<B>>(
+    results: Vec<std::thread::Result<WorkerResult<B, S>>>,
+    failed_worker: Option<usize>,
+    trainers: &mut [Option<BlockTrainer<B, S>>],
+) -> Result<(PhaseOutcome, Vec<usize>)> {
+    let mut outcome = PhaseOutcome {
+        rows: Vec::new(),
+        spans: Vec::new(),
+        workers: Vec::new(),
+        checkpoints_written: 0,
+        target_reached_at: None,
+        failure: None,
     };
     let mut lost_blocks = Vec::new();
     for (i, result) in results.into_iter().enumerate() {
@@ -240,63 +255,66 @@ where
         ));
         outcome.spans.extend(result.spans);
     }
-    // Across processes: every rank hands the others its leaders' block
-    // states and its records, and takes theirs.
-    if let (Some(watch), None) = (watch.as_mut(), &first) {
-        let local_leaders: Vec<usize> = context
-            .phase
-            .stages
-            .iter()
-            .filter(|s| s.slots.first() == Some(&watch.rank()))
-            .flat_map(|s| s.blocks.clone())
-            .collect();
-        let mine = PhaseEnd::collect(
-            trainers,
-            &local_leaders,
-            outcome.rows.clone(),
-            outcome.spans.clone(),
-            outcome.workers.clone(),
-            outcome.checkpoints_written,
-        )?;
-        let mut on_progress = |msg| tally.take(msg, context, observer, &mut block_steps);
-        let ends = watch.finish_phase(&mine, &stop, &mut on_progress);
-        match ends {
-            Ok(Some(ends)) => {
-                let device = &context.devices[watch.rank().min(context.devices.len() - 1)];
-                for end in ends {
-                    for (k, state) in end.states {
-                        let trainer =
-                            trainers.get_mut(k).and_then(|t| t.as_mut()).ok_or_else(|| Error::Transport {
-                                message: format!(
-                                    "received the state of block {}, which this rank does not hold",
-                                    k + 1
-                                ),
-                            })?;
-                        trainer.load_state(state, device).map_err(|message| Error::Transport {
-                            message: format!(
-                                "the state of block {} received at the end of the phase: {message}",
-                                k + 1
-                            ),
-                        })?;
-                    }
-                    outcome.rows.extend(end.rows);
-                    outcome.spans.extend(end.spans);
-                    outcome.workers.extend(end.workers);
-                    outcome.checkpoints_written += end.checkpoints_written;
-                }
-                outcome.workers.sort_by_key(|w| w.worker);
-            }
-            Ok(None) => {}
-            Err(e) => stop.raise(e),
+    Ok((outcome, lost_blocks))
+}
+
+/// At the end of a phase across processes: hands the other ranks this
+/// rank's leaders' block states and its records, and takes theirs into
+/// `trainers` and `outcome`. A failed exchange raises the stop signal (the
+/// phase failed); a state that does not load is an error.
+fn exchange_with_ranks<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    watch: &mut ClusterWatch,
+    trainers: &mut [Option<BlockTrainer<B, S>>],
+    outcome: &mut PhaseOutcome,
+    stop: &Stop,
+    on_progress: &mut dyn FnMut(ProgressMsg),
+) -> Result<()>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let local_leaders: Vec<usize> = context
+        .phase
+        .stages
+        .iter()
+        .filter(|s| s.slots.first() == Some(&watch.rank()))
+        .flat_map(|s| s.blocks.clone())
+        .collect();
+    let mine = PhaseEnd::collect(
+        trainers,
+        &local_leaders,
+        outcome.rows.clone(),
+        outcome.spans.clone(),
+        outcome.workers.clone(),
+        outcome.checkpoints_written,
+    )?;
+    let ends = match watch.finish_phase(&mine, stop, on_progress) {
+        Ok(Some(ends)) => ends,
+        Ok(None) => return Ok(()),
+        Err(e) => {
+            stop.raise(e);
+            return Ok(());
         }
+    };
+    let device = &context.devices[watch.rank().min(context.devices.len() - 1)];
+    for end in ends {
+        for (k, state) in end.states {
+            let trainer = trainers.get_mut(k).and_then(|t| t.as_mut()).ok_or_else(|| Error::Transport {
+                message: format!("received the state of block {}, which this rank does not hold", k + 1),
+            })?;
+            trainer.load_state(state, device).map_err(|message| Error::Transport {
+                message: format!("the state of block {} received at the end of the phase: {message}", k + 1),
+            })?;
+        }
+        outcome.rows.extend(end.rows);
+        outcome.spans.extend(end.spans);
+        outcome.workers.extend(end.workers);
+        outcome.checkpoints_written += end.checkpoints_written;
     }
-    let first = first.or_else(|| stop.take());
-    outcome.target_reached_at = tally.target_reached_at;
-    if let Some((error, detected_at)) = first {
-        let completed = tally.reported;
-        outcome.failure = Some(PhaseFailure { error, detected_at, lost_blocks, block_steps, completed });
-    }
-    Ok(outcome)
+    outcome.workers.sort_by_key(|w| w.worker);
+    Ok(())
 }
 
 /// Stage leaders' progress of a phase, turned into one observer call per

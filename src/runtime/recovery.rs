@@ -160,6 +160,8 @@ pub(super) struct RecoveryContext<'a, B: DistillBackend, S: StudentModule<B>> {
     pub(super) teacher_specs: &'a [BlockSpec],
     /// The students' block specs, for re-planning from FLOPs.
     pub(super) student_specs: &'a [BlockSpec],
+    /// Optimizer steps per block in the whole run.
+    pub(super) total_steps: usize,
     /// Per block, what its checkpoints must match.
     pub(super) identities: &'a [BTreeMap<String, serde_json::Value>],
     /// The run's devices; restored blocks are loaded on the first.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
-use super::topology::{Peer, Sink, Source};
+use super::messages::{Peer, Sink, Source};
 use super::transport::Tag;
 use crate::error::{Error, Result};
 

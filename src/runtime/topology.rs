@@ -6,60 +6,17 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use crossbeam_channel::{bounded, Receiver, Sender};
-use pipebd_core::{Activation, Block, StudentModule};
+use crossbeam_channel::bounded;
+use pipebd_core::{Block, StudentModule};
 use pipebd_kernels::DistillBackend;
 
-use super::phase::PhaseContext;
+use super::context::PhaseContext;
+use super::messages::{ActivationMsg, GradientMsg, ModuleMsg, Peer, Sink, Source};
 use super::transport::Transport;
 use crate::error::{Error, Result};
-use crate::plan::Stage;
-use crate::train::{BlockTrainer, StepLoss};
-
-/// A boundary activation of one step, on its way to the next stage.
-pub(super) struct ActivationMsg<IB: Backend> {
-    pub(super) step: usize,
-    /// True for a held-out batch of an architecture tick.
-    pub(super) arch: bool,
-    pub(super) activation: Activation<IB>,
-}
-
-/// A follower's gradients of one step, for its stage leader, with its
-/// losses (still on its device where they are read once per logged step).
-pub(super) struct GradientMsg<IB: Backend> {
-    pub(super) step: usize,
-    pub(super) grads: Vec<GradientsParams>,
-    pub(super) weighted_losses: Vec<StepLoss<IB>>,
-}
-
-/// The leader's updated blocks after one step, for a follower.
-pub(super) struct ModuleMsg<S> {
-    pub(super) step: usize,
-    pub(super) modules: Vec<S>,
-}
-
-/// A worker in another process (rank) of a multi-process run.
-#[derive(Clone)]
-pub(super) struct Peer {
-    pub(super) transport: Arc<dyn Transport>,
-    pub(super) rank: usize,
-}
-
-/// Where a worker sends one kind of message: a channel to a worker of this
-/// process, or a worker of another rank (the message is encoded for the
-/// transport).
-pub(super) enum Sink<M> {
-    Local(Sender<M>),
-    Remote(Peer),
-}
-
-/// Where a worker receives one kind of message from.
-pub(super) enum Source<M> {
-    Local(Receiver<M>),
-    Remote(Peer),
-}
+use crate::plan::{Phase, Stage};
+use crate::train::BlockTrainer;
 
 /// Both ends of a link between two workers: channels if both are in this
 /// process, else each end names the other's rank.
@@ -206,9 +163,37 @@ where
         }
         stage_workers.push(ids);
     }
-    // Activation channels from stage s to stage s+1 when s+1 does not load data.
-    for s in 1..context.phase.stages.len() {
-        if context.phase.stages[s].loads_data {
+    link_stages(context.phase, &stage_workers, &mut workers, transport, capacity);
+    let Some(transport) = transport else {
+        return Ok(workers);
+    };
+    let mut local = Vec::new();
+    for mut worker in workers {
+        if worker.slot == transport.rank() {
+            local.push(worker);
+        } else if worker.is_leader() {
+            for trainer in worker.trainers.drain(..) {
+                let k = trainer.index;
+                trainers[k] = Some(trainer);
+            }
+        }
+    }
+    Ok(local)
+}
+
+/// The activation channels of a phase: from each worker of stage `s` to
+/// each worker of stage `s + 1` whose batch share overlaps its own, unless
+/// stage `s + 1` loads its data itself. `stage_workers[s]` lists the indices
+/// in `workers` of stage `s`'s replicas.
+fn link_stages<B: DistillBackend, S: StudentModule<B>>(
+    phase: &Phase,
+    stage_workers: &[Vec<usize>],
+    workers: &mut [Worker<B, S>],
+    transport: Option<&Arc<dyn Transport>>,
+    capacity: usize,
+) {
+    for s in 1..phase.stages.len() {
+        if phase.stages[s].loads_data {
             continue;
         }
         for &down in &stage_workers[s] {
@@ -230,19 +215,4 @@ where
             }
         }
     }
-    let Some(transport) = transport else {
-        return Ok(workers);
-    };
-    let mut local = Vec::new();
-    for mut worker in workers {
-        if worker.slot == transport.rank() {
-            local.push(worker);
-        } else if worker.is_leader() {
-            for trainer in worker.trainers.drain(..) {
-                let k = trainer.index;
-                trainers[k] = Some(trainer);
-            }
-        }
-    }
-    Ok(local)
 }

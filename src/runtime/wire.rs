@@ -12,7 +12,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use pipebd_core::{Activation, StudentModule};
 use pipebd_kernels::DistillBackend;
 
-use super::topology::{ActivationMsg, GradientMsg, ModuleMsg};
+use super::messages::{ActivationMsg, GradientMsg, ModuleMsg};
 use crate::error::{Error, Result};
 use crate::train::{load_module_bytes, module_bytes, StepLoss, TrainerState};
 

@@ -18,9 +18,10 @@ use crossbeam_channel::Sender;
 use pipebd_core::{Activation, Block, Stage, StudentModule};
 use pipebd_kernels::DistillBackend;
 
-use super::phase::{PhaseContext, ProgressMsg};
+use super::context::PhaseContext;
+use super::messages::{ActivationMsg, GradientMsg, ModuleMsg, ProgressMsg, Sink, Source};
 use super::sync::{receive_from, send_to, Flow, Halt, Heartbeat, StepBarrier, Stop, POLL};
-use super::topology::{ActivationMsg, GradientMsg, ModuleMsg, Role, Sink, Source, Worker};
+use super::topology::{Role, Worker};
 use super::transport::Tag;
 use super::wire;
 use crate::error::{relabel, Error};

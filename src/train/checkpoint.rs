@@ -60,9 +60,18 @@ pub struct CheckpointPolicy {
     pub identity: BTreeMap<String, Value>,
 }
 
+impl Default for CheckpointPolicy {
+    /// [`CheckpointPolicy::in_dir`]`("checkpoints")`, under the working folder.
+    fn default() -> Self {
+        Self::in_dir("checkpoints")
+    }
+}
+
 impl CheckpointPolicy {
-    /// Checkpoints in `dir`, every 10 minutes and at each block's last
-    /// step, the newest 2 kept, no run-level identity fields.
+    /// Checkpoints in `dir`, every 10 minutes (as a config's default
+    /// `checkpoint.every_minutes`) and at each block's last step, the newest
+    /// 2 kept, no run-level identity fields. Set `every_steps` for a short
+    /// run that should write more often.
     pub fn in_dir(dir: impl Into<PathBuf>) -> Self {
         Self { dir: dir.into(), every_steps: 0, every_seconds: 600.0, keep: 2, identity: BTreeMap::new() }
     }

@@ -17,11 +17,10 @@ use burn::optim::{GradientsParams, MultiGradientsParams};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder, RecorderError};
 use burn::tensor::backend::{Backend, DeviceOps};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
-use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Loss, StudentModule, Students};
+use pipebd_core::{Activation, Block, BlockSpec, Loss, StudentModule, Students};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use serde::{Deserialize, Serialize};
 
-use crate::data::ImageDataset;
 use crate::error::{relabel, Error, Result};
 use crate::train::arch::{sample_path, softmax, Draw, SinglePath};
 use crate::train::optim::{BlockOptimizer, LrPlan, OptimizerConfig};
@@ -761,6 +760,28 @@ pub struct TrainLog {
     pub seconds: f64,
 }
 
+impl TrainLog {
+    /// Completes the log of a run that took `seconds` and ran from step
+    /// `resumed_from` to `total_steps` at `batch` samples per step: rows of
+    /// steps redone after a failure or resume are logged twice, and only the
+    /// last is kept.
+    pub fn finish(
+        &mut self,
+        seconds: f64,
+        (resumed_from, total_steps): (usize, usize),
+        batch: usize,
+        final_losses: Vec<f32>,
+    ) {
+        self.rows.sort_by_key(|r| (r.step, r.block));
+        self.rows.dedup_by_key(|r| (r.step, r.block));
+        self.seconds = seconds;
+        self.steps = total_steps;
+        self.steps_run = total_steps - resumed_from;
+        self.samples = self.steps_run * batch;
+        self.final_losses = final_losses;
+    }
+}
+
 /// Progress of a run, handed to an observer after every step.
 #[derive(Debug, Clone)]
 pub struct Progress {
@@ -784,30 +805,6 @@ pub struct Progress {
 /// partial batch is dropped so that every step has the same batch size).
 pub fn steps_per_epoch(len: usize, batch_size: usize) -> usize {
     len / batch_size.max(1)
-}
-
-/// Stitches blocks into one network and measures top-1 accuracy on `data`.
-pub fn accuracy<B, M>(blocks: &[M], data: &ImageDataset, device: &B::Device, chunk: usize) -> Result<f64>
-where
-    B: pipebd_core::FusedBackend,
-    M: Block<B>,
-{
-    let indices: Vec<usize> = (0..data.len()).collect();
-    let mut correct = 0usize;
-    for part in indices.chunks(chunk.max(1)) {
-        let x = forward_chain(blocks, Activation::Maps(data.images::<B>(part, device)))?;
-        let Activation::Flat(logits) = x else {
-            return Err(Error::block(
-                blocks.len(),
-                format!("the last block must produce logits [batch, classes], got {:?}", x.dims()),
-            ));
-        };
-        let predicted = logits.argmax(1).into_data();
-        let predicted: Vec<i64> = predicted.iter::<i64>().collect();
-        let labels = data.labels_at(part);
-        correct += predicted.iter().zip(&labels).filter(|(p, l)| **p == **l as i64).count();
-    }
-    Ok(correct as f64 / data.len().max(1) as f64)
 }
 
 /// The inference copies of trained student blocks (for evaluation).

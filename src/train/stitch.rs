@@ -94,17 +94,27 @@ pub struct OutputLoss {
 
 impl Default for StitchedPass {
     /// One end-to-end pass with the default optimizer at a third of its
-    /// learning rate, numbered from step 0.
+    /// learning rate, numbered from step 0. After a blockwise run with
+    /// other settings, [`StitchedPass::after`] is what a config gives.
     fn default() -> Self {
-        let mut optimizer = OptimizerConfig::default();
+        Self::with_optimizer(&OptimizerConfig::default(), 0)
+    }
+}
+
+impl StitchedPass {
+    /// One end-to-end pass after a blockwise run under `settings` that took
+    /// `blockwise_steps` steps: the run's optimizer at a third of its
+    /// learning rate (as a config without `stitched_lr` gives), its steps
+    /// numbered on from the run's.
+    pub fn after(settings: &crate::train::TrainSettings, blockwise_steps: usize) -> Self {
+        Self::with_optimizer(&settings.optimizer, blockwise_steps)
+    }
+
+    fn with_optimizer(optimizer: &OptimizerConfig, first_step: usize) -> Self {
+        let mut optimizer = optimizer.clone();
         optimizer.lr /= 3.0;
-        Self {
-            epochs: 1,
-            optimizer,
-            first_step: 0,
-            gradients: StitchedGradients::EndToEnd,
-            output_loss: None,
-        }
+        optimizer.min_lr = optimizer.min_lr.min(optimizer.lr);
+        Self { epochs: 1, optimizer, first_step, gradients: StitchedGradients::EndToEnd, output_loss: None }
     }
 }
 

@@ -17,11 +17,47 @@ use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
 use pipebd_teachers::TeacherBlock;
 
-use super::{parse_students, Evaluation, Workload, Zoo};
+use super::text::{brown_splits, tokenize, ProbeData, SentenceEmbeddings, TextDataset};
+use super::{parse_students, Workload, Zoo};
 use crate::config::{ConfigIssue, RunConfig};
-use crate::data::text::{brown_splits, tokenize, ProbeData, TextDataset};
 use crate::data::{ImageDataset, Split};
 use crate::error::{Error, Result};
+use crate::eval::TopOneAccuracy;
+
+impl From<pipebd_teachers::TeacherError> for Error {
+    fn from(error: pipebd_teachers::TeacherError) -> Self {
+        Error::Teacher(Box::new(error))
+    }
+}
+
+impl From<pipebd_students::StudentError> for Error {
+    fn from(error: pipebd_students::StudentError) -> Self {
+        Error::Student(Box::new(error))
+    }
+}
+
+/// True for the built-in text corpus (Brown: MiniLM and token-state blocks);
+/// every other dataset is MNIST-format images.
+fn is_text(config: &RunConfig) -> bool {
+    config.data.dataset == "brown"
+}
+
+/// [`crate::run::run`] with the built-in zoo, compiled once in this library
+/// (see [`crate::cli::run_builtin`]): callers outside it should prefer this to
+/// `run(&Builtin, ...)`.
+pub fn run_builtin(
+    config: &RunConfig,
+    out_dir: &Path,
+    options: &crate::run::RunFlags,
+    observer: &mut dyn FnMut(&crate::train::Progress),
+) -> Result<crate::report::RunReport> {
+    crate::run::run(&Builtin, config, out_dir, options, observer)
+}
+
+/// [`crate::eval::eval_run`] with the built-in zoo.
+pub fn eval_builtin_run(run_dir: &Path) -> Result<crate::eval::EvalResult> {
+    crate::eval::eval_run(&Builtin, run_dir)
+}
 
 /// A built-in teacher, cut into blocks.
 pub type BuiltinTeacher<B> = Teacher<B, TeacherBlock<B>>;
@@ -53,7 +89,7 @@ pub fn build_teacher<B: FusedBackend>(
     config: &RunConfig,
     device: &B::Device,
 ) -> Result<Teacher<B, TeacherBlock<B>>> {
-    if config.data.is_text() {
+    if is_text(config) {
         return Ok(build_minilm(config, device)?.1);
     }
     mnist_teacher(&config.teacher.weights, device)
@@ -81,7 +117,7 @@ fn load_workload<B: FusedBackend>(
     with_evaluation: bool,
 ) -> Result<Workload<B, TeacherBlock<B>>> {
     let data = &config.data;
-    if !data.is_text() {
+    if !is_text(config) {
         let train = ImageDataset::load_mnist(&data.dir, Split::Train, data.train_limit)?;
         let test = if with_evaluation {
             ImageDataset::load_mnist(&data.dir, Split::Test, data.test_limit)?
@@ -89,7 +125,8 @@ fn load_workload<B: FusedBackend>(
             ImageDataset::load_mnist(&data.dir, Split::Test, Some(0))?
         };
         let teacher = build_teacher::<B>(config, device)?;
-        return Ok(Workload { teacher, train: Box::new(train), evaluation: Evaluation::Images(test) });
+        let evaluation = Some(Box::new(TopOneAccuracy(test)) as _);
+        return Ok(Workload { teacher, train: Box::new(train), evaluation });
     }
     let tokenizer = MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;
     let max_tokens = data.max_tokens();
@@ -106,7 +143,13 @@ fn load_workload<B: FusedBackend>(
     Ok(Workload {
         teacher,
         train: Box::new(dataset),
-        evaluation: Evaluation::Text { embeddings, heldout, max_tokens, probe, mean_tokens },
+        evaluation: Some(Box::new(SentenceEmbeddings {
+            embeddings,
+            heldout,
+            max_tokens,
+            probe,
+            mean_tokens,
+        })),
     })
 }
 
@@ -195,8 +238,7 @@ fn init_from_teacher(
     let ids = tokenize(&tokenizer, &sentences, config.data.max_tokens())?;
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
     let (mut hidden, mask) =
-        crate::data::text::embed_batch(&embeddings, &refs, config.data.max_tokens(), &device)
-            .into_tokens(0)?;
+        super::text::embed_batch(&embeddings, &refs, config.data.max_tokens(), &device).into_tokens(0)?;
     let mut layer_inputs = Vec::with_capacity(layers.len());
     for layer in &layers {
         layer_inputs.push(hidden.clone());
@@ -307,15 +349,15 @@ fn build_students<B: DistillBackend>(
 /// tokenizer. Every error names the file.
 fn check_builtin_inputs(config: &RunConfig) -> Result<()> {
     let data = &config.data;
-    if !data.is_text() {
-        crate::data::check_mnist_files(&data.dir)?;
+    if !is_text(config) {
+        let _training_images = crate::data::check_mnist_files(&data.dir)?;
         pipebd_teachers::mnist_cnn::MnistCnn::<burn::backend::Flex>::load_pytorch(
             &config.teacher.weights,
             &Default::default(),
         )?;
         return Ok(());
     }
-    crate::data::text::brown_files(&data.dir)?;
+    super::text::brown_files(&data.dir)?;
     if let Some(probe) = &data.probe {
         if !probe.dir.is_dir() {
             return Err(crate::data::data_error(
@@ -335,13 +377,12 @@ fn check_builtin_inputs(config: &RunConfig) -> Result<()> {
 fn check_safetensors_header(path: &Path) -> Result<()> {
     use pipebd_teachers::TeacherError;
     use std::io::Read;
-    let bad =
-        |message: String| Error::Teacher(TeacherError::BadWeights { path: path.to_path_buf(), message });
+    let bad = |message: String| Error::from(TeacherError::BadWeights { path: path.to_path_buf(), message });
     if path.is_dir() {
         return Err(bad("is a folder, expected the `model.safetensors` file".into()));
     }
     if !path.is_file() {
-        return Err(Error::Teacher(TeacherError::MissingWeights { path: path.to_path_buf() }));
+        return Err(TeacherError::MissingWeights { path: path.to_path_buf() }.into());
     }
     let mut file = std::fs::File::open(path).map_err(|e| bad(format!("cannot read: {e}")))?;
     let size = file.metadata().map_err(|e| bad(format!("cannot read: {e}")))?.len();
@@ -394,7 +435,7 @@ impl Zoo for Builtin {
                 format!("unknown dataset `{}`: expected `mnist` or `brown`", data.dataset),
             ));
         }
-        let expected_teacher = if data.is_text() { "minilm-l6" } else { "mnist-cnn" };
+        let expected_teacher = if is_text(config) { "minilm-l6" } else { "mnist-cnn" };
         if config.teacher.kind != expected_teacher {
             return Err(ConfigIssue::new(
                 "teacher",
@@ -405,7 +446,7 @@ impl Zoo for Builtin {
                 ),
             ));
         }
-        if config.generator == crate::rng::Generator::Torch && data.is_text() {
+        if config.generator == crate::rng::Generator::Torch && is_text(config) {
             return Err(ConfigIssue::new(
                 "",
                 "generator",
@@ -456,7 +497,7 @@ impl Zoo for Builtin {
             }
         }
         let students: Vec<StudentBlockConfig> = parse_students(config)?;
-        let teacher_blocks = if data.is_text() {
+        let teacher_blocks = if is_text(config) {
             config.teacher.layers_per_block.as_ref().map_or(minilm::LAYERS, Vec::len)
         } else {
             pipebd_teachers::mnist_cnn::block_output_shapes().len()
@@ -477,7 +518,7 @@ impl Zoo for Builtin {
     }
 
     fn teacher_specs(&self, config: &RunConfig) -> Result<Vec<BlockSpec>> {
-        if config.data.is_text() {
+        if is_text(config) {
             return Ok(minilm_specs(&layers_per_block(config), config.data.max_tokens()));
         }
         // An initialised (random) teacher, for its shapes: its draws must not
@@ -529,6 +570,16 @@ impl Zoo for Builtin {
 
     fn check_inputs(&self, config: &RunConfig) -> Result<()> {
         check_builtin_inputs(config)
+    }
+
+    fn train_samples(&self, config: &RunConfig) -> Result<Option<usize>> {
+        let data = &config.data;
+        if is_text(config) {
+            // Counting the corpus's sentences means reading it: only a limit is known.
+            return Ok(data.train_limit);
+        }
+        let images = crate::data::check_mnist_files(&data.dir)?;
+        Ok(Some(data.train_limit.map_or(images, |limit| limit.min(images))))
     }
 
     fn workload<B: FusedBackend>(

@@ -7,9 +7,10 @@
 //! user crate implements [`Zoo`] for its own kinds and calls
 //! [`crate::cli::run_with`] (the whole `pipebd` command line) or the job
 //! functions ([`crate::run::run`], ...) with it; see
-//! `examples/custom_zoo.rs`.
+//! `examples/custom_zoo/`.
 
 mod builtin;
+pub mod text;
 
 use std::path::Path;
 
@@ -18,12 +19,13 @@ use pipebd_kernels::{DistillBackend, FusedBackend};
 use serde::de::DeserializeOwned;
 
 use crate::config::{ConfigIssue, Overrides, RunConfig};
-use crate::data::text::ProbeData;
-use crate::data::ImageDataset;
 use crate::error::{Error, Result};
-use pipebd_teachers::minilm::Embeddings;
+use crate::eval::Evaluate;
 
-pub use builtin::{build_minilm, build_teacher, layers_per_block, mnist_teacher, Builtin, BuiltinTeacher};
+pub use builtin::{
+    build_minilm, build_teacher, eval_builtin_run, layers_per_block, mnist_teacher, run_builtin, Builtin,
+    BuiltinTeacher,
+};
 
 /// A family of teachers, students and datasets that configs can name.
 ///
@@ -92,6 +94,14 @@ pub trait Zoo: Sync {
         Ok(())
     }
 
+    /// How many training samples `config` gives (after its own limits, before
+    /// a search holds some out), if that is known without loading them: the
+    /// preflight then refuses a batch larger than that. By default unknown.
+    fn train_samples(&self, config: &RunConfig) -> Result<Option<usize>> {
+        let _ = config;
+        Ok(None)
+    }
+
     /// Loads the teacher, the training data and (with `with_evaluation`) the
     /// evaluation data on `device`.
     fn workload<B: FusedBackend>(
@@ -139,32 +149,9 @@ pub struct Workload<B: FusedBackend, T: Block<B>> {
     pub teacher: pipebd_core::Teacher<B, T>,
     /// The training samples.
     pub train: Box<dyn Dataset<B>>,
-    /// What evaluation needs.
-    pub evaluation: Evaluation<B>,
-}
-
-/// How a trained student is scored after training.
-#[allow(clippy::large_enum_variant)] // one per run
-pub enum Evaluation<B: FusedBackend> {
-    /// Nothing to score: the report's accuracies are 0 and `test_samples` 0.
-    None,
-    /// Classification: top-1 accuracy of the last block's logits on these
-    /// samples (labels from [`ImageDataset`]).
-    Images(ImageDataset),
-    /// Sentence embeddings (MiniLM): cosine to the teacher on held-out
-    /// sentences, and the optional downstream probe.
-    Text {
-        /// The teacher's frozen embeddings.
-        embeddings: Embeddings<B>,
-        /// Held-out sentences, tokenised.
-        heldout: Vec<Vec<u32>>,
-        /// Tokens per sequence.
-        max_tokens: usize,
-        /// The probe's data.
-        probe: Option<ProbeData>,
-        /// Mean real tokens per training sentence.
-        mean_tokens: f64,
-    },
+    /// How a trained student is scored after training, next to the teacher
+    /// (`None`: nothing to score; the report's accuracies are then 0).
+    pub evaluation: Option<Box<dyn Evaluate<B>>>,
 }
 
 /// Parses each `[[students]]` table of `config` as a `C` (a zoo's student

@@ -507,93 +507,9 @@ impl StudentBlockConfig {
         device: &B::Device,
     ) -> Result<BuiltStudent<B>, StudentError> {
         let invalid = |message: String| StudentError::Invalid { block, kind: self.kind(), message };
-        let positive = |name: &str, value: usize| {
-            if value == 0 {
-                Err(invalid(format!("`{name}` must be at least 1")))
-            } else {
-                Ok(())
-            }
-        };
-        let image = || {
-            image_shape(input_shape).ok_or_else(|| {
-                invalid(format!("expects image-shaped input [channels, height, width], got {input_shape:?}"))
-            })
-        };
+        self.check_sizes().map_err(invalid)?;
         match *self {
-            Self::Conv { width, out_channels, downsample } => {
-                positive("width", width)?;
-                positive("out_channels", out_channels)?;
-                let [c, h, w] = image()?;
-                let (module, flops) = ConvBlock::new(c, width, out_channels, h, w, downsample, device);
-                let (oh, ow) = downsample.output(h, w);
-                Ok(BuiltStudent {
-                    module: StudentBlock::Conv(module),
-                    output_shape: vec![out_channels, oh, ow],
-                    flops,
-                })
-            }
-            Self::Separable { out_channels, depth_multiplier, inner_relu, downsample } => {
-                positive("out_channels", out_channels)?;
-                positive("depth_multiplier", depth_multiplier)?;
-                let [c, h, w] = image()?;
-                let (module, flops) = SeparableBlock::new(
-                    c,
-                    depth_multiplier,
-                    out_channels,
-                    h,
-                    w,
-                    inner_relu,
-                    downsample,
-                    device,
-                );
-                let (oh, ow) = downsample.output(h, w);
-                Ok(BuiltStudent {
-                    module: StudentBlock::Separable(module),
-                    output_shape: vec![out_channels, oh, ow],
-                    flops,
-                })
-            }
-            Self::Bottleneck { rank, out_channels, inner_relu, downsample } => {
-                positive("rank", rank)?;
-                positive("out_channels", out_channels)?;
-                let [c, h, w] = image()?;
-                let (module, flops) =
-                    BottleneckBlock::new(c, rank, out_channels, h, w, inner_relu, downsample, device);
-                let (oh, ow) = downsample.output(h, w);
-                Ok(BuiltStudent {
-                    module: StudentBlock::Bottleneck(module),
-                    output_shape: vec![out_channels, oh, ow],
-                    flops,
-                })
-            }
-            Self::Inverted { expansion, kernel, out_channels, downsample } => {
-                positive("expansion", expansion)?;
-                positive("out_channels", out_channels)?;
-                if kernel != 3 && kernel != 5 {
-                    return Err(invalid(format!("`kernel` must be 3 or 5, got {kernel}")));
-                }
-                let [c, h, w] = image()?;
-                let (module, flops) =
-                    InvertedResidualBlock::new(c, expansion, kernel, out_channels, h, w, downsample, device);
-                let (oh, ow) = downsample.output(h, w);
-                Ok(BuiltStudent {
-                    module: StudentBlock::Inverted(module),
-                    output_shape: vec![out_channels, oh, ow],
-                    flops,
-                })
-            }
-            Self::Head { hidden, classes } => {
-                positive("hidden", hidden)?;
-                positive("classes", classes)?;
-                let [c, h, w] = image()?;
-                let features = c * h * w;
-                let (module, flops) = HeadBlock::new(features, hidden, classes, device);
-                Ok(BuiltStudent { module: StudentBlock::Head(module), output_shape: vec![classes], flops })
-            }
             Self::Encoder { heads, head_dim, ffn, .. } => {
-                positive("heads", heads)?;
-                positive("head_dim", head_dim)?;
-                positive("ffn", ffn)?;
                 let [tokens, hidden] = match input_shape {
                     [t, h] => [*t, *h],
                     _ => {
@@ -615,44 +531,135 @@ impl StudentBlockConfig {
                 flops: 0,
             }),
             Self::Candidates { ref candidates } => {
-                if candidates.is_empty() {
-                    return Err(invalid("`candidates` must list at least one student block".into()));
-                }
-                let mut modules = Vec::with_capacity(candidates.len());
-                let mut flops = 0;
-                let mut output_shape: Option<Vec<usize>> = None;
-                for (c, candidate) in candidates.iter().enumerate() {
-                    if let Self::Candidates { .. } = candidate {
-                        return Err(invalid(format!("candidate {}: candidate sets cannot nest", c + 1)));
-                    }
-                    let built = candidate.init::<B>(block, input_shape, device).map_err(|e| {
-                        let StudentError::Invalid { message, kind, .. } = e;
-                        invalid(format!("candidate {} ({kind}): {message}", c + 1))
-                    })?;
-                    match &output_shape {
-                        Some(first) if *first != built.output_shape => {
-                            return Err(invalid(format!(
-                                "candidate {} ({}) outputs {:?} but candidate 1 outputs {first:?}: \
-                                 every candidate must produce the teacher block's shape",
-                                c + 1,
-                                candidate.kind(),
-                                built.output_shape
-                            )))
-                        }
-                        Some(_) => {}
-                        None => output_shape = Some(built.output_shape.clone()),
-                    }
-                    flops += built.flops;
-                    modules.extend(Candidate::from_block(built.module));
-                }
-                Ok(BuiltStudent {
-                    module: StudentBlock::Candidates(CandidateSet::new(modules, device)),
-                    output_shape: output_shape.unwrap_or_default(),
-                    flops,
-                })
+                init_candidates(candidates, block, input_shape, device).map_err(invalid)
+            }
+            _ => {
+                let image = image_shape(input_shape).ok_or_else(|| {
+                    invalid(format!(
+                        "expects image-shaped input [channels, height, width], got {input_shape:?}"
+                    ))
+                })?;
+                Ok(self.init_image(image, device))
             }
         }
     }
+
+    /// Checks that every size of the block is at least 1 (and the kernel
+    /// side one the zoo has).
+    fn check_sizes(&self) -> Result<(), String> {
+        let sizes: &[(&str, usize)] = match *self {
+            Self::Conv { width, out_channels, .. } => &[("width", width), ("out_channels", out_channels)],
+            Self::Separable { out_channels, depth_multiplier, .. } => {
+                &[("out_channels", out_channels), ("depth_multiplier", depth_multiplier)]
+            }
+            Self::Bottleneck { rank, out_channels, .. } => &[("rank", rank), ("out_channels", out_channels)],
+            Self::Inverted { expansion, kernel, out_channels, .. } => {
+                if kernel != 3 && kernel != 5 {
+                    return Err(format!("`kernel` must be 3 or 5, got {kernel}"));
+                }
+                &[("expansion", expansion), ("out_channels", out_channels)]
+            }
+            Self::Head { hidden, classes } => &[("hidden", hidden), ("classes", classes)],
+            Self::Encoder { heads, head_dim, ffn, .. } => {
+                &[("heads", heads), ("head_dim", head_dim), ("ffn", ffn)]
+            }
+            Self::Skip | Self::Candidates { .. } => &[],
+        };
+        match sizes.iter().find(|(_, value)| *value == 0) {
+            Some((name, _)) => Err(format!("`{name}` must be at least 1")),
+            None => Ok(()),
+        }
+    }
+
+    /// Builds a block of a kind that takes image-shaped input `[c, h, w]`
+    /// (the sizes already checked).
+    fn init_image<B: FusedBackend>(&self, [c, h, w]: [usize; 3], device: &B::Device) -> BuiltStudent<B> {
+        let maps = |module, flops, out_channels, downsample: Downsample| {
+            let (oh, ow) = downsample.output(h, w);
+            BuiltStudent { module, output_shape: vec![out_channels, oh, ow], flops }
+        };
+        match *self {
+            Self::Conv { width, out_channels, downsample } => {
+                let (module, flops) = ConvBlock::new(c, width, out_channels, h, w, downsample, device);
+                maps(StudentBlock::Conv(module), flops, out_channels, downsample)
+            }
+            Self::Separable { out_channels, depth_multiplier, inner_relu, downsample } => {
+                let (module, flops) = SeparableBlock::new(
+                    c,
+                    depth_multiplier,
+                    out_channels,
+                    h,
+                    w,
+                    inner_relu,
+                    downsample,
+                    device,
+                );
+                maps(StudentBlock::Separable(module), flops, out_channels, downsample)
+            }
+            Self::Bottleneck { rank, out_channels, inner_relu, downsample } => {
+                let (module, flops) =
+                    BottleneckBlock::new(c, rank, out_channels, h, w, inner_relu, downsample, device);
+                maps(StudentBlock::Bottleneck(module), flops, out_channels, downsample)
+            }
+            Self::Inverted { expansion, kernel, out_channels, downsample } => {
+                let (module, flops) =
+                    InvertedResidualBlock::new(c, expansion, kernel, out_channels, h, w, downsample, device);
+                maps(StudentBlock::Inverted(module), flops, out_channels, downsample)
+            }
+            Self::Head { hidden, classes } => {
+                let (module, flops) = HeadBlock::new(c * h * w, hidden, classes, device);
+                BuiltStudent { module: StudentBlock::Head(module), output_shape: vec![classes], flops }
+            }
+            Self::Encoder { .. } | Self::Skip | Self::Candidates { .. } => {
+                unreachable!("`init` builds {} blocks itself", self.kind())
+            }
+        }
+    }
+}
+
+/// Builds a candidate set for block number `block`: every candidate must
+/// build, none may be a set itself, and all must give the same output shape.
+fn init_candidates<B: FusedBackend>(
+    candidates: &[StudentBlockConfig],
+    block: usize,
+    input_shape: &[usize],
+    device: &B::Device,
+) -> Result<BuiltStudent<B>, String> {
+    if candidates.is_empty() {
+        return Err("`candidates` must list at least one student block".into());
+    }
+    let mut modules = Vec::with_capacity(candidates.len());
+    let mut flops = 0;
+    let mut output_shape: Option<Vec<usize>> = None;
+    for (c, candidate) in candidates.iter().enumerate() {
+        if let StudentBlockConfig::Candidates { .. } = candidate {
+            return Err(format!("candidate {}: candidate sets cannot nest", c + 1));
+        }
+        let built = candidate.init::<B>(block, input_shape, device).map_err(|e| {
+            let StudentError::Invalid { message, kind, .. } = e;
+            format!("candidate {} ({kind}): {message}", c + 1)
+        })?;
+        match &output_shape {
+            Some(first) if *first != built.output_shape => {
+                return Err(format!(
+                    "candidate {} ({}) outputs {:?} but candidate 1 outputs {first:?}: \
+                     every candidate must produce the teacher block's shape",
+                    c + 1,
+                    candidate.kind(),
+                    built.output_shape
+                ))
+            }
+            Some(_) => {}
+            None => output_shape = Some(built.output_shape.clone()),
+        }
+        flops += built.flops;
+        modules.extend(Candidate::from_block(built.module));
+    }
+    Ok(BuiltStudent {
+        module: StudentBlock::Candidates(CandidateSet::new(modules, device)),
+        output_shape: output_shape.unwrap_or_default(),
+        flops,
+    })
 }
 
 fn image_shape(shape: &[usize]) -> Option<[usize; 3]> {
@@ -831,7 +838,8 @@ mod tests {
     fn a_candidate_set_follows_its_largest_architecture_logit() {
         let device = Default::default();
         let conv = |width| StudentBlockConfig::Conv { width, out_channels: 4, downsample: Downsample::Pool };
-        let set = StudentBlockConfig::Candidates { candidates: vec![conv(3), conv(2), StudentBlockConfig::Skip] };
+        let set =
+            StudentBlockConfig::Candidates { candidates: vec![conv(3), conv(2), StudentBlockConfig::Skip] };
         let built = set.init::<Flex>(1, &[4, 6, 6], &device);
         // Skip keeps 4 channels at 6x6: refused next to a pooling conv.
         assert!(built.is_err());

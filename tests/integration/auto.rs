@@ -13,7 +13,8 @@ use pipe_bd::config::RunConfig;
 use pipe_bd::planning::planner::{plan as best_plans, Candidate};
 use pipe_bd::profile::{plan_from_candidate, profile_key, Profile, PROFILE_CACHE};
 use pipe_bd::report::RunReport;
-use pipe_bd::run::{run_builtin, RunFlags};
+use pipe_bd::run::RunFlags;
+use pipe_bd::zoo::run_builtin;
 
 use crate::common;
 

@@ -68,6 +68,19 @@ fn check_accepts_the_small_config() {
 }
 
 #[test]
+fn check_refuses_a_batch_larger_than_the_training_set() {
+    // 64 training samples (`train_limit`): a batch of 65 would never step.
+    let dir = tempfile::tempdir().unwrap();
+    let config = good_config().replace("batch_size = 64", "batch_size = 65");
+    check_refuses(
+        dir.path(),
+        "big-batch.toml",
+        &config,
+        &["big-batch.toml", "train.batch_size", "64 training samples"],
+    );
+}
+
+#[test]
 fn check_refuses_a_missing_data_folder() {
     let dir = tempfile::tempdir().unwrap();
     let nowhere = dir.path().join("no-mnist-here");

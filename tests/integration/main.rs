@@ -22,6 +22,7 @@ mod custom_loss;
 mod experiments;
 mod failures;
 mod idx;
+mod layers;
 mod minilm;
 mod mpi;
 mod reference;

@@ -254,8 +254,6 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
     let teacher_specs = Builtin.teacher_specs(&config).unwrap();
     let candidate_specs = Builtin.candidate_specs(&config, &teacher_specs).unwrap();
     for (k, block) in scores.blocks.iter().enumerate() {
-        let best = block.candidates.iter().map(|c| c.normalised_loss).fold(f64::INFINITY, f64::min);
-        assert_eq!(best, 1.0, "block {}: losses are normalised by the block's best", k + 1);
         for (c, candidate) in block.candidates.iter().enumerate() {
             assert!(candidate.loss.is_finite() && candidate.loss > 0.0, "{candidate:?}");
             let output_loss = candidate.output_loss.expect("a replace-one-block output loss");
@@ -269,13 +267,26 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
     }
     assert!(run_dir.join("search.csv").is_file());
 
+    let (cheapest, expected) = chosen_under_a_budget(dir.path(), &run_dir, &scores);
+    chosen_config_reloads_the_scored_weights(&chosen_path_in(dir.path()), &scores, &expected, &teacher_specs);
+    budgets_refused_and_the_pareto_front(&run_dir, cheapest);
+}
+
+fn chosen_path_in(dir: &Path) -> PathBuf {
+    dir.join("chosen.toml")
+}
+
+/// `pipebd search --budget` at half-way between the cheapest and the dearest
+/// student picks what brute force picks, by held-out loss and by output
+/// loss; returns the cheapest total FLOPs and the loss-chosen candidates.
+fn chosen_under_a_budget(dir: &Path, run_dir: &Path, scores: &SearchScores) -> (u64, Vec<usize>) {
     // The choice under a budget between the cheapest and the dearest student.
     let (cheapest, dearest) = (
         scores.blocks.iter().map(|b| b.candidates.iter().map(|c| c.flops).min().unwrap()).sum::<u64>(),
         scores.blocks.iter().map(|b| b.candidates.iter().map(|c| c.flops).max().unwrap()).sum::<u64>(),
     );
     let budget = (cheapest + dearest) / 2;
-    let chosen_path = dir.path().join("chosen.toml");
+    let chosen_path = chosen_path_in(dir);
     let said = run_ok(&[
         "search".as_ref(),
         run_dir.as_os_str(),
@@ -284,11 +295,11 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
         "--out".as_ref(),
         chosen_path.as_os_str(),
     ]);
-    let (_, expected) = brute_force(&scores, budget as f64).unwrap();
+    let (_, expected) = brute_force(scores, budget as f64).unwrap();
     let picks: Vec<String> = expected.iter().map(|c| (c + 1).to_string()).collect();
     assert!(said.contains(&format!("chosen candidates {}", picks.join("-"))), "{said}");
     // The same budget on the replace-one-block output losses.
-    let output_path = dir.path().join("chosen-output.toml");
+    let output_path = dir.join("chosen-output.toml");
     let said = run_ok(&[
         "search".as_ref(),
         run_dir.as_os_str(),
@@ -299,18 +310,27 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
         "--out".as_ref(),
         output_path.as_os_str(),
     ]);
-    let (_, by_output) = brute_force_of(&scores, budget as f64, |c| c.output_loss.unwrap()).unwrap();
+    let (_, by_output) = brute_force_of(scores, budget as f64, |c| c.output_loss.unwrap()).unwrap();
     let picks: Vec<String> = by_output.iter().map(|c| (c + 1).to_string()).collect();
     assert!(said.contains(&format!("chosen candidates {}", picks.join("-"))), "{said}");
     assert!(said.contains("summed replace-one-block output loss"), "{said}");
 
-    // The chosen config trains ordinary blocks from the chosen candidates'
-    // weights: their held-out losses are the ones the search scored.
-    let chosen = Builtin.load_config(&chosen_path, Default::default()).unwrap();
+    (cheapest, expected)
+}
+
+/// The chosen config trains ordinary blocks from the chosen candidates'
+/// weights: their held-out losses are the ones the search scored.
+fn chosen_config_reloads_the_scored_weights(
+    chosen_path: &Path,
+    scores: &SearchScores,
+    expected: &[usize],
+    teacher_specs: &[pipe_bd::BlockSpec],
+) {
+    let chosen = Builtin.load_config(chosen_path, Default::default()).unwrap();
     assert!(!chosen.has_candidates());
     assert!(chosen.train.stitched_epochs >= 1);
     let device = Default::default();
-    let students = Builtin.students::<B>(&chosen, &teacher_specs, &device).unwrap();
+    let students = Builtin.students::<B>(&chosen, teacher_specs, &device).unwrap();
     let students = load_student_weights(&chosen, students, &device).unwrap();
     let inner: Vec<_> = students.blocks.iter().map(|b| b.valid()).collect();
     let teacher = build_teacher::<Flex>(&chosen, &device).unwrap();
@@ -323,7 +343,7 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
         measure_candidates(&teacher.blocks, &inner, &losses, Some(&output_loss), &held_out, 64, &device)
             .unwrap();
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * a.abs().max(b.abs());
-    for (k, (block, &c)) in scores.blocks.iter().zip(&expected).enumerate() {
+    for (k, (block, &c)) in scores.blocks.iter().zip(expected).enumerate() {
         let (scored, again) = (block.candidates[c].loss, measured[k][0].loss);
         assert!(close(scored, again), "block {}: scored {scored}, reloaded {again}", k + 1);
         let (scored, again) = (block.candidates[c].output_loss.unwrap(), measured[k][0].output_loss.unwrap());
@@ -341,8 +361,12 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
             burn::tensor::ElementConversion::elem(output_loss.compute(ours, theirs).unwrap().into_scalar());
         assert!(close(again, f64::from(by_hand)), "block {}: measured {again}, by hand {by_hand}", k + 1);
     }
+}
 
-    // A budget below the cheapest student, and a malformed one, are refused.
+/// A budget below the cheapest student, and a malformed one, are refused;
+/// the Pareto front runs cheapest first, each point strictly better than the
+/// cheaper ones.
+fn budgets_refused_and_the_pareto_front(run_dir: &Path, cheapest: u64) {
     let output = pipebd(&["search".as_ref(), run_dir.as_os_str(), "--budget".as_ref(), "flops=1".as_ref()])
         .output()
         .unwrap();
@@ -357,7 +381,6 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
         .unwrap();
     assert!(String::from_utf8_lossy(&output.stderr).contains("budget `size=3`: unknown cost"));
 
-    // The Pareto front: cheapest first, each point strictly better than the cheaper ones.
     run_ok(&["search".as_ref(), run_dir.as_os_str(), "--pareto".as_ref(), "flops".as_ref()]);
     let csv = std::fs::read_to_string(run_dir.join("pareto.csv")).unwrap();
     let rows: Vec<(f64, u64)> = csv
@@ -408,7 +431,10 @@ fn a_single_path_search_killed_with_sigkill_resumes_to_the_same_supernets_and_al
             continue;
         }
         let probabilities: Vec<f64> = block.candidates.iter().map(|c| c.probability.unwrap()).collect();
-        assert!((probabilities.iter().sum::<f64>() - 1.0).abs() < 1e-6, "{probabilities:?}");
+        // The architecture steps moved the weights away from uniform.
+        let spread = probabilities.iter().fold(0f64, |m, p| m.max(*p))
+            - probabilities.iter().fold(1f64, |m, p| m.min(*p));
+        assert!(spread > 1e-4, "the architecture weights never moved: {probabilities:?}");
         let best =
             (0..probabilities.len()).fold(0, |b, i| if probabilities[i] > probabilities[b] { i } else { b });
         picks.push((best + 1).to_string());
@@ -502,6 +528,32 @@ fn minilm_layers_search_among_pruned_encoders_and_skip() {
     let teacher = Builtin.teacher_specs(&chosen).unwrap();
     let specs = Builtin.student_specs(&chosen, &teacher).unwrap();
     assert!(specs.iter().all(|s| s.name == "skip" && s.params == 0));
+
+    // Room for half the encoders' FLOPs: the choice is the best of the 64
+    // layer assignments within the budget (the summed normalised losses),
+    // found here by trying them all.
+    let budget: u64 = scores.blocks.iter().map(|b| b.candidates[0].flops).sum::<u64>() / 2;
+    let mut best: Option<(f64, Vec<usize>)> = None;
+    for mask in 0..1usize << scores.blocks.len() {
+        let picks: Vec<usize> =
+            (0..scores.blocks.len()).map(|k| if mask >> k & 1 == 1 { 0 } else { 1 }).collect();
+        let flops: u64 = picks.iter().zip(&scores.blocks).map(|(&c, b)| b.candidates[c].flops).sum();
+        let loss: f64 = picks.iter().zip(&scores.blocks).map(|(&c, b)| b.candidates[c].normalised_loss).sum();
+        if flops <= budget && best.as_ref().is_none_or(|(l, _)| loss < *l) {
+            best = Some((loss, picks));
+        }
+    }
+    let (_, picks) = best.expect("skipping every layer fits any budget");
+    let expected: Vec<String> = picks.iter().map(|c| (c + 1).to_string()).collect();
+    let said = run_ok(&[
+        "search".as_ref(),
+        run_dir.as_os_str(),
+        "--budget".as_ref(),
+        format!("flops={budget}").as_ref(),
+        "--out".as_ref(),
+        chosen_path.as_os_str(),
+    ]);
+    assert!(said.contains(&format!("chosen candidates {}", expected.join("-"))), "budget {budget}: {said}");
 }
 
 #[test]

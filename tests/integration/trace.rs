@@ -9,8 +9,9 @@ use std::path::Path;
 
 use pipe_bd::config::RunConfig;
 use pipe_bd::report::RunReport;
-use pipe_bd::run::{run_builtin, RunFlags};
+use pipe_bd::run::RunFlags;
 use pipe_bd::trace::SpanKind;
+use pipe_bd::zoo::run_builtin;
 
 use crate::common;
 

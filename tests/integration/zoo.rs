@@ -7,8 +7,8 @@ use std::path::Path;
 use burn::backend::{Autodiff, Flex};
 use pipe_bd::config::RunConfig;
 use pipe_bd::report::RunReport;
-use pipe_bd::train::{accuracy, inference_blocks};
-use pipe_bd::zoo::{Builtin, Evaluation, Zoo};
+use pipe_bd::train::inference_blocks;
+use pipe_bd::zoo::{Builtin, Zoo};
 use pipe_bd::Error;
 
 use crate::common;
@@ -109,8 +109,11 @@ fn a_user_zoo_trains_resumes_and_rescores_through_its_own_command_line() {
     let device = Default::default();
     let workload = MyZoo.workload::<Flex>(&config, &device, true).unwrap();
     let untrained = MyZoo.students::<Autodiff<Flex>>(&config, &workload.teacher.specs, &device).unwrap();
-    let Evaluation::Images(test) = &workload.evaluation else { panic!("the zoo scores images") };
-    let before = accuracy::<Flex, _>(&inference_blocks(&untrained), test, &device, 1000).unwrap();
+    let teacher = (&workload.teacher.blocks[..], &workload.teacher.specs[..]);
+    let student = (&inference_blocks(&untrained)[..], &untrained.specs[..]);
+    let scored = pipe_bd::eval::score(workload.evaluation.as_deref(), teacher, student, &device).unwrap();
+    assert!(scored.test_samples > 0, "the zoo scores its students");
+    let before = scored.student_accuracy;
 
     succeed(custom_zoo().arg("check").arg(&config_path));
     let out = dir.path().join("run");

@@ -1484,6 +1484,21 @@ fn splits(len: usize, per_cube: usize, max: usize) -> (usize, usize) {
     (len.div_ceil(chunk.max(1)).max(1), chunk.max(TILE_K))
 }
 
+/// The operands of a convolution's backward kernels, contiguous.
+struct BackwardOperands<R: CubeRuntime> {
+    g: Geometry,
+    x: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    /// The output gradient (pooled when pooled).
+    grad: CubeTensor<R>,
+    /// The saved output the activation's derivative is read from.
+    saved: CubeTensor<R>,
+    /// Where each pooled maximum sat (a placeholder unpooled).
+    indices: CubeTensor<R>,
+    pooled: bool,
+    epilogue: u32,
+}
+
 /// Every gradient of a fused convolution layer (see
 /// [`crate::FusedBackend::conv2d_layer_backward`]) our kernels take ([`takes`]).
 pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
@@ -1491,32 +1506,74 @@ pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: 
     x_grad: bool,
     bias_grad: bool,
 ) -> ConvGrads<Cube<R, F, I, BT>> {
-    let g = Geometry::of(&inputs.x, &inputs.weight, &inputs.options)
-        .expect("the caller checked that the kernels take this convolution");
-    let pooled = inputs.pool_indices.is_some();
     let x = into_contiguous(inputs.x.clone());
-    let weight = into_contiguous(inputs.weight.clone());
-    let grad = into_contiguous(inputs.output_grad.clone());
-    let saved = into_contiguous(inputs.output.clone());
     let indices = match &inputs.pool_indices {
         Some(indices) => into_contiguous(indices.clone()),
         None => new_indices::<R, I>(&x, Shape::from(vec![1])),
     };
-    let code = epilogue_code(inputs.epilogue);
-    let client = x.client.clone();
+    let operands = BackwardOperands {
+        g: Geometry::of(&inputs.x, &inputs.weight, &inputs.options)
+            .expect("the caller checked that the kernels take this convolution"),
+        x,
+        weight: into_contiguous(inputs.weight.clone()),
+        grad: into_contiguous(inputs.output_grad.clone()),
+        saved: into_contiguous(inputs.output.clone()),
+        indices,
+        pooled: inputs.pool_indices.is_some(),
+        epilogue: epilogue_code(inputs.epilogue),
+    };
+    let dx = x_grad.then(|| input_grad::<R, F, I, BT>(&operands));
+    let (weight, bias) = weight_grads::<R, F, I, BT>(operands, bias_grad);
+    ConvGrads { x: dx, weight, bias }
+}
 
-    let dx = x_grad.then(|| {
-        let dx = new_output::<R, F, I, BT>(&x, x.meta.shape().clone());
-        if g.depthwise {
-            depthwise_input_grad_kernel::launch::<F, I, R>(
+/// The input gradient: one kernel.
+fn input_grad<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    operands: &BackwardOperands<R>,
+) -> CubeTensor<R> {
+    let BackwardOperands { g, x, weight, grad, saved, indices, pooled, epilogue } = operands;
+    let (g, pooled, code, client) = (*g, *pooled, *epilogue, x.client.clone());
+    let dx = new_output::<R, F, I, BT>(&x, x.meta.shape().clone());
+    if g.depthwise {
+        depthwise_input_grad_kernel::launch::<F, I, R>(
+            &client,
+            elementwise_grid(dx.meta.num_elements()),
+            CubeDim::new_1d(UNITS),
+            grad.clone().into_array_arg(),
+            saved.clone().into_array_arg(),
+            indices.clone().into_array_arg(),
+            weight.clone().into_array_arg(),
+            dx.clone().into_array_arg(),
+            g.c_in,
+            g.h,
+            g.w,
+            g.c_out,
+            g.oh,
+            g.ow,
+            g.kernel.0,
+            g.kernel.1,
+            g.stride.0,
+            g.stride.1,
+            g.padding.0,
+            g.padding.1,
+            code,
+        );
+    } else {
+        let tile_m = tile_rows(g.c_in);
+        // SAFETY: loads are guarded by the operands' sizes (c < c_in,
+        // k < c_out * taps, output pixels inside the output, windows
+        // inside the pooled output) and stores by dx's.
+        unsafe {
+            conv_input_grad_kernel::launch_unchecked::<F, I, R>(
                 &client,
-                elementwise_grid(dx.meta.num_elements()),
-                CubeDim::new_1d(UNITS),
+                matrix_grid(g.batch * g.h * g.w, g.c_in, tile_m),
+                CubeDim::new_2d(16, (tile_m / 4) as u32),
                 grad.clone().into_array_arg(),
                 saved.clone().into_array_arg(),
                 indices.clone().into_array_arg(),
                 weight.clone().into_array_arg(),
                 dx.clone().into_array_arg(),
+                g.batch,
                 g.c_in,
                 g.h,
                 g.w,
@@ -1529,45 +1586,23 @@ pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: 
                 g.stride.1,
                 g.padding.0,
                 g.padding.1,
+                tile_m,
                 code,
+                pooled,
             );
-        } else {
-            let tile_m = tile_rows(g.c_in);
-            // SAFETY: loads are guarded by the operands' sizes (c < c_in,
-            // k < c_out * taps, output pixels inside the output, windows
-            // inside the pooled output) and stores by dx's.
-            unsafe {
-                conv_input_grad_kernel::launch_unchecked::<F, I, R>(
-                    &client,
-                    matrix_grid(g.batch * g.h * g.w, g.c_in, tile_m),
-                    CubeDim::new_2d(16, (tile_m / 4) as u32),
-                    grad.clone().into_array_arg(),
-                    saved.clone().into_array_arg(),
-                    indices.clone().into_array_arg(),
-                    weight.clone().into_array_arg(),
-                    dx.clone().into_array_arg(),
-                    g.batch,
-                    g.c_in,
-                    g.h,
-                    g.w,
-                    g.c_out,
-                    g.oh,
-                    g.ow,
-                    g.kernel.0,
-                    g.kernel.1,
-                    g.stride.0,
-                    g.stride.1,
-                    g.padding.0,
-                    g.padding.1,
-                    tile_m,
-                    code,
-                    pooled,
-                );
-            }
         }
-        dx
-    });
+    }
+    dx
+}
 
+/// The weight gradient and, with `bias_grad`, the bias gradient: partial
+/// sums over chunks of the batch and pixels, then their sum (two kernels).
+fn weight_grads<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    operands: BackwardOperands<R>,
+    bias_grad: bool,
+) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+    let BackwardOperands { g, x, weight, grad, saved, indices, pooled, epilogue: code } = operands;
+    let client = x.client.clone();
     // Weight (and bias) gradients: partial sums, then their sum.
     let (rh, rw) = if pooled { (g.oh / 2 * 2, g.ow / 2 * 2) } else { (g.oh, g.ow) };
     let reduction = g.batch * rh * rw;
@@ -1649,7 +1684,7 @@ pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: 
             );
         }
     }
-    let weight_grad = new_output::<R, F, I, BT>(&x, inputs.weight.meta.shape().clone());
+    let weight_grad = new_output::<R, F, I, BT>(&x, weight.meta.shape().clone());
     let bias = bias_grad.then(|| new_output::<R, F, I, BT>(&x, Shape::from(vec![g.c_out])));
     let bias_out = bias.clone().unwrap_or_else(|| placeholder::<R, F, I, BT>(&x));
     let total = weights + if bias_grad { g.c_out } else { 0 };
@@ -1666,7 +1701,7 @@ pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: 
         count,
         bias_grad,
     );
-    ConvGrads { x: dx, weight: weight_grad, bias }
+    (weight_grad, bias)
 }
 
 /// The input (when `x_grad`) and weight gradients of a convolution, pooled

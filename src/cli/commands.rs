@@ -1,0 +1,204 @@
+//! One function per command of the command line, each with what it needs
+//! from the parsed arguments; the printing is `print`'s.
+
+use std::path::Path;
+
+use super::{close_transport, print, ProgressView, RunCommand};
+use crate::config::Overrides;
+use crate::train::Progress;
+use crate::zoo::Zoo;
+use crate::Error;
+
+/// `pipebd run`.
+pub(super) fn run<Z: Zoo>(
+    zoo: &Z,
+    config: &Path,
+    overrides: Overrides,
+    flags: RunCommand,
+) -> Result<(), Error> {
+    let RunCommand { out, resume, max_failures, trace, quiet, transport } = flags;
+
+    let out = out.or_else(|| resume.clone()).unwrap_or_else(|| std::path::PathBuf::from("runs/latest"));
+    let config = zoo.load_config(config, overrides)?;
+    let transport = crate::runtime::launch::open(transport)?;
+    let rank = transport.as_ref().map_or(0, |t| t.rank());
+    let mut view = ProgressView::new(quiet || rank != 0);
+    let mut observer = |p: &Progress| view.show(p);
+    let options = crate::run::RunFlags { trace, resume, max_failures };
+    let report = crate::run::run_rank(zoo, &config, &out, &options, transport.clone(), &mut observer);
+    view.finish();
+    if let Some(transport) = transport {
+        close_transport(transport, report.is_err());
+    }
+    let Some(report) = report? else {
+        return Ok(());
+    };
+    print::print_run(&report, &out, trace);
+    Ok(())
+}
+
+/// `pipebd link`.
+pub(super) fn link<Z: Zoo>(zoo: &Z, config: &Path, rounds: usize, out: &Path) -> Result<(), Error> {
+    let config = zoo.load_config(config, Overrides::default())?;
+    let transport = crate::runtime::launch::open(crate::runtime::launch::TransportChoice::Auto)?;
+    let mut say = |line: &str| eprintln!("link: {line}");
+    let report = crate::link::link_bench(zoo, &config, transport.clone(), rounds, out, &mut say);
+    if let Some(transport) = transport {
+        close_transport(transport, report.is_err());
+    }
+    if let Some(report) = report? {
+        print::print_link(&report);
+        println!("wrote {}", out.join("link.json").display());
+    }
+    Ok(())
+}
+
+/// `pipebd bench`.
+pub(super) fn bench<Z: Zoo>(
+    zoo: &Z,
+    config: &Path,
+    schedules: &[String],
+    devices: Option<Vec<String>>,
+    out: &Path,
+) -> Result<(), Error> {
+    let config = zoo.load_config(config, Overrides { devices, ..Default::default() })?;
+    let mut say = |line: &str| eprintln!("bench: {line}");
+    let report = crate::bench::bench(zoo, &config, schedules, out, &mut say)?;
+    print::print_bench(&report);
+    println!("wrote {}/bench.json and bench.csv", out.display());
+    Ok(())
+}
+
+/// `pipebd profile`.
+pub(super) fn profile<Z: Zoo>(
+    zoo: &Z,
+    config: &Path,
+    devices: Option<Vec<String>>,
+    out: &Path,
+) -> Result<(), Error> {
+    let config = zoo.load_config(config, Overrides { devices, ..Default::default() })?;
+    let slots = config.device_slots().len();
+    let mut say = |line: &str| eprintln!("profile: {line}");
+    let profile = crate::profile::profile(zoo, &config, slots, out, &mut say)?;
+    print::print_profile(&profile);
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// `pipebd plan`.
+pub(super) fn plan(
+    profile: &Path,
+    devices: usize,
+    memory_per_device: Option<u64>,
+    top: usize,
+    out: &Path,
+) -> Result<(), Error> {
+    let profile = crate::profile::Profile::read(profile)?;
+    let table = profile.cost_table(devices);
+    let start = std::time::Instant::now();
+    let plans = crate::planning::planner::plan(&table, devices, memory_per_device, top.max(1));
+    let seconds = start.elapsed().as_secs_f64();
+    let Some(best) = plans.first() else {
+        return Err(Error::Plan {
+            plan: crate::Schedule::Auto.name().into(),
+            message: format!(
+                "no plan of the {} blocks on {devices} slots fits (memory limit {memory_per_device:?})",
+                table.blocks()
+            ),
+        });
+    };
+    println!("{} blocks on {devices} slots (searched in {:.3} ms):", table.blocks(), 1e3 * seconds);
+    for (i, c) in plans.iter().enumerate() {
+        let mark = if i == 0 { "chosen" } else { "      " };
+        println!("{mark} {:<40} predicted {:.2} ms per step", c.describe(), 1e3 * c.step_seconds);
+    }
+    let text = best.to_toml(table.blocks(), devices);
+    crate::fsio::write_atomic(out, text.as_bytes())?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// `pipebd sweep`.
+pub(super) fn sweep<Z: Zoo>(zoo: &Z, sweep: &Path) -> Result<(), Error> {
+    let mut say = |line: &str| eprintln!("sweep: {line}");
+    let rows = crate::sweep::sweep(zoo, sweep, &mut say)?;
+    print::print_sweep(&rows);
+    Ok(())
+}
+
+/// `pipebd eval`.
+pub(super) fn eval<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<(), Error> {
+    let result = crate::eval::eval_run(zoo, run_dir)?;
+    if let Some(text) = &result.text {
+        print::print_text_report(text);
+        return Ok(());
+    }
+    println!(
+        "student accuracy {:.2}% on {} test images (recorded at the end of training: {:.2}%)",
+        100.0 * result.student_accuracy,
+        result.test_samples,
+        100.0 * result.recorded_accuracy
+    );
+    Ok(())
+}
+
+/// `pipebd eval-teacher`.
+pub(super) fn eval_teacher<Z: Zoo>(zoo: &Z, config: &Path) -> Result<(), Error> {
+    let config = zoo.load_config(config, Overrides::default())?;
+    let (acc, n) = crate::eval::eval_teacher(zoo, &config)?;
+    println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
+    Ok(())
+}
+
+/// `pipebd kernels`.
+pub(super) fn kernels(
+    device: &str,
+    check: bool,
+    bench: bool,
+    options: pipebd_kernels::bench::BenchOptions,
+    seed: Option<u64>,
+    verbose: bool,
+) -> Result<(), Error> {
+    let (check, bench) = if check || bench { (check, bench) } else { (true, true) };
+    let seed = seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    });
+    let repeats = options.repeats;
+    let report = crate::kernels::kernels(device, check.then_some(seed), bench.then_some(options))?;
+    if check {
+        println!("fused ops against burn's ops on {} (seed {seed}):", report.device);
+        if verbose {
+            print!("{}", pipebd_kernels::check::table(&report.checks));
+        } else {
+            print!("{}", pipebd_kernels::check::summary(&report.checks));
+        }
+    }
+    if bench {
+        println!("fused against unfused on {}, median of {repeats} calls:", report.device);
+        print!("{}", pipebd_kernels::bench::table(&report.timings));
+    }
+    let failed = report.checks.iter().filter(|r| !r.passed()).count();
+    if failed > 0 {
+        return Err(Error::Device {
+            device: report.device,
+            message: format!("{failed} kernel checks out of {} failed", report.checks.len()),
+        });
+    }
+    Ok(())
+}
+
+/// `pipebd check`.
+pub(super) fn check<Z: Zoo>(zoo: &Z, config: &Path) -> Result<(), Error> {
+    let config = zoo.load_config(config, Overrides::default())?;
+    crate::preflight::preflight(zoo, &config)?;
+    println!("{}: ok", config.name);
+    Ok(())
+}
+
+/// `pipebd export-init`.
+pub(super) fn export_init<Z: Zoo>(zoo: &Z, config: &Path, out: &Path) -> Result<(), Error> {
+    let config = zoo.load_config(config, Overrides::default())?;
+    let files = crate::eval::export_initial_weights(zoo, &config, out)?;
+    println!("wrote {} files: {}", files.len(), out.join("block-K.json").display());
+    Ok(())
+}
