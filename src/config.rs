@@ -693,6 +693,30 @@ impl RunConfig {
         }
     }
 
+    /// Checkpoints in `dir` as `[checkpoint]` asks, with the config fields a
+    /// checkpoint must match to be resumed from (the runtime adds each
+    /// block's shapes, parameters, steps, seed and optimizer).
+    pub fn checkpoint_policy(&self, dir: PathBuf) -> crate::train::checkpoint::CheckpointPolicy {
+        use serde_json::json;
+        let mut identity = std::collections::BTreeMap::new();
+        identity.insert("data.dataset".into(), json!(self.data.dataset));
+        identity.insert("data.train_limit".into(), json!(self.data.train_limit));
+        identity.insert("data.max_tokens".into(), json!(self.data.max_tokens));
+        identity.insert("teacher.kind".into(), json!(self.teacher.kind));
+        identity.insert("teacher.layers_per_block".into(), json!(self.teacher.layers_per_block));
+        identity.insert("train.epochs".into(), json!(self.train.epochs));
+        if !self.custom.is_empty() {
+            identity.insert("custom".into(), json!(self.custom));
+        }
+        crate::train::checkpoint::CheckpointPolicy {
+            dir,
+            every_steps: self.checkpoint.every_steps,
+            every_seconds: self.checkpoint.every_minutes * 60.0,
+            keep: self.checkpoint.keep,
+            identity,
+        }
+    }
+
     /// The training settings as the runtime takes them.
     pub fn train_settings(&self) -> crate::train::TrainSettings {
         crate::train::TrainSettings {

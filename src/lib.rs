@@ -19,7 +19,8 @@
 //!   built-in ones are [`zoo::Builtin`]), from config sections,
 //! - [`train`]: one block's optimizer step, its settings, the stitched pass,
 //! - [`runtime`]: the one interpreter of plans,
-//! - [`run`]: a whole job from a [`config::RunConfig`],
+//! - [`jobs`]: what each `pipebd` command does, from a
+//!   [`config::RunConfig`] and a zoo ([`jobs::run`]: a whole run),
 //! - [`report`]: `report.json` and `metrics.csv`,
 //! - [`search`]: choosing one candidate student per block under a budget.
 //!
@@ -34,28 +35,20 @@
 //! available.
 #![warn(missing_docs)]
 
-pub mod bench;
-pub mod choose;
 pub mod cli;
 pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
-pub mod eval;
 pub mod fault;
 pub mod fsio;
-pub mod kernels;
-pub mod link;
+pub mod jobs;
 pub use pipebd_core::plan;
 pub mod planning;
-pub mod preflight;
-pub mod profile;
 pub mod report;
 pub mod rng;
-pub mod run;
 pub mod runtime;
 pub mod search;
-pub mod sweep;
 pub mod trace;
 pub mod train;
 pub mod zoo;

@@ -9,7 +9,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use pipe_bd::config::{ConfigIssue, RunConfig};
 use pipe_bd::data::{ImageDataset, Split};
-use pipe_bd::eval::TopOneAccuracy;
+use pipe_bd::jobs::eval::TopOneAccuracy;
 use pipe_bd::serde::Deserialize;
 use pipe_bd::teachers::mnist_cnn::{block_flops, MnistBlock, MnistCnn};
 use pipe_bd::zoo::{parse_custom, parse_students, Workload, Zoo};

@@ -1,7 +1,7 @@
 //! One function per command of the command line, each with what it needs
 //! from the parsed arguments; the printing is `print`'s.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::{close_transport, print, ProgressView, RunCommand};
 use crate::config::Overrides;
@@ -24,8 +24,8 @@ pub(super) fn run<Z: Zoo>(
     let rank = transport.as_ref().map_or(0, |t| t.rank());
     let mut view = ProgressView::new(quiet || rank != 0);
     let mut observer = |p: &Progress| view.show(p);
-    let options = crate::run::RunFlags { trace, resume, max_failures };
-    let report = crate::run::run_rank(zoo, &config, &out, &options, transport.clone(), &mut observer);
+    let flags = crate::jobs::run::RunFlags { trace, resume, max_failures };
+    let report = crate::jobs::run::run_rank(zoo, &config, &out, &flags, transport.clone(), &mut observer);
     view.finish();
     if let Some(transport) = transport {
         close_transport(transport, report.is_err());
@@ -42,7 +42,7 @@ pub(super) fn link<Z: Zoo>(zoo: &Z, config: &Path, rounds: usize, out: &Path) ->
     let config = zoo.load_config(config, Overrides::default())?;
     let transport = crate::runtime::launch::open(crate::runtime::launch::TransportChoice::Auto)?;
     let mut say = |line: &str| eprintln!("link: {line}");
-    let report = crate::link::link_bench(zoo, &config, transport.clone(), rounds, out, &mut say);
+    let report = crate::jobs::link::link_bench(zoo, &config, transport.clone(), rounds, out, &mut say);
     if let Some(transport) = transport {
         close_transport(transport, report.is_err());
     }
@@ -63,7 +63,7 @@ pub(super) fn bench<Z: Zoo>(
 ) -> Result<(), Error> {
     let config = zoo.load_config(config, Overrides { devices, ..Default::default() })?;
     let mut say = |line: &str| eprintln!("bench: {line}");
-    let report = crate::bench::bench(zoo, &config, schedules, out, &mut say)?;
+    let report = crate::jobs::bench::bench(zoo, &config, schedules, out, &mut say)?;
     print::print_bench(&report);
     println!("wrote {}/bench.json and bench.csv", out.display());
     Ok(())
@@ -79,7 +79,7 @@ pub(super) fn profile<Z: Zoo>(
     let config = zoo.load_config(config, Overrides { devices, ..Default::default() })?;
     let slots = config.device_slots().len();
     let mut say = |line: &str| eprintln!("profile: {line}");
-    let profile = crate::profile::profile(zoo, &config, slots, out, &mut say)?;
+    let profile = crate::jobs::profile::profile(zoo, &config, slots, out, &mut say)?;
     print::print_profile(&profile);
     println!("wrote {}", out.display());
     Ok(())
@@ -93,7 +93,7 @@ pub(super) fn plan(
     top: usize,
     out: &Path,
 ) -> Result<(), Error> {
-    let profile = crate::profile::Profile::read(profile)?;
+    let profile = crate::jobs::profile::Profile::read(profile)?;
     let table = profile.cost_table(devices);
     let start = std::time::Instant::now();
     let plans = crate::planning::planner::plan(&table, devices, memory_per_device, top.max(1));
@@ -121,14 +121,14 @@ pub(super) fn plan(
 /// `pipebd sweep`.
 pub(super) fn sweep<Z: Zoo>(zoo: &Z, sweep: &Path) -> Result<(), Error> {
     let mut say = |line: &str| eprintln!("sweep: {line}");
-    let rows = crate::sweep::sweep(zoo, sweep, &mut say)?;
+    let rows = crate::jobs::sweep::sweep(zoo, sweep, &mut say)?;
     print::print_sweep(&rows);
     Ok(())
 }
 
 /// `pipebd eval`.
 pub(super) fn eval<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<(), Error> {
-    let result = crate::eval::eval_run(zoo, run_dir)?;
+    let result = crate::jobs::eval::eval_run(zoo, run_dir)?;
     if let Some(text) = &result.text {
         print::print_text_report(text);
         return Ok(());
@@ -145,7 +145,7 @@ pub(super) fn eval<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<(), Error> {
 /// `pipebd eval-teacher`.
 pub(super) fn eval_teacher<Z: Zoo>(zoo: &Z, config: &Path) -> Result<(), Error> {
     let config = zoo.load_config(config, Overrides::default())?;
-    let (acc, n) = crate::eval::eval_teacher(zoo, &config)?;
+    let (acc, n) = crate::jobs::eval::eval_teacher(zoo, &config)?;
     println!("teacher accuracy {:.2}% on {} test images", 100.0 * acc, n);
     Ok(())
 }
@@ -164,7 +164,7 @@ pub(super) fn kernels(
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
     });
     let repeats = options.repeats;
-    let report = crate::kernels::kernels(device, check.then_some(seed), bench.then_some(options))?;
+    let report = crate::jobs::kernels::kernels(device, check.then_some(seed), bench.then_some(options))?;
     if check {
         println!("fused ops against burn's ops on {} (seed {seed}):", report.device);
         if verbose {
@@ -190,7 +190,7 @@ pub(super) fn kernels(
 /// `pipebd check`.
 pub(super) fn check<Z: Zoo>(zoo: &Z, config: &Path) -> Result<(), Error> {
     let config = zoo.load_config(config, Overrides::default())?;
-    crate::preflight::preflight(zoo, &config)?;
+    crate::jobs::check::preflight(zoo, &config)?;
     println!("{}: ok", config.name);
     Ok(())
 }
@@ -198,7 +198,102 @@ pub(super) fn check<Z: Zoo>(zoo: &Z, config: &Path) -> Result<(), Error> {
 /// `pipebd export-init`.
 pub(super) fn export_init<Z: Zoo>(zoo: &Z, config: &Path, out: &Path) -> Result<(), Error> {
     let config = zoo.load_config(config, Overrides::default())?;
-    let files = crate::eval::export_initial_weights(zoo, &config, out)?;
+    let files = crate::jobs::eval::export_initial_weights(zoo, &config, out)?;
     println!("wrote {} files: {}", files.len(), out.join("block-K.json").display());
+    Ok(())
+}
+
+/// How `pipebd search` chooses one candidate per block.
+pub(super) enum Choice {
+    /// `--budget kind=N`, as typed.
+    Budget(String),
+    /// `--argmax`.
+    Argmax,
+}
+
+/// `pipebd search`: the budget's (or the architecture weights') choice into
+/// chosen.toml and/or the Pareto front into pareto.csv and pareto.png.
+pub(super) fn search<Z: Zoo>(
+    zoo: &Z,
+    run_dir: &std::path::Path,
+    choice: Option<Choice>,
+    out: Option<PathBuf>,
+    pareto: Option<&str>,
+    evaluate: bool,
+    objective: crate::jobs::search::Objective,
+) -> crate::error::Result<()> {
+    use crate::jobs::search::{self, Budget, CostKind, Objective, SearchScores};
+    if choice.is_none() && pareto.is_none() {
+        return Err(crate::error::Error::Search {
+            message: "give --budget flops=N|params=N|latency=MS, --argmax, or --pareto flops|params|latency"
+                .into(),
+        });
+    }
+    let scores = SearchScores::read(run_dir)?;
+    if let Some(choice) = choice {
+        let (chosen, how, summed) = match choice {
+            Choice::Budget(text) => {
+                let budget: Budget = text.parse()?;
+                (
+                    search::choose(&scores, run_dir, budget, objective)?,
+                    format!(
+                        "--budget {}={} --objective {}",
+                        budget.kind.name(),
+                        budget.limit,
+                        objective.name()
+                    ),
+                    objective,
+                )
+            }
+            Choice::Argmax => (search::argmax(&scores, run_dir)?, "--argmax".to_string(), Objective::Block),
+        };
+        let path = out.unwrap_or_else(|| run_dir.join("chosen.toml"));
+        search::write_chosen(&path, &chosen, &how, run_dir, summed)?;
+        let p = &chosen.point;
+        println!(
+            "chosen candidates {} (one per block): {} {:.4}, {} FLOPs/sample, {} params, {:.2} ms/batch",
+            p.choice,
+            summed.describe(),
+            p.loss,
+            p.flops,
+            p.params,
+            p.latency_ms
+        );
+        println!("wrote {} (finetune and evaluate it with `pipebd run {}`)", path.display(), path.display());
+    }
+    if let Some(kind) = pareto {
+        let kind = CostKind::parse(kind)?;
+        let front = search::pareto(&scores, kind, objective)?;
+        let first = vec![0; scores.blocks.len()];
+        let mut reference = scores.point(&first, objective);
+        let mut points: Vec<search::ParetoPoint> = front.iter().map(|(_, p)| p.clone()).collect();
+        if evaluate {
+            let mut configs: Vec<_> =
+                front.iter().map(|(s, _)| scores.chosen_config(run_dir, &s.choice)).collect();
+            configs.push(scores.chosen_config(run_dir, &first));
+            eprintln!("scoring {} stitched students on the test set...", configs.len());
+            let accuracies = crate::jobs::eval::score_configs(zoo, &configs)?;
+            for (point, accuracy) in points.iter_mut().chain([&mut reference]).zip(accuracies) {
+                point.accuracy = Some(accuracy);
+            }
+        }
+        println!(
+            "{:>14} {:>10} {:>12} {:>10} {:>12} {:>9}",
+            "choice", "loss", "flops", "params", "latency_ms", "accuracy"
+        );
+        for p in &points {
+            let accuracy = p.accuracy.map(|a| format!("{:.2}%", 100.0 * a)).unwrap_or_default();
+            println!(
+                "{:>14} {:>10.4} {:>12} {:>10} {:>12.3} {:>9}",
+                p.choice, p.loss, p.flops, p.params, p.latency_ms, accuracy
+            );
+        }
+        let csv = search::write_pareto_csv(run_dir, &points)?;
+        let png = run_dir.join("pareto.png");
+        let xy = |p: &search::ParetoPoint| (p.cost(kind), p.loss, p.accuracy);
+        let front_xy: Vec<_> = points.iter().map(xy).collect();
+        crate::jobs::sweep::plot::draw_pareto(&png, kind.name(), &front_xy, Some(xy(&reference)))?;
+        println!("wrote {} and {}", csv.display(), png.display());
+    }
     Ok(())
 }

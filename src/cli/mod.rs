@@ -316,12 +316,12 @@ fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
         Command::Sweep { sweep } => commands::sweep(zoo, &sweep),
         Command::Search { run_dir, budget, out, pareto, evaluate, argmax, objective } => {
             let choice = match (budget, argmax) {
-                (Some(budget), _) => Some(Choice::Budget(budget)),
-                (None, true) => Some(Choice::Argmax),
+                (Some(budget), _) => Some(commands::Choice::Budget(budget)),
+                (None, true) => Some(commands::Choice::Argmax),
                 (None, false) => None,
             };
-            let objective = crate::choose::Objective::parse(&objective)?;
-            search_command(zoo, &run_dir, choice, out, pareto.as_deref(), evaluate, objective)
+            let objective = crate::jobs::search::Objective::parse(&objective)?;
+            commands::search(zoo, &run_dir, choice, out, pareto.as_deref(), evaluate, objective)
         }
         Command::Eval { run_dir } => commands::eval(zoo, &run_dir),
         Command::EvalTeacher { config } => commands::eval_teacher(zoo, &config),
@@ -404,99 +404,4 @@ impl ProgressView {
             bar.finish_and_clear();
         }
     }
-}
-
-/// How `pipebd search` chooses one candidate per block.
-enum Choice {
-    /// `--budget kind=N`, as typed.
-    Budget(String),
-    /// `--argmax`.
-    Argmax,
-}
-
-/// `pipebd search`: the budget's (or the architecture weights') choice into
-/// chosen.toml and/or the Pareto front into pareto.csv and pareto.png.
-fn search_command<Z: Zoo>(
-    zoo: &Z,
-    run_dir: &std::path::Path,
-    choice: Option<Choice>,
-    out: Option<PathBuf>,
-    pareto: Option<&str>,
-    evaluate: bool,
-    objective: crate::choose::Objective,
-) -> crate::error::Result<()> {
-    use crate::choose::{self, Budget, CostKind, Objective, SearchScores};
-    if choice.is_none() && pareto.is_none() {
-        return Err(crate::error::Error::Search {
-            message: "give --budget flops=N|params=N|latency=MS, --argmax, or --pareto flops|params|latency"
-                .into(),
-        });
-    }
-    let scores = SearchScores::read(run_dir)?;
-    if let Some(choice) = choice {
-        let (chosen, how, summed) = match choice {
-            Choice::Budget(text) => {
-                let budget: Budget = text.parse()?;
-                (
-                    choose::choose(&scores, run_dir, budget, objective)?,
-                    format!(
-                        "--budget {}={} --objective {}",
-                        budget.kind.name(),
-                        budget.limit,
-                        objective.name()
-                    ),
-                    objective,
-                )
-            }
-            Choice::Argmax => (choose::argmax(&scores, run_dir)?, "--argmax".to_string(), Objective::Block),
-        };
-        let path = out.unwrap_or_else(|| run_dir.join("chosen.toml"));
-        choose::write_chosen(&path, &chosen, &how, run_dir, summed)?;
-        let p = &chosen.point;
-        println!(
-            "chosen candidates {} (one per block): {} {:.4}, {} FLOPs/sample, {} params, {:.2} ms/batch",
-            p.choice,
-            summed.describe(),
-            p.loss,
-            p.flops,
-            p.params,
-            p.latency_ms
-        );
-        println!("wrote {} (finetune and evaluate it with `pipebd run {}`)", path.display(), path.display());
-    }
-    if let Some(kind) = pareto {
-        let kind = CostKind::parse(kind)?;
-        let front = choose::pareto(&scores, kind, objective)?;
-        let first = vec![0; scores.blocks.len()];
-        let mut reference = scores.point(&first, objective);
-        let mut points: Vec<choose::ParetoPoint> = front.iter().map(|(_, p)| p.clone()).collect();
-        if evaluate {
-            let mut configs: Vec<_> =
-                front.iter().map(|(s, _)| scores.chosen_config(run_dir, &s.choice)).collect();
-            configs.push(scores.chosen_config(run_dir, &first));
-            eprintln!("scoring {} stitched students on the test set...", configs.len());
-            let accuracies = crate::eval::score_configs(zoo, &configs)?;
-            for (point, accuracy) in points.iter_mut().chain([&mut reference]).zip(accuracies) {
-                point.accuracy = Some(accuracy);
-            }
-        }
-        println!(
-            "{:>14} {:>10} {:>12} {:>10} {:>12} {:>9}",
-            "choice", "loss", "flops", "params", "latency_ms", "accuracy"
-        );
-        for p in &points {
-            let accuracy = p.accuracy.map(|a| format!("{:.2}%", 100.0 * a)).unwrap_or_default();
-            println!(
-                "{:>14} {:>10.4} {:>12} {:>10} {:>12.3} {:>9}",
-                p.choice, p.loss, p.flops, p.params, p.latency_ms, accuracy
-            );
-        }
-        let csv = choose::write_pareto_csv(run_dir, &points)?;
-        let png = run_dir.join("pareto.png");
-        let xy = |p: &choose::ParetoPoint| (p.cost(kind), p.loss, p.accuracy);
-        let front_xy: Vec<_> = points.iter().map(xy).collect();
-        crate::sweep::plot::draw_pareto(&png, kind.name(), &front_xy, Some(xy(&reference)))?;
-        println!("wrote {} and {}", csv.display(), png.display());
-    }
-    Ok(())
 }

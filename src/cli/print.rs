@@ -59,7 +59,7 @@ pub(super) fn print_text_report(text: &crate::data::text::TextReport) {
     );
 }
 
-pub(super) fn print_bench(report: &crate::bench::BenchReport) {
+pub(super) fn print_bench(report: &crate::jobs::bench::BenchReport) {
     println!(
         "{} on {} ({} intra-op threads per worker), batch {}, {} steps per block",
         report.name,
@@ -143,7 +143,7 @@ pub(super) fn print_blocks(blocks: &[crate::report::BlockReport]) {
 
 /// The hand-offs measured by `pipebd link`, the fitted link, and the
 /// simulated cluster step times.
-pub(super) fn print_link(report: &crate::link::LinkReport) {
+pub(super) fn print_link(report: &crate::jobs::link::LinkReport) {
     println!(
         "hand-offs of `{}` at batch {} (one way, measured side by side):",
         report.name, report.batch_size
@@ -252,9 +252,9 @@ pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path
 }
 
 /// `pipebd profile`'s table: one line per block and replica count.
-pub(super) fn print_profile(profile: &crate::profile::Profile) {
+pub(super) fn print_profile(profile: &crate::jobs::profile::Profile) {
     println!("block  g  batch  teacher fwd (ms)  student step (ms)  grad avg (ms)  input (ms)  peak MiB");
-    let ms = |t: &Option<crate::profile::Timing>| {
+    let ms = |t: &Option<crate::jobs::profile::Timing>| {
         t.map_or("infeasible".to_string(), |t| format!("{:.2} ±{:.0}%", 1e3 * t.median, 100.0 * t.spread))
     };
     for (k, row) in profile.entries.iter().enumerate() {
@@ -275,7 +275,7 @@ pub(super) fn print_profile(profile: &crate::profile::Profile) {
 }
 
 /// `pipebd sweep`'s table: one line per grid point.
-pub(super) fn print_sweep(rows: &[crate::sweep::Row]) {
+pub(super) fn print_sweep(rows: &[crate::jobs::sweep::Row]) {
     println!("{:<48} {:>11} {:>9} {:>9}  plan", "point", "samples/s", "step ms", "accuracy");
     for r in rows {
         println!(

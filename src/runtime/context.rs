@@ -21,7 +21,7 @@ pub(super) struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>>
     pub(super) held_out: Option<&'a dyn Dataset<B::InnerBackend>>,
     pub(super) settings: &'a TrainSettings,
     pub(super) devices: &'a [B::Device],
-    pub(super) options: &'a RuntimeSettings,
+    pub(super) runtime: &'a RuntimeSettings,
     pub(super) per_epoch: usize,
     /// Where each epoch's sample order comes from.
     pub(super) order: crate::data::DataOrder,

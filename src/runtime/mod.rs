@@ -273,7 +273,7 @@ fn train_plan<B, T, S>(
     (data, held_out): (&dyn Dataset<B::InnerBackend>, Option<&dyn Dataset<B::InnerBackend>>),
     settings: &TrainSettings,
     devices: &[B::Device],
-    options: &RuntimeSettings,
+    runtime: &RuntimeSettings,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<PlanOutput<B, S>>
 where
@@ -285,14 +285,14 @@ where
     let per_epoch = steps_per_epoch(data.len(), batch);
     let plan_error = |message: String| Error::Plan { plan: plan.name.clone(), message };
     let blocks = students.blocks.len();
-    check_plan(plan, blocks, batch, data.len(), devices.len(), options)?;
+    check_plan(plan, blocks, batch, data.len(), devices.len(), runtime)?;
     let total_steps = per_epoch * settings.epochs;
     let supernets = students.blocks.iter().filter(|b| b.arch_logits().is_some()).count();
     let held_out = arch_batches(plan, settings, supernets, total_steps, held_out)?;
     let Students { blocks: modules, specs, .. } = students;
     let order = DataOrder::new(settings.generator, settings.seed, specs.iter().map(|s| s.params).sum());
     let identities: Vec<BTreeMap<String, serde_json::Value>> =
-        specs.iter().map(|spec| block_identity(options, settings, spec, total_steps)).collect();
+        specs.iter().map(|spec| block_identity(runtime, settings, spec, total_steps)).collect();
     // Fresh copies, for blocks lost before their first checkpoint.
     let initial: Vec<S> = modules.iter().map(detached_copy).collect();
     let fresh = |k: usize| {
@@ -308,7 +308,7 @@ where
         .collect();
 
     let mut record = RunRecord::default();
-    if let Some(dir) = &options.resume_from {
+    if let Some(dir) = &runtime.resume_from {
         record.resilience.resumed = resume_all(dir, &mut trainers, &identities, &devices[0])?;
     }
 
@@ -316,7 +316,7 @@ where
     let origin = Instant::now();
     let mut plan = plan.clone();
     let recovery: RecoveryContext<'_, B, S> = RecoveryContext {
-        options,
+        runtime,
         teacher_specs: &teacher.specs,
         student_specs: &specs,
         total_steps,
@@ -337,7 +337,7 @@ where
             held_out,
             settings,
             devices,
-            options,
+            runtime,
             per_epoch,
             order,
             total_steps,
@@ -410,7 +410,7 @@ impl RunRecord {
         context: &RecoveryContext<'_, B, S>,
         trainers: &mut [Option<BlockTrainer<B, S>>],
     ) -> Result<Plan> {
-        if context.options.transport.is_some() {
+        if context.runtime.transport.is_some() {
             return Err(failure.error);
         }
         let recovered = recover(failure, plan, phase_index, &self.resilience.failures, context)?;
@@ -433,7 +433,7 @@ fn check_plan(
     batch: usize,
     samples: usize,
     devices: usize,
-    options: &RuntimeSettings,
+    runtime: &RuntimeSettings,
 ) -> Result<()> {
     let plan_error = |message: String| Error::Plan { plan: plan.name.clone(), message };
     if batch == 0 || steps_per_epoch(samples, batch) == 0 {
@@ -442,7 +442,7 @@ fn check_plan(
     if plan.slots() > devices {
         return Err(plan_error(format!("needs {} device slots, {devices} given", plan.slots())));
     }
-    if let Some(transport) = options.transport.as_ref().filter(|t| plan.slots() > t.ranks()) {
+    if let Some(transport) = runtime.transport.as_ref().filter(|t| plan.slots() > t.ranks()) {
         return Err(transport::rank_mismatch(plan, transport.ranks()));
     }
     for stage in plan.phases.iter().flat_map(|p| &p.stages) {

@@ -77,14 +77,14 @@ where
     let stop = Stop::new();
     let barrier = context.phase.barrier.then(|| phase_barrier(context, count));
     let mut watch = context
-        .options
+        .runtime
         .transport
         .clone()
-        .map(|t| ClusterWatch::new(t, context.options.timeout.as_secs_f64()));
+        .map(|t| ClusterWatch::new(t, context.runtime.timeout.as_secs_f64()));
     let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
     let stages = context.phase.stages.len();
-    let threads = threads_per_worker(context.options.threads_per_worker, count);
-    let stall_limit = context.options.timeout.as_secs_f64();
+    let threads = threads_per_worker(context.runtime.threads_per_worker, count);
+    let stall_limit = context.runtime.timeout.as_secs_f64();
     let mut tally = Tally {
         stage_step: vec![start_step; stages],
         losses: vec![f32::NAN; context.phase.stages.iter().map(|s| s.blocks.len()).sum()],
@@ -149,7 +149,7 @@ fn phase_barrier<B: DistillBackend, T: Block<B::InnerBackend>>(
     context: &PhaseContext<'_, B, T>,
     workers: usize,
 ) -> StepBarrier {
-    let Some(transport) = &context.options.transport else {
+    let Some(transport) = &context.runtime.transport else {
         return StepBarrier::new(workers);
     };
     let mut ranks: Vec<usize> = context.phase.stages.iter().flat_map(|s| s.slots.clone()).collect();

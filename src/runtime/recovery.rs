@@ -155,7 +155,7 @@ pub fn replan(
 /// What the failure policy needs from the run besides the failure itself.
 pub(super) struct RecoveryContext<'a, B: DistillBackend, S: StudentModule<B>> {
     /// The failure budget, the re-planning costs and memory, the checkpoints.
-    pub(super) options: &'a RuntimeSettings,
+    pub(super) runtime: &'a RuntimeSettings,
     /// The teacher's block specs, for re-planning from FLOPs.
     pub(super) teacher_specs: &'a [BlockSpec],
     /// The students' block specs, for re-planning from FLOPs.
@@ -189,7 +189,7 @@ pub(super) struct Recovered<B: DistillBackend, S: StudentModule<B>> {
 }
 
 /// The failure policy. A worker's device failure (`Error::is_device_failure`)
-/// within `options.max_failures` loses its slot: the plan is re-routed or
+/// within `runtime.max_failures` loses its slot: the plan is re-routed or
 /// re-planned over the surviving slots from phase `phase_index` on, and the
 /// blocks whose state was on the worker are reloaded. Any other failure, one
 /// failure too many, or a plan that cannot go on ends the run with an error.
@@ -201,24 +201,24 @@ pub(super) fn recover<B: DistillBackend, S: StudentModule<B>>(
     failures: &[FailureRecord],
     context: &RecoveryContext<'_, B, S>,
 ) -> Result<Recovered<B, S>> {
-    let options = context.options;
+    let runtime = context.runtime;
     let Error::Worker { stage, replica, slot, .. } = &failure.error else {
         return Err(failure.error);
     };
     let (stage, replica, slot) = (*stage, *replica, *slot);
-    if !failure.error.is_device_failure() || failures.len() >= options.max_failures {
+    if !failure.error.is_device_failure() || failures.len() >= runtime.max_failures {
         return Err(failure.error);
     }
     let lost_slots: Vec<usize> = failures.iter().map(|f| f.slot).chain([slot]).collect();
     let survivors: Vec<usize> = (0..plan.slots()).filter(|s| !lost_slots.contains(s)).collect();
-    let costs = options.costs.clone().unwrap_or_else(|| {
+    let costs = runtime.costs.clone().unwrap_or_else(|| {
         let flops = |s: &BlockSpec| s.flops as f64;
         let teacher_flops: Vec<f64> = context.teacher_specs.iter().map(flops).collect();
         let student_flops: Vec<f64> = context.student_specs.iter().map(flops).collect();
         flops_costs(&teacher_flops, &student_flops, survivors.len().max(1))
     });
     let (new_plan, action) =
-        match replan(plan, phase_index, slot, &survivors, &costs, options.memory_per_device) {
+        match replan(plan, phase_index, slot, &survivors, &costs, runtime.memory_per_device) {
             Ok(Replan::Reroute(p)) => {
                 (p, "re-routed its share of each batch to the other replicas".to_string())
             }
@@ -241,7 +241,7 @@ pub(super) fn recover<B: DistillBackend, S: StudentModule<B>>(
         let lost_at = failure.block_steps.get(&k).copied().unwrap_or(0);
         let mut trainer = (context.fresh)(k);
         let (identity, device) = (&context.identities[k], &context.devices[0]);
-        let resumed_at = match &options.checkpoints {
+        let resumed_at = match &runtime.checkpoints {
             Some(policy) => restore_newest(&mut trainer, &policy.dir, identity, device, false)?.step,
             None => 0,
         };

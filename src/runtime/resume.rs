@@ -14,13 +14,13 @@ use crate::train::{BlockTrainer, TrainSettings};
 
 /// What a block checkpoint must match besides the run's own fields.
 pub(super) fn block_identity(
-    options: &RuntimeSettings,
+    runtime: &RuntimeSettings,
     settings: &TrainSettings,
     spec: &BlockSpec,
     total_steps: usize,
 ) -> BTreeMap<String, serde_json::Value> {
     use serde_json::json;
-    let mut identity = options.checkpoints.as_ref().map(|p| p.identity.clone()).unwrap_or_default();
+    let mut identity = runtime.checkpoints.as_ref().map(|p| p.identity.clone()).unwrap_or_default();
     identity.insert("block.name".into(), json!(spec.name));
     identity.insert("block.input_shape".into(), json!(spec.input_shape));
     identity.insert("block.output_shape".into(), json!(spec.output_shape));

@@ -95,7 +95,7 @@ fn overlap(a: &Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
 }
 
 /// Builds the workers of a phase and the channels between them. In a
-/// multi-process run (`options.transport`), the worker of device slot `r`
+/// multi-process run (`runtime.transport`), the worker of device slot `r`
 /// runs on rank `r`: only this rank's workers are returned, links to the
 /// others go through the transport, and the trainers of the other ranks'
 /// stage leaders stay in `trainers` (as the copies their state is loaded
@@ -110,8 +110,8 @@ where
     S: StudentModule<B>,
 {
     let batch = context.settings.batch_size;
-    let capacity = context.options.channel_capacity.max(1);
-    let transport = context.options.transport.as_ref();
+    let capacity = context.runtime.channel_capacity.max(1);
+    let transport = context.runtime.transport.as_ref();
     let mut workers: Vec<Worker<B, S>> = Vec::new();
     let mut stage_workers: Vec<Vec<usize>> = Vec::new();
     for (s, stage) in context.phase.stages.iter().enumerate() {

@@ -107,7 +107,7 @@ where
         teacher_blocks,
         weight: worker.share.len() as f32 / context.settings.batch_size as f32,
         name: worker.name(),
-        timeout: context.options.timeout * 2,
+        timeout: context.runtime.timeout * 2,
         stop,
         barrier,
         progress,
@@ -564,7 +564,7 @@ fn inject_fault<B: DistillBackend, T: Block<B::InnerBackend>>(
     step: usize,
     stop: &Stop,
 ) -> Flow<()> {
-    let Some(fault) = context.options.faults.iter().find(|f| f.hits_worker(slot, step)) else {
+    let Some(fault) = context.runtime.faults.iter().find(|f| f.hits_worker(slot, step)) else {
         return Ok(());
     };
     match fault.kind {
@@ -596,7 +596,7 @@ where
     T: Block<B::InnerBackend>,
     S: StudentModule<B>,
 {
-    let Some(policy) = &context.options.checkpoints else {
+    let Some(policy) = &context.runtime.checkpoints else {
         return Ok(());
     };
     let timed = policy.every_seconds > 0.0 && last_checkpoint.elapsed().as_secs_f64() >= policy.every_seconds;
@@ -621,7 +621,7 @@ where
                 std::thread::sleep(POLL);
             }
         };
-        let pause = context.options.faults.iter().any(|f| f.hits_checkpoint(block, step));
+        let pause = context.runtime.faults.iter().any(|f| f.hits_checkpoint(block, step));
         let identity = context.identities[trainer.index].clone();
         let position = BTreeMap::from([
             ("epoch".to_string(), serde_json::json!(step / context.per_epoch)),

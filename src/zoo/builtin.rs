@@ -22,7 +22,7 @@ use super::{parse_students, Workload, Zoo};
 use crate::config::{ConfigIssue, RunConfig};
 use crate::data::{ImageDataset, Split};
 use crate::error::{Error, Result};
-use crate::eval::TopOneAccuracy;
+use crate::jobs::eval::TopOneAccuracy;
 
 impl From<pipebd_teachers::TeacherError> for Error {
     fn from(error: pipebd_teachers::TeacherError) -> Self {
@@ -42,21 +42,21 @@ fn is_text(config: &RunConfig) -> bool {
     config.data.dataset == "brown"
 }
 
-/// [`crate::run::run`] with the built-in zoo, compiled once in this library
+/// [`crate::jobs::run::run`] with the built-in zoo, compiled once in this library
 /// (see [`crate::cli::run_builtin`]): callers outside it should prefer this to
 /// `run(&Builtin, ...)`.
 pub fn run_builtin(
     config: &RunConfig,
     out_dir: &Path,
-    options: &crate::run::RunFlags,
+    options: &crate::jobs::run::RunFlags,
     observer: &mut dyn FnMut(&crate::train::Progress),
 ) -> Result<crate::report::RunReport> {
-    crate::run::run(&Builtin, config, out_dir, options, observer)
+    crate::jobs::run::run(&Builtin, config, out_dir, options, observer)
 }
 
-/// [`crate::eval::eval_run`] with the built-in zoo.
-pub fn eval_builtin_run(run_dir: &Path) -> Result<crate::eval::EvalResult> {
-    crate::eval::eval_run(&Builtin, run_dir)
+/// [`crate::jobs::eval::eval_run`] with the built-in zoo.
+pub fn eval_builtin_run(run_dir: &Path) -> Result<crate::jobs::eval::EvalResult> {
+    crate::jobs::eval::eval_run(&Builtin, run_dir)
 }
 
 /// A built-in teacher, cut into blocks.

@@ -6,7 +6,7 @@
 //! students of `pipebd-students`) goes through this door like any other. A
 //! user crate implements [`Zoo`] for its own kinds and calls
 //! [`crate::cli::run_with`] (the whole `pipebd` command line) or the job
-//! functions ([`crate::run::run`], ...) with it; see
+//! functions ([`crate::jobs::run::run`], ...) with it; see
 //! `examples/custom_zoo/`.
 
 mod builtin;
@@ -20,7 +20,7 @@ use serde::de::DeserializeOwned;
 
 use crate::config::{ConfigIssue, Overrides, RunConfig};
 use crate::error::{Error, Result};
-use crate::eval::Evaluate;
+use crate::jobs::eval::Evaluate;
 
 pub use builtin::{
     build_minilm, build_teacher, eval_builtin_run, layers_per_block, mnist_teacher, run_builtin, Builtin,

@@ -21,7 +21,7 @@ use crate::data::text::{
     PROBE_ITERATIONS, PROBE_L2,
 };
 use crate::error::{Error, Result};
-use crate::eval::{Evaluate, Network, Score};
+use crate::jobs::eval::{Evaluate, Network, Score};
 
 /// Seed of the fixed shuffles that split the corpora (independent of a run's
 /// seed, so every run of a config sees the same held-out sentences).

@@ -10,10 +10,10 @@ use std::path::Path;
 use std::time::Instant;
 
 use pipe_bd::config::RunConfig;
+use pipe_bd::jobs::profile::{plan_from_candidate, profile_key, Profile, PROFILE_CACHE};
+use pipe_bd::jobs::run::RunFlags;
 use pipe_bd::planning::planner::{plan as best_plans, Candidate};
-use pipe_bd::profile::{plan_from_candidate, profile_key, Profile, PROFILE_CACHE};
 use pipe_bd::report::RunReport;
-use pipe_bd::run::RunFlags;
 use pipe_bd::zoo::run_builtin;
 
 use crate::common;

@@ -197,7 +197,8 @@ pub fn student_weights(run_dir: &std::path::Path) -> Vec<Vec<f32>> {
     let report = pipe_bd::report::RunReport::read(run_dir).unwrap();
     let teacher = pipe_bd::zoo::Builtin.teacher_specs(&report.config).unwrap();
     let (blocks, _) =
-        pipe_bd::eval::load_students(&pipe_bd::zoo::Builtin, run_dir, &report.config, &teacher).unwrap();
+        pipe_bd::jobs::eval::load_students(&pipe_bd::zoo::Builtin, run_dir, &report.config, &teacher)
+            .unwrap();
     blocks
         .iter()
         .map(|b| {

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use pipe_bd::preflight::preflight;
-use pipe_bd::sweep::{apply, expand, SweepConfig};
+use pipe_bd::jobs::check::preflight;
+use pipe_bd::jobs::sweep::{apply, expand, SweepConfig};
 use pipe_bd::zoo::{Builtin, Zoo};
 
 fn experiments() -> Vec<PathBuf> {

@@ -6,7 +6,7 @@
 use burn::backend::Flex;
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::text::cosine;
-use pipe_bd::eval::Network;
+use pipe_bd::jobs::eval::Network;
 use pipe_bd::zoo::build_minilm;
 use pipe_bd::zoo::text::sentence_embeddings;
 use pipe_bd::zoo::{student_table, Builtin, Zoo};
@@ -227,7 +227,7 @@ fn untrained_cosine(config: &RunConfig) -> f64 {
     let blocks = pipe_bd::train::inference_blocks(&students);
     let (evaluation, specs) = (workload.evaluation.as_deref(), &teacher.specs[..]);
     let score =
-        pipe_bd::eval::score(evaluation, (&teacher.blocks, specs), (&blocks, &students.specs), &device)
+        pipe_bd::jobs::eval::score(evaluation, (&teacher.blocks, specs), (&blocks, &students.specs), &device)
             .unwrap();
     score.text.expect("a text workload scores sentence embeddings").embedding_cosine
 }

@@ -12,8 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pipe_bd::config::RunConfig;
+use pipe_bd::jobs::run::RunFlags;
 use pipe_bd::report::RunReport;
-use pipe_bd::run::RunFlags;
 use pipe_bd::zoo::run_builtin;
 
 use crate::common::{self, newest_step};

@@ -13,10 +13,10 @@ use std::process::{Command, Stdio};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use pipe_bd::choose::{Objective, SearchScores};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{DatasetSlice, ImageDataset, Split};
-use pipe_bd::eval::{load_student_weights, load_students};
+use pipe_bd::jobs::eval::{load_student_weights, load_students};
+use pipe_bd::jobs::search::{Objective, SearchScores};
 use pipe_bd::plan::{flops_cost, Plan};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::search::score::measure_candidates;

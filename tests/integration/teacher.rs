@@ -3,7 +3,7 @@
 use burn::backend::Flex;
 use pipe_bd::config::{RunConfig, TeacherConfig};
 use pipe_bd::data::{ImageDataset, Split};
-use pipe_bd::eval::{accuracy, Network};
+use pipe_bd::jobs::eval::{accuracy, Network};
 use pipe_bd::zoo::build_teacher;
 
 use crate::common;

@@ -8,8 +8,8 @@ use std::ops::RangeInclusive;
 use std::path::Path;
 
 use pipe_bd::config::RunConfig;
+use pipe_bd::jobs::run::RunFlags;
 use pipe_bd::report::RunReport;
-use pipe_bd::run::RunFlags;
 use pipe_bd::trace::SpanKind;
 use pipe_bd::zoo::run_builtin;
 

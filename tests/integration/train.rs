@@ -7,7 +7,7 @@ use std::path::Path;
 use burn::backend::{Autodiff, Flex};
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::{ImageDataset, Split};
-use pipe_bd::eval::{accuracy, Network};
+use pipe_bd::jobs::eval::{accuracy, Network};
 use pipe_bd::train::inference_blocks;
 use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
 

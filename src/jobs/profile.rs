@@ -23,9 +23,9 @@ use crate::data::epoch_order;
 use crate::device::{dispatch, wait_for, BackendJob};
 use crate::error::{Error, Result};
 use crate::fsio::write_atomic;
+use crate::jobs::check::preflight;
 use crate::plan::{Plan, Schedule, StageSpec};
 use crate::planning::planner::{Candidate, CostTable};
-use crate::preflight::preflight;
 use crate::runtime::{concurrent_workers, threads_per_worker};
 use crate::train::{detached_copy, BlockTrainer, StepLoss};
 use crate::zoo::{Workload, Zoo};
@@ -518,16 +518,16 @@ pub fn cached_profile<Z: Zoo>(
     zoo: &Z,
     config: &RunConfig,
     say: &mut dyn FnMut(&str),
-) -> Result<crate::profile::Profile> {
+) -> Result<crate::jobs::profile::Profile> {
     let path = Path::new(PROFILE_CACHE).join(format!("{}.json", profile_key(config)));
     if path.is_file() {
-        if let Ok(profile) = crate::profile::Profile::read(&path) {
+        if let Ok(profile) = crate::jobs::profile::Profile::read(&path) {
             say(&format!("using the cached profile {}", path.display()));
             return Ok(profile);
         }
     }
     say(&format!("profiling the blocks (cached in {})", path.display()));
-    crate::profile::profile(zoo, config, config.device_slots().len(), &path, say)
+    crate::jobs::profile::profile(zoo, config, config.device_slots().len(), &path, say)
 }
 
 /// Plans `schedule = "auto"`: the best hybrid plan for the config's device

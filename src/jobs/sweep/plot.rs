@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::sweep::Row;
+use crate::jobs::sweep::Row;
 
 /// Font files tried, in order, for the plot's text.
 const FONTS: [&str; 3] = [

@@ -14,12 +14,12 @@ use crate::data::held_out_split;
 use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
 use crate::fsio::write_atomic;
+use crate::jobs::check::{plan_for, preflight};
+use crate::jobs::profile::plan_from_candidate;
+use crate::jobs::profile::{reset_peak_resident, resident_bytes};
 use crate::plan::{Plan, Schedule};
 use crate::planning::planner::CostTable;
 use crate::planning::simulate::simulate_shared;
-use crate::preflight::{plan_for, preflight};
-use crate::profile::plan_from_candidate;
-use crate::profile::{reset_peak_resident, resident_bytes};
 use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeSettings};
 use crate::trace::Span;
 use crate::train::{detached_copy, steps_per_epoch};
@@ -119,7 +119,7 @@ pub fn bench<Z: Zoo>(
     }
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
     say("profiling every block at the batch share of 1..W replicas");
-    let profile = crate::profile::measure(zoo, config, devices.len(), say)?;
+    let profile = crate::jobs::profile::measure(zoo, config, devices.len(), say)?;
     let costs = profile.cost_table(devices.len());
     let report = dispatch(&devices, BenchJob { zoo, config, schedules, say, costs })?;
     let json = serde_json::to_string_pretty(&report)
@@ -195,7 +195,7 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
         let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
         let slots = devices.len();
         let threads = threads_per_worker(config.runtime.threads_per_worker, slots);
-        let options = RuntimeSettings { threads_per_worker: threads, ..config.runtime_settings() };
+        let runtime = RuntimeSettings { threads_per_worker: threads, ..config.runtime_settings() };
         let settings = config.train_settings();
         // A search trains on what its run trains on (a single-path search
         // takes its architecture steps on the held-out rest).
@@ -212,7 +212,7 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
             let mut distillation = Distillation::new(&teacher, fresh, &data)
                 .settings(settings.clone())
                 .devices(devices.to_vec())
-                .runtime(options.clone());
+                .runtime(runtime.clone());
             if let Some(held_out) = &held_out {
                 distillation = distillation.held_out(held_out);
             }
@@ -228,7 +228,7 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
         let block_costs = first_slot_costs(costs, blocks);
         let data_load: Vec<f64> = costs.input_transfer[0].clone();
         let plans = bench_plans(config, self.schedules, costs, &block_costs, slots)?;
-        let capacity = options.channel_capacity;
+        let capacity = runtime.channel_capacity;
         let predictions = plans
             .iter()
             .map(|p| {

@@ -26,7 +26,7 @@ use serde::Deserialize;
 
 use crate::config::RunConfig;
 use crate::error::{Error, Result};
-use crate::run::{run, RunFlags};
+use crate::jobs::run::{run, RunFlags};
 use crate::zoo::Zoo;
 
 /// A sweep file.
@@ -280,7 +280,7 @@ pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<
         .or_else(|| keys.iter().find(|k| *k != "schedule").cloned())
         .unwrap_or_else(|| keys[0].clone());
     let png = sweep.out.join("sweep.png");
-    crate::sweep::plot::draw_sweep(&png, &rows, &keys, &x)?;
+    crate::jobs::sweep::plot::draw_sweep(&png, &rows, &keys, &x)?;
     say(&format!("wrote {} and {}", csv_path.display(), png.display()));
     Ok(rows)
 }

@@ -11,19 +11,19 @@ use std::time::{Duration, Instant};
 use pipebd_core::{Block, BlockSpec, Dataset, Loss, Samples, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 
-use crate::choose::SearchScores;
 use crate::config::RunConfig;
 use crate::data::held_out_split;
 use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
-use crate::eval::{
+use crate::jobs::check::{check_out_dir, preflight};
+use crate::jobs::eval::{
     candidate_record_path, load_student_weights, save_candidates, save_students, score, student_record_path,
 };
+use crate::jobs::profile::auto_plan;
+use crate::jobs::search::SearchScores;
 use crate::plan::Plan;
 use crate::planning::planner::CostTable;
 use crate::planning::simulate::simulate_shared;
-use crate::preflight::{check_out_dir, preflight};
-use crate::profile::auto_plan;
 use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
 use crate::runtime::launch::ranks_on_this_node;
 use crate::runtime::transport::{rank_mismatch, Tag, Transport};
@@ -47,61 +47,47 @@ pub struct RunFlags {
     pub max_failures: Option<usize>,
 }
 
-/// The config fields a checkpoint must match to be resumed from (the
-/// runtime adds each block's shapes, parameters, steps, seed and optimizer).
-pub fn checkpoint_identity(config: &RunConfig) -> std::collections::BTreeMap<String, serde_json::Value> {
-    use serde_json::json;
-    let mut identity = std::collections::BTreeMap::new();
-    identity.insert("data.dataset".into(), json!(config.data.dataset));
-    identity.insert("data.train_limit".into(), json!(config.data.train_limit));
-    identity.insert("data.max_tokens".into(), json!(config.data.max_tokens));
-    identity.insert("teacher.kind".into(), json!(config.teacher.kind));
-    identity.insert("teacher.layers_per_block".into(), json!(config.teacher.layers_per_block));
-    identity.insert("train.epochs".into(), json!(config.train.epochs));
-    if !config.custom.is_empty() {
-        identity.insert("custom".into(), json!(config.custom));
-    }
-    identity
-}
-
-/// The runtime options of a run: the config's, with checkpoints in
-/// `out_dir/checkpoints`, the resume folder, faults from [`crate::fault::ENV`]
-/// and the cost table for re-planning.
+/// The runtime settings of a run, built here once: the config's
+/// ([`RunConfig::runtime_settings`]), with checkpoints in
+/// `out_dir/checkpoints`, the flags' resume folder and failure budget,
+/// faults from [`crate::fault::ENV`], the cost table for re-planning and,
+/// across processes, the transport (ranks on one machine share its cores).
 pub fn runtime_settings_for(
     config: &RunConfig,
     out_dir: &Path,
-    options: &RunFlags,
+    flags: &RunFlags,
     costs: Option<&CostTable>,
+    transport: Option<&Arc<dyn Transport>>,
 ) -> Result<crate::runtime::RuntimeSettings> {
     let mut runtime = config.runtime_settings();
-    runtime.checkpoints = Some(crate::train::checkpoint::CheckpointPolicy {
-        dir: out_dir.join("checkpoints"),
-        every_steps: config.checkpoint.every_steps,
-        every_seconds: config.checkpoint.every_minutes * 60.0,
-        keep: config.checkpoint.keep,
-        identity: checkpoint_identity(config),
-    });
-    runtime.resume_from = options.resume.clone();
+    runtime.checkpoints = Some(config.checkpoint_policy(out_dir.join("checkpoints")));
+    runtime.resume_from = flags.resume.clone();
     runtime.faults.extend(crate::fault::from_env()?);
-    if let Some(max) = options.max_failures {
+    if let Some(max) = flags.max_failures {
         runtime.max_failures = max;
     }
     runtime.costs = costs.cloned();
+    if let Some(transport) = transport {
+        if runtime.threads_per_worker == 0 {
+            runtime.threads_per_worker = (cores() / ranks_on_this_node()).max(1);
+        }
+        runtime.transport = Some(transport.clone());
+    }
     Ok(runtime)
 }
 
 /// Runs the job described by `config`, with the teacher, students and data
 /// of `zoo`, writing `report.json`, `metrics.csv`, the trained student
-/// (`student/block-K.mpk`) and, with `options.trace`, `trace.json` into
+/// (`student/block-K.mpk`) and, with `flags.trace`, `trace.json` into
 /// `out_dir`. `observer` sees every training step (for progress bars).
 pub fn run<Z: Zoo>(
     zoo: &Z,
     config: &RunConfig,
     out_dir: &Path,
-    options: &RunFlags,
+    flags: &RunFlags,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<RunReport> {
-    run_rank(zoo, config, out_dir, options, None, observer)?
+    run_rank(zoo, config, out_dir, flags, None, observer)?
         .ok_or_else(|| Error::Transport { message: "a single-process run ended without a report".into() })
 }
 
@@ -116,7 +102,7 @@ pub fn run_rank<Z: Zoo>(
     zoo: &Z,
     config: &RunConfig,
     out_dir: &Path,
-    options: &RunFlags,
+    flags: &RunFlags,
     transport: Option<Arc<dyn Transport>>,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<Option<RunReport>> {
@@ -147,7 +133,7 @@ pub fn run_rank<Z: Zoo>(
     if let Some(t) = transport.as_ref().filter(|t| plan.slots() != t.ranks()) {
         return Err(rank_mismatch(&plan, t.ranks()));
     }
-    let job = Job { zoo, config, plan: &plan, costs: costs.as_ref(), out_dir, options, observer, transport };
+    let job = Job { zoo, config, plan: &plan, costs: costs.as_ref(), out_dir, flags, observer, transport };
     dispatch(&devices, job)
 }
 
@@ -201,7 +187,7 @@ struct Job<'a, Z> {
     plan: &'a Plan,
     costs: Option<&'a CostTable>,
     out_dir: &'a Path,
-    options: &'a RunFlags,
+    flags: &'a RunFlags,
     observer: &'a mut dyn FnMut(&Progress),
     transport: Option<Arc<dyn Transport>>,
 }
@@ -222,14 +208,8 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let (trained_on, held_out) =
             held_out_split(train.as_ref(), config.has_candidates().then_some(config.search.held_out));
 
-        let mut runtime = runtime_settings_for(config, self.out_dir, self.options, self.costs)?;
-        if let Some(transport) = &self.transport {
-            if runtime.threads_per_worker == 0 {
-                // The ranks on one machine share its cores.
-                runtime.threads_per_worker = (cores() / ranks_on_this_node()).max(1);
-            }
-            runtime.transport = Some(transport.clone());
-        }
+        let runtime =
+            runtime_settings_for(config, self.out_dir, self.flags, self.costs, self.transport.as_ref())?;
         let rank = self.transport.as_ref().map_or(0, |t| t.rank());
         let settings = config.train_settings();
         let mut distillation = Distillation::new(&teacher, students, &trained_on)
@@ -276,7 +256,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             save_candidates(self.out_dir, &students)?;
         }
         write_metrics(self.out_dir, &log.rows)?;
-        if self.options.trace {
+        if self.flags.trace {
             let roles: Vec<String> = output.workers.iter().map(|w| w.role.clone()).collect();
             write_chrome_trace(&self.out_dir.join("trace.json"), &output.spans, &roles)?;
         }
