@@ -13,7 +13,6 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use crate::plan::Schedule;
 
 /// Measured costs the planner works from. Index `[k][g - 1]` is block `k`
 /// (zero-based) run by a stage of `g` replicas, each on `batch / g` samples.
@@ -84,26 +83,6 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// The plan as a run config's `schedule = "hybrid"` and `[[stages]]`
-    /// (one-based blocks), with a comment saying where it came from.
-    pub fn to_toml(&self, blocks: usize, slots: usize) -> String {
-        let mut text = format!(
-            "# Written by `pipebd plan`: {blocks} blocks on {slots} device slots, predicted {:.2} ms per step.\n\
-             # Use it in a run config with {slots} entries in `devices`.\nschedule = \"{}\"\n",
-            1e3 * self.step_seconds,
-            Schedule::Hybrid.name()
-        );
-        for stage in &self.stages {
-            let blocks: Vec<String> = stage.blocks.clone().map(|k| (k + 1).to_string()).collect();
-            text.push_str(&format!(
-                "\n[[stages]]\nblocks = [{}]\nreplicas = {}\n",
-                blocks.join(", "),
-                stage.replicas
-            ));
-        }
-        text
-    }
-
     /// `{1 x2 | 2-3 | 4-6}` (one-based blocks).
     pub fn describe(&self) -> String {
         let stages: Vec<String> =

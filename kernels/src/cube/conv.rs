@@ -164,14 +164,10 @@ fn conv_forward_kernel<F: Float, I: Int>(
             ox = (at % pw) * 2 + quad % 2;
         }
         let column_ok = n < columns;
-        let x_base = b * c_in * h * wd;
         let rows_per_pass = units / 64;
 
         let mut acc = Array::<F>::new(16usize);
-        #[unroll]
-        for i in 0..16usize {
-            acc[i] = F::new(0.0);
-        }
+        clear::<F>(&mut acc, 16usize);
         let mut k0 = 0usize.runtime();
         while k0 < depth {
             // Weights: each unit stages 4 of the tile_m x 16 values.
@@ -191,36 +187,15 @@ fn conv_forward_kernel<F: Float, I: Int>(
                 let k = k0 + r;
                 let mut v = F::new(0.0);
                 if column_ok && k < depth {
-                    let c = k / taps;
                     let tap = k % taps;
-                    let yy = oy * sy + tap / kw;
-                    let xx = ox * sx + tap % kw;
-                    if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
-                        v = x[x_base + (c * h + yy - pad_y) * wd + xx - pad_x];
-                    }
+                    let (c, ky, kx) = (k / taps, tap / kw, tap % kw);
+                    v = input_at::<F>(x, b, c, oy, ox, ky, kx, c_in, h, wd, sy, sx, pad_y, pad_x);
                 }
                 b_tile[r * 64 + load_col] = v;
                 r += rows_per_pass;
             }
             sync_cube();
-            #[unroll]
-            for kk in 0..16usize {
-                let a0 = a_tile[uy * 16 + kk];
-                let a1 = a_tile[(uy + dy) * 16 + kk];
-                let a2 = a_tile[(uy + 2 * dy) * 16 + kk];
-                let a3 = a_tile[(uy + 3 * dy) * 16 + kk];
-                let mut b0 = b_tile[kk * 64 + ux];
-                let mut b1 = b_tile[kk * 64 + ux + 16];
-                let mut b2 = b_tile[kk * 64 + ux + 32];
-                let mut b3 = b_tile[kk * 64 + ux + 48];
-                if pooled {
-                    b0 = b_tile[kk * 64 + 4 * ux];
-                    b1 = b_tile[kk * 64 + 4 * ux + 1];
-                    b2 = b_tile[kk * 64 + 4 * ux + 2];
-                    b3 = b_tile[kk * 64 + 4 * ux + 3];
-                }
-                outer_product_add::<F>(&mut acc, a0, a1, a2, a3, b0, b1, b2, b3);
-            }
+            multiply_tiles::<F>(&mut acc, &a_tile, &b_tile, ux, uy, dy, pooled);
             sync_cube();
             k0 += 16;
         }
@@ -426,10 +401,7 @@ fn conv_forward_direct_kernel<F: Float, I: Int>(
         let r2 = clamp_index(m0 + uy + 2 * dy, c_out) * depth;
         let r3 = clamp_index(m0 + uy + 3 * dy, c_out) * depth;
         let mut acc = Array::<F>::new(16usize);
-        #[unroll]
-        for i in 0..16usize {
-            acc[i] = F::new(0.0);
-        }
+        clear::<F>(&mut acc, 16usize);
         let zero = F::new(0.0);
         #[unroll]
         for ky in 0..kh {
@@ -512,10 +484,7 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
         let rows_per_pass = units / 64;
 
         let mut acc = Array::<F>::new(16usize);
-        #[unroll]
-        for i in 0..16usize {
-            acc[i] = F::new(0.0);
-        }
+        clear::<F>(&mut acc, 16usize);
         let mut k0 = 0usize.runtime();
         while k0 < depth {
             // A[c][(co, tap)] = W[co, c, tap].
@@ -534,25 +503,16 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
                 let k = k0 + r;
                 let mut v = F::new(0.0);
                 if column_ok && k < depth {
-                    let co = k / taps;
                     let tap = k % taps;
                     let (ky, kx) = (tap / kw, tap % kw);
-                    let ty = iy + pad_y;
-                    let tx = ix + pad_x;
-                    if ty >= ky && tx >= kx {
-                        let (ty, tx) = (ty - ky, tx - kx);
-                        if ty % sy == 0 && tx % sx == 0 && ty / sy < oh && tx / sx < ow {
+                    let (ty, tx) = (iy + pad_y, ix + pad_x);
+                    // The output position whose tap (ky, kx) reads input (iy, ix), if any.
+                    if ty >= ky && tx >= kx && (ty - ky) % sy == 0 && (tx - kx) % sx == 0 {
+                        let (oy, ox) = ((ty - ky) / sy, (tx - kx) / sx);
+                        if oy < oh && ox < ow {
+                            let plane = b * c_out + k / taps;
                             v = pre_gradient::<F, I>(
-                                grad,
-                                saved,
-                                indices,
-                                b * c_out + co,
-                                ty / sy,
-                                tx / sx,
-                                oh,
-                                ow,
-                                epilogue,
-                                pooled,
+                                grad, saved, indices, plane, oy, ox, oh, ow, epilogue, pooled,
                             );
                         }
                     }
@@ -561,33 +521,43 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
                 r += rows_per_pass;
             }
             sync_cube();
-            #[unroll]
-            for kk in 0..16usize {
-                let a0 = a_tile[uy * 16 + kk];
-                let a1 = a_tile[(uy + dy) * 16 + kk];
-                let a2 = a_tile[(uy + 2 * dy) * 16 + kk];
-                let a3 = a_tile[(uy + 3 * dy) * 16 + kk];
-                let b0 = b_tile[kk * 64 + ux];
-                let b1 = b_tile[kk * 64 + ux + 16];
-                let b2 = b_tile[kk * 64 + ux + 32];
-                let b3 = b_tile[kk * 64 + ux + 48];
-                outer_product_add::<F>(&mut acc, a0, a1, a2, a3, b0, b1, b2, b3);
-            }
+            multiply_tiles::<F>(&mut acc, &a_tile, &b_tile, ux, uy, dy, false);
             sync_cube();
             k0 += 16;
         }
-        #[unroll]
-        for j in 0..4usize {
-            let col = n0 + ux + 16 * j;
-            if col < columns {
-                let cb = col / (h * wd);
-                let cat = col % (h * wd);
-                #[unroll]
-                for i in 0..4usize {
-                    let c = m0 + uy + i * dy;
-                    if c < c_in {
-                        dx[(cb * c_in + c) * h * wd + cat] = acc[i * 4 + j];
-                    }
+        store_input_grad::<F>(&acc, dx, n0, m0, ux, uy, dy, columns, c_in, h, wd);
+    }
+}
+
+/// The input-gradient kernel's 4x4 register tile: rows `m0 + uy + i dy`
+/// (input channels), columns `n0 + ux + 16 j` (sample and input pixel) of
+/// `dx`.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn store_input_grad<F: Float>(
+    acc: &Array<F>,
+    dx: &mut Array<F>,
+    n0: usize,
+    m0: usize,
+    ux: usize,
+    uy: usize,
+    dy: usize,
+    columns: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+) {
+    #[unroll]
+    for j in 0..4usize {
+        let col = n0 + ux + 16 * j;
+        if col < columns {
+            let cb = col / (h * wd);
+            let cat = col % (h * wd);
+            #[unroll]
+            for i in 0..4usize {
+                let c = m0 + uy + i * dy;
+                if c < c_in {
+                    dx[(cb * c_in + c) * h * wd + cat] = acc[i * 4 + j];
                 }
             }
         }
@@ -626,7 +596,7 @@ fn input_at<F: Float>(
 /// Dense weight and bias gradients, first stage: cube `z` sums `G @
 /// cols(x)^T` over its chunk of `chunk` positions of the reduction (batch x
 /// output pixels) into `partials[z][c_out][c_in * taps]`, and the bias
-/// gradient over the same chunk into `bias_partials[z][c_out]`. With
+/// gradient over the same chunk into `bias_parts[z][c_out]`. With
 /// `swap` it computes the transposed product `cols(x) @ G^T` (rows: the
 /// filter's `c_in * taps` entries, columns: the output channels), which
 /// fills the 64 columns of a tile better when the filter has fewer entries
@@ -639,7 +609,7 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
     indices: &Array<I>,
     x: &Array<F>,
     partials: &mut Array<F>,
-    bias_partials: &mut Array<F>,
+    bias_parts: &mut Array<F>,
     batch: usize,
     c_in: usize,
     h: usize,
@@ -688,18 +658,12 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
     let unit = UNIT_POS as usize;
     let (ux, uy) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
     let dy = tile_m / 4;
-    let mut a_tile = SharedMemory::<F>::new(tile_m * 16);
-    let mut b_tile = SharedMemory::<F>::new(1024usize);
+    let mut lhs = SharedMemory::<F>::new(tile_m * 16);
+    let mut rhs = SharedMemory::<F>::new(1024usize);
 
     // This unit's column of the B tile: a filter entry (c, tap), or with
     // `swap` an output channel.
-    let load_col = unit % 64;
-    let n = n0 + load_col;
-    let column_ok = n < cols;
-    let c = n / taps;
-    let tap = n % taps;
-    let (ky, kx) = (tap / kw, tap % kw);
-    let rows_per_pass = units / 64;
+    let n = n0 + unit % 64;
     // The bias is summed once, from the tile that holds G: by the first
     // column tile's first unit column (A), or with `swap` by the first row
     // tile's first unit row (B).
@@ -710,119 +674,151 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
 
     let mut acc = Array::<F>::new(16usize);
     let mut bias_acc = Array::<F>::new(4usize);
-    #[unroll]
-    for i in 0..16usize {
-        acc[i] = F::new(0.0);
-    }
-    #[unroll]
-    for i in 0..4usize {
-        bias_acc[i] = F::new(0.0);
-    }
+    clear::<F>(&mut acc, 16usize);
+    clear::<F>(&mut bias_acc, 4usize);
     let mut k0 = r_begin;
     while k0 < r_end {
-        // A[row][r]: G of output channel `row` (with `swap`: the input
-        // under filter entry `row`) at reduction position r.
-        #[unroll]
-        for j in 0..4usize {
-            let idx = unit + j * units;
-            let (m, r) = (m0 + idx / 16, k0 + idx % 16);
-            let mut v = F::new(0.0);
-            if m < rows && r < r_end {
-                let rb = r / (rh * rw);
-                let at = r % (rh * rw);
-                if swap {
-                    let mt = m % taps;
-                    v = input_at::<F>(
-                        x,
-                        rb,
-                        m / taps,
-                        at / rw,
-                        at % rw,
-                        mt / kw,
-                        mt % kw,
-                        c_in,
-                        h,
-                        wd,
-                        sy,
-                        sx,
-                        pad_y,
-                        pad_x,
-                    );
-                } else {
-                    v = pre_gradient::<F, I>(
-                        grad,
-                        saved,
-                        indices,
-                        rb * c_out + m,
-                        at / rw,
-                        at % rw,
-                        oh,
-                        ow,
-                        epilogue,
-                        pooled,
-                    );
-                }
-            }
-            a_tile[idx] = v;
-        }
-        // B[r][col]: the input under filter entry `col` (with `swap`: G of
-        // output channel `col`) at reduction position r.
-        let mut rr = unit / 64;
-        while rr < 16 {
-            let r = k0 + rr;
-            let mut v = F::new(0.0);
-            if column_ok && r < r_end {
-                let rb = r / (rh * rw);
-                let at = r % (rh * rw);
-                if swap {
-                    v = pre_gradient::<F, I>(
-                        grad,
-                        saved,
-                        indices,
-                        rb * c_out + n,
-                        at / rw,
-                        at % rw,
-                        oh,
-                        ow,
-                        epilogue,
-                        pooled,
-                    );
-                } else {
-                    v = input_at::<F>(x, rb, c, at / rw, at % rw, ky, kx, c_in, h, wd, sy, sx, pad_y, pad_x);
-                }
-            }
-            b_tile[rr * 64 + load_col] = v;
-            rr += rows_per_pass;
-        }
+        stage_weight_grad_tiles::<F, I>(
+            grad, saved, indices, x, &mut lhs, &mut rhs, unit, units, m0, n, k0, r_end, rows, cols, rh, rw,
+            c_in, h, wd, c_out, oh, ow, kh, kw, sy, sx, pad_y, pad_x, epilogue, pooled, swap,
+        );
         sync_cube();
-        #[unroll]
-        for kk in 0..16usize {
-            let a0 = a_tile[uy * 16 + kk];
-            let a1 = a_tile[(uy + dy) * 16 + kk];
-            let a2 = a_tile[(uy + 2 * dy) * 16 + kk];
-            let a3 = a_tile[(uy + 3 * dy) * 16 + kk];
-            let b0 = b_tile[kk * 64 + ux];
-            let b1 = b_tile[kk * 64 + ux + 16];
-            let b2 = b_tile[kk * 64 + ux + 32];
-            let b3 = b_tile[kk * 64 + ux + 48];
-            if sums_bias {
-                if swap {
-                    bias_acc[0] += b0;
-                    bias_acc[1] += b1;
-                    bias_acc[2] += b2;
-                    bias_acc[3] += b3;
-                } else {
-                    bias_acc[0] += a0;
-                    bias_acc[1] += a1;
-                    bias_acc[2] += a2;
-                    bias_acc[3] += a3;
-                }
-            }
-            outer_product_add::<F>(&mut acc, a0, a1, a2, a3, b0, b1, b2, b3);
+        if sums_bias {
+            sum_gradient_tile::<F>(&mut bias_acc, &lhs, &rhs, ux, uy, dy, swap);
         }
+        multiply_tiles::<F>(&mut acc, &lhs, &rhs, ux, uy, dy, false);
         sync_cube();
         k0 += 16;
     }
+    store_weight_partials::<F>(
+        &acc, &bias_acc, partials, bias_parts, z, m0, n0, ux, uy, dy, rows, cols, c_out, depth, sums_bias,
+        swap,
+    );
+}
+
+/// Stages one step of the weight-gradient product (16 reduction positions
+/// from `k0`, short of `r_end`): `a_tile[row][r]`, G of output channel
+/// `row` (with `swap`: the input under filter entry `row`), and, in this
+/// unit's column `n` of `b_tile`, the input under filter entry `n` (with
+/// `swap`: G of output channel `n`). Reduction position `r` is a sample and
+/// an output pixel inside the `rh x rw` region that carries a gradient.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn stage_weight_grad_tiles<F: Float, I: Int>(
+    grad: &Array<F>,
+    saved: &Array<F>,
+    indices: &Array<I>,
+    x: &Array<F>,
+    a_tile: &mut SharedMemory<F>,
+    b_tile: &mut SharedMemory<F>,
+    unit: usize,
+    units: usize,
+    m0: usize,
+    n: usize,
+    k0: usize,
+    r_end: usize,
+    rows: usize,
+    cols: usize,
+    rh: usize,
+    rw: usize,
+    c_in: usize,
+    h: usize,
+    wd: usize,
+    c_out: usize,
+    oh: usize,
+    ow: usize,
+    #[comptime] kh: usize,
+    #[comptime] kw: usize,
+    #[comptime] sy: usize,
+    #[comptime] sx: usize,
+    #[comptime] pad_y: usize,
+    #[comptime] pad_x: usize,
+    #[comptime] epilogue: u32,
+    #[comptime] pooled: bool,
+    #[comptime] swap: bool,
+) {
+    let taps = kh * kw;
+    let load_col = unit % 64;
+    let column_ok = n < cols;
+    let c = n / taps;
+    let tap = n % taps;
+    let (ky, kx) = (tap / kw, tap % kw);
+    let rows_per_pass = units / 64;
+    // A[row][r]: G of output channel `row` (with `swap`: the input
+    // under filter entry `row`) at reduction position r.
+    #[unroll]
+    for j in 0..4usize {
+        let idx = unit + j * units;
+        let (m, r) = (m0 + idx / 16, k0 + idx % 16);
+        let mut v = F::new(0.0);
+        if m < rows && r < r_end {
+            let (rb, at) = (r / (rh * rw), r % (rh * rw));
+            let (ry, rx) = (at / rw, at % rw);
+            if swap {
+                let entry_tap = m % taps;
+                let (my, mx) = (entry_tap / kw, entry_tap % kw);
+                v = input_at::<F>(x, rb, m / taps, ry, rx, my, mx, c_in, h, wd, sy, sx, pad_y, pad_x);
+            } else {
+                let plane = rb * c_out + m;
+                v = pre_gradient::<F, I>(grad, saved, indices, plane, ry, rx, oh, ow, epilogue, pooled);
+            }
+        }
+        a_tile[idx] = v;
+    }
+    // B[r][col]: the input under filter entry `col` (with `swap`: G of
+    // output channel `col`) at reduction position r.
+    let mut rr = unit / 64;
+    while rr < 16 {
+        let r = k0 + rr;
+        let mut v = F::new(0.0);
+        if column_ok && r < r_end {
+            let (rb, at) = (r / (rh * rw), r % (rh * rw));
+            let (ry, rx) = (at / rw, at % rw);
+            if swap {
+                let plane = rb * c_out + n;
+                v = pre_gradient::<F, I>(grad, saved, indices, plane, ry, rx, oh, ow, epilogue, pooled);
+            } else {
+                v = input_at::<F>(x, rb, c, ry, rx, ky, kx, c_in, h, wd, sy, sx, pad_y, pad_x);
+            }
+        }
+        b_tile[rr * 64 + load_col] = v;
+        rr += rows_per_pass;
+    }
+}
+
+/// Zeroes the first `len` values of `values` (a register tile).
+#[cube]
+fn clear<F: Float>(values: &mut Array<F>, #[comptime] len: usize) {
+    #[unroll]
+    for i in 0..len {
+        values[i] = F::new(0.0);
+    }
+}
+
+/// The weight-gradient kernel's 4x4 register tile of cube `z`'s partial sums
+/// (rows `m0 + uy + i dy`, columns `n0 + ux + 16 j` of its product, stored
+/// as `partials[z][c_out][depth]` whichever way the product ran) and, where
+/// this unit summed them, its 4 bias partials.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn store_weight_partials<F: Float>(
+    acc: &Array<F>,
+    bias_acc: &Array<F>,
+    partials: &mut Array<F>,
+    bias_partials: &mut Array<F>,
+    z: usize,
+    m0: usize,
+    n0: usize,
+    ux: usize,
+    uy: usize,
+    dy: usize,
+    rows: usize,
+    cols: usize,
+    c_out: usize,
+    depth: usize,
+    sums_bias: bool,
+    #[comptime] swap: bool,
+) {
     #[unroll]
     for i in 0..4usize {
         let m = m0 + uy + i * dy;
@@ -847,6 +843,66 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
             }
             if channel < c_out {
                 bias_partials[z * c_out + channel] = bias_acc[i];
+            }
+        }
+    }
+}
+
+/// Accumulates the staged tiles' product into this unit's 4x4 register tile
+/// `acc`: rows `uy + i dy` of `a_tile` (`tile_m x 16`) times columns of
+/// `b_tile` (`16 x 64`): `ux + 16 j`, or with `adjacent` the four
+/// neighbouring columns `4 ux + j` (a pooling window's pixels).
+#[cube]
+fn multiply_tiles<F: Float>(
+    acc: &mut Array<F>,
+    a_tile: &SharedMemory<F>,
+    b_tile: &SharedMemory<F>,
+    ux: usize,
+    uy: usize,
+    dy: usize,
+    #[comptime] adjacent: bool,
+) {
+    #[unroll]
+    for kk in 0..16usize {
+        let a0 = a_tile[uy * 16 + kk];
+        let a1 = a_tile[(uy + dy) * 16 + kk];
+        let a2 = a_tile[(uy + 2 * dy) * 16 + kk];
+        let a3 = a_tile[(uy + 3 * dy) * 16 + kk];
+        let mut b0 = b_tile[kk * 64 + ux];
+        let mut b1 = b_tile[kk * 64 + ux + 16];
+        let mut b2 = b_tile[kk * 64 + ux + 32];
+        let mut b3 = b_tile[kk * 64 + ux + 48];
+        if adjacent {
+            b0 = b_tile[kk * 64 + 4 * ux];
+            b1 = b_tile[kk * 64 + 4 * ux + 1];
+            b2 = b_tile[kk * 64 + 4 * ux + 2];
+            b3 = b_tile[kk * 64 + 4 * ux + 3];
+        }
+        outer_product_add::<F>(acc, a0, a1, a2, a3, b0, b1, b2, b3);
+    }
+}
+
+/// Adds the staged output gradients to this unit's 4 bias sums: its rows
+/// `uy + i dy` of `a_tile` over the 16 staged positions, or with `swap`
+/// (the gradient staged in `b_tile`) its columns `ux + 16 i`.
+#[cube]
+fn sum_gradient_tile<F: Float>(
+    bias_acc: &mut Array<F>,
+    a_tile: &SharedMemory<F>,
+    b_tile: &SharedMemory<F>,
+    ux: usize,
+    uy: usize,
+    dy: usize,
+    #[comptime] swap: bool,
+) {
+    #[unroll]
+    for kk in 0..16usize {
+        #[unroll]
+        for i in 0..4usize {
+            if swap {
+                bias_acc[i] += b_tile[kk * 64 + ux + 16 * i];
+            } else {
+                bias_acc[i] += a_tile[(uy + i * dy) * 16 + kk];
             }
         }
     }
@@ -1595,27 +1651,20 @@ fn input_grad<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     dx
 }
 
-/// The weight gradient and, with `bias_grad`, the bias gradient: partial
-/// sums over chunks of the batch and pixels, then their sum (two kernels).
-fn weight_grads<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    operands: BackwardOperands<R>,
-    bias_grad: bool,
-) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
-    let BackwardOperands { g, x, weight, grad, saved, indices, pooled, epilogue: code } = operands;
+/// Launches the first stage of the weight and bias gradients: `count`
+/// cubes along the reduction, each summing `chunk` positions into its rows
+/// of `partials` and `bias_partials` (depthwise: the direct kernel; dense:
+/// the register-tiled product, transposed when the filter has fewer entries
+/// than output channels).
+fn launch_weight_grad_partials<R: CubeRuntime, F: FloatElement, I: IntElement>(
+    g: &Geometry,
+    (grad, saved, indices, x): (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, &CubeTensor<R>),
+    (partials, bias_partials): (&CubeTensor<R>, &CubeTensor<R>),
+    (count, chunk): (usize, usize),
+    code: u32,
+    pooled: bool,
+) {
     let client = x.client.clone();
-    // Weight (and bias) gradients: partial sums, then their sum.
-    let (rh, rw) = if pooled { (g.oh / 2 * 2, g.ow / 2 * 2) } else { (g.oh, g.ow) };
-    let reduction = g.batch * rh * rw;
-    let weights = g.c_out * if g.depthwise { g.taps() } else { g.c_in * g.taps() };
-    // At most 16M partial sums (64 MB in f32).
-    let most = ((1usize << 24) / weights.max(1)).max(1);
-    let (count, chunk) = if g.depthwise {
-        splits(reduction, 4096, most.min(64))
-    } else {
-        splits(reduction, 2048, most.min(256))
-    };
-    let partials = new_output::<R, F, I, BT>(&x, Shape::from(vec![count * weights]));
-    let bias_partials = new_output::<R, F, I, BT>(&x, Shape::from(vec![count * g.c_out]));
     if g.depthwise {
         depthwise_weight_grad_kernel::launch::<F, I, R>(
             &client,
@@ -1684,6 +1733,37 @@ fn weight_grads<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>
             );
         }
     }
+}
+
+/// The weight gradient and, with `bias_grad`, the bias gradient: partial
+/// sums over chunks of the batch and pixels, then their sum (two kernels).
+fn weight_grads<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    operands: BackwardOperands<R>,
+    bias_grad: bool,
+) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+    let BackwardOperands { g, x, weight, grad, saved, indices, pooled, epilogue: code } = operands;
+    let client = x.client.clone();
+    // Weight (and bias) gradients: partial sums, then their sum.
+    let (rh, rw) = if pooled { (g.oh / 2 * 2, g.ow / 2 * 2) } else { (g.oh, g.ow) };
+    let reduction = g.batch * rh * rw;
+    let weights = g.c_out * if g.depthwise { g.taps() } else { g.c_in * g.taps() };
+    // At most 16M partial sums (64 MB in f32).
+    let most = ((1usize << 24) / weights.max(1)).max(1);
+    let (count, chunk) = if g.depthwise {
+        splits(reduction, 4096, most.min(64))
+    } else {
+        splits(reduction, 2048, most.min(256))
+    };
+    let partials = new_output::<R, F, I, BT>(&x, Shape::from(vec![count * weights]));
+    let bias_partials = new_output::<R, F, I, BT>(&x, Shape::from(vec![count * g.c_out]));
+    launch_weight_grad_partials::<R, F, I>(
+        &g,
+        (grad, saved, indices, &x),
+        (&partials, &bias_partials),
+        (count, chunk),
+        code,
+        pooled,
+    );
     let weight_grad = new_output::<R, F, I, BT>(&x, weight.meta.shape().clone());
     let bias = bias_grad.then(|| new_output::<R, F, I, BT>(&x, Shape::from(vec![g.c_out])));
     let bias_out = bias.clone().unwrap_or_else(|| placeholder::<R, F, I, BT>(&x));
