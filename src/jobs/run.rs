@@ -430,6 +430,7 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
             weights.push((0..count).map(|c| candidate_record_path(k, c)).collect());
         }
     }
+    let tables: Vec<Vec<_>> = tables.iter().map(|block| block.iter().map(json_object).collect()).collect();
     let mut blocks = block_scores(&teacher.specs, &measured, &tables, &specs, &weights);
     if config.search.mode == crate::config::SearchMode::SinglePath {
         for (block, module) in blocks.iter_mut().zip(trained) {
@@ -446,6 +447,11 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
         batch_size: config.train.batch_size,
         blocks,
     })
+}
+
+/// A config table as a JSON object (what the scores keep of a candidate).
+fn json_object(table: &toml::Table) -> serde_json::Map<String, serde_json::Value> {
+    table.iter().filter_map(|(key, value)| Some((key.clone(), serde_json::to_value(value).ok()?))).collect()
 }
 
 /// The candidate tables a `[[students]]` entry lists (`candidates = [...]`).

@@ -238,7 +238,7 @@ impl SearchScores {
             .zip(choice)
             .map(|(block, &c)| {
                 let candidate = &block.candidates[c];
-                let mut table = candidate.table.clone();
+                let mut table = toml_table(&candidate.table);
                 let weights = run_dir.join(&candidate.weights);
                 table.insert("weights".into(), toml::Value::String(weights.display().to_string()));
                 table
@@ -422,4 +422,10 @@ pub fn write_chosen(
     );
     let text = format!("{header}{}", chosen.config.to_toml());
     crate::fsio::write_atomic(path, text.as_bytes())
+}
+
+/// A candidate's table as `search.json` keeps it (a JSON object), back as
+/// the TOML table it was configured as.
+fn toml_table(object: &serde_json::Map<String, serde_json::Value>) -> toml::Table {
+    object.iter().filter_map(|(key, value)| Some((key.clone(), toml::Value::try_from(value).ok()?))).collect()
 }

@@ -13,7 +13,6 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-
 /// Measured costs the planner works from. Index `[k][g - 1]` is block `k`
 /// (zero-based) run by a stage of `g` replicas, each on `batch / g` samples.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

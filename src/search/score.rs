@@ -19,8 +19,9 @@ pub struct CandidateScore {
     pub candidate: usize,
     /// The candidate's name (its kind for the built-in zoo).
     pub name: String,
-    /// Its `[[students]]` table as configured (what `chosen.toml` gets).
-    pub table: toml::Table,
+    /// Its `[[students]]` table as configured (what `chosen.toml` gets),
+    /// as the JSON object `search.json` holds.
+    pub table: serde_json::Map<String, serde_json::Value>,
     /// Its trained weights, relative to the run folder.
     pub weights: PathBuf,
     /// Mean loss against the teacher block on the held-out samples (the
@@ -191,7 +192,7 @@ fn median_seconds(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 pub fn block_scores(
     teacher: &[BlockSpec],
     measured: &[Vec<Measured>],
-    tables: &[Vec<toml::Table>],
+    tables: &[Vec<serde_json::Map<String, serde_json::Value>>],
     specs: &[Vec<BlockSpec>],
     weights: &[Vec<PathBuf>],
 ) -> Vec<BlockScores> {

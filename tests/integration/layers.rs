@@ -66,10 +66,41 @@ fn the_engine_names_no_teacher_student_or_dataset_of_the_built_in_zoo() {
     assert!(broken.is_empty(), "the engine names the built-in zoo's parts:\n{}", broken.join("\n"));
 }
 
+/// Layers 1-5 of ARCHITECTURE.md: they take settings structs, never a
+/// config file's text or tables.
+fn below_the_job_layer(relative: &Path) -> bool {
+    ["data", "train", "planning", "search", "runtime"].iter().any(|dir| relative.starts_with(dir))
+        || ["error.rs", "fsio.rs", "device.rs", "fault.rs", "trace.rs", "rng.rs"]
+            .iter()
+            .any(|f| relative == Path::new(f))
+}
+
+#[test]
+fn the_layers_below_the_jobs_never_read_toml() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let below: Vec<&PathBuf> =
+        files.iter().filter(|f| below_the_job_layer(f.strip_prefix(&src).unwrap())).collect();
+    assert!(below.len() > 25, "the lower layers' files are found: {below:?}");
+    let mut broken = Vec::new();
+    for file in below {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (n, line) in code_of(&text) {
+            if line.contains("toml") {
+                broken.push(format!("{}:{n}: {}", file.strip_prefix(&src).unwrap().display(), line.trim()));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "below the job layer, code reads TOML:\n{}", broken.join("\n"));
+}
+
 #[test]
 fn the_check_sees_a_zoo_name_in_code_and_not_in_comments_or_tests() {
     let text = "use crate::zoo::Builtin;\n// minilm in a comment\nfn f() {} // \"brown\"\n#[cfg(test)]\nmod tests { use pipebd_teachers; }\n";
     assert_eq!(zoo_names_in(text), ["1: Builtin"]);
     assert!(outside_the_engine(Path::new("zoo/builtin.rs")));
     assert!(!outside_the_engine(Path::new("runtime/worker.rs")));
+    assert!(below_the_job_layer(Path::new("runtime/worker.rs")) && below_the_job_layer(Path::new("rng.rs")));
+    assert!(!below_the_job_layer(Path::new("jobs/run.rs")) && !below_the_job_layer(Path::new("config.rs")));
 }
