@@ -245,6 +245,15 @@ impl<B: FusedBackend, T: Block<B>> Teacher<B, T> {
         Self::chained(blocks, specs)
     }
 
+    /// The same teacher with block `k`'s forward FLOPs per sample set to
+    /// `flops[k]`: what [`Teacher::from_blocks`] cannot infer, and what the
+    /// report's size ratios and a FLOPs-balanced plan read. Fails unless
+    /// there is one count per block.
+    pub fn with_flops(mut self, flops: &[u64]) -> Result<Self> {
+        set_flops(&mut self.specs, flops)?;
+        Ok(self)
+    }
+
     /// Runs the whole teacher and returns its final output.
     pub fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
         forward_chain(&self.blocks, input)
@@ -300,6 +309,24 @@ impl<B: DistillBackend, S: StudentModule<B>> Students<B, S> {
         }
         Self::new(blocks, specs, teacher_specs)
     }
+
+    /// The same students with block `k`'s forward FLOPs per sample set to
+    /// `flops[k]` (see [`Teacher::with_flops`]).
+    pub fn with_flops(mut self, flops: &[u64]) -> Result<Self> {
+        set_flops(&mut self.specs, flops)?;
+        Ok(self)
+    }
+}
+
+/// Sets each spec's FLOPs from `flops` (one count per spec).
+fn set_flops(specs: &mut [BlockSpec], flops: &[u64]) -> Result<()> {
+    if flops.len() != specs.len() {
+        return Err(Error::block(format!("{} FLOPs counts given for {} blocks", flops.len(), specs.len())));
+    }
+    for (spec, &count) in specs.iter_mut().zip(flops) {
+        spec.flops = count;
+    }
+    Ok(())
 }
 
 /// Fails unless there are as many student blocks as teacher blocks.

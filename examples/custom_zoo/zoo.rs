@@ -164,19 +164,17 @@ impl MyZoo {
         let mut parts = cnn.into_blocks().into_iter();
         let groups: Vec<Group<B>> =
             cut.iter().map(|&n| Group { parts: parts.by_ref().take(n).collect() }).collect();
-        let teacher = Teacher::from_blocks(groups, &[1, 28, 28], device)?;
-        // FLOPs for the planner: the sum over each group's CNN blocks.
+        // FLOPs for the planner and the report: the sum over each group's CNN blocks.
         let flops = block_flops();
         let mut first = 0;
-        let specs = cut
+        let group_flops: Vec<u64> = cut
             .iter()
-            .zip(teacher.specs.clone())
-            .map(|(&n, spec)| {
+            .map(|&n| {
                 first += n;
-                spec.with_flops(flops[first - n..first].iter().sum())
+                flops[first - n..first].iter().sum()
             })
             .collect();
-        Ok(Teacher::new(teacher.blocks, specs)?)
+        Ok(Teacher::from_blocks(groups, &[1, 28, 28], device)?.with_flops(&group_flops)?)
     }
 }
 
@@ -267,8 +265,7 @@ impl Zoo for MyZoo {
         let students = Students::from_blocks(blocks, teacher, device)?;
         drop(rng);
         // FLOPs per sample, for the report and the planner (0 = unknown).
-        let specs =
-            students.specs.iter().zip(&kinds).map(|(s, kind)| s.clone().with_flops(kind.flops(s))).collect();
-        Ok(Students::new(students.blocks, specs, teacher)?)
+        let flops: Vec<u64> = students.specs.iter().zip(&kinds).map(|(s, kind)| kind.flops(s)).collect();
+        Ok(students.with_flops(&flops)?)
     }
 }

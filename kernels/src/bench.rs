@@ -166,13 +166,23 @@ pub struct BenchOptions {
     pub batch: usize,
     /// Op name prefixes to time (all ops when empty).
     pub only: Vec<String>,
+    /// Called with each row as soon as it is timed (a long bench's progress).
+    pub progress: Option<fn(&BenchRow)>,
 }
 
 impl Default for BenchOptions {
-    /// 10 repeats of every op at batch 256.
+    /// 10 repeats of every op at batch 256, no progress.
     fn default() -> Self {
-        Self { repeats: 10, batch: 256, only: Vec::new() }
+        Self { repeats: 10, batch: 256, only: Vec::new(), progress: None }
     }
+}
+
+/// Keeps a timed row, and shows it at once where the caller follows along.
+fn record(rows: &mut Vec<BenchRow>, options: &BenchOptions, row: BenchRow) {
+    if let Some(show) = options.progress {
+        show(&row);
+    }
+    rows.push(row);
 }
 
 /// Times every case with `repeats` timed calls per side and direction.
@@ -189,17 +199,21 @@ pub fn run_with<B: DistillBackend>(device: &B::Device, options: &BenchOptions) -
     for shape in
         [[batch, 32, 14, 14], [batch, 64, 7, 7], [batch, 128, 3, 3]].into_iter().filter(|_| wanted("mse"))
     {
-        rows.push(loss_row::<B, 4>("mse", shape, repeats, device, loss::mse, unfused::mse));
+        record(&mut rows, options, loss_row::<B, 4>("mse", shape, repeats, device, loss::mse, unfused::mse));
     }
     if wanted("soft-ce") {
-        rows.push(loss_row::<B, 2>(
-            "soft-ce",
-            [batch, 10],
-            repeats,
-            device,
-            loss::soft_target_cross_entropy,
-            unfused::soft_target_cross_entropy,
-        ));
+        record(
+            &mut rows,
+            options,
+            loss_row::<B, 2>(
+                "soft-ce",
+                [batch, 10],
+                repeats,
+                device,
+                loss::soft_target_cross_entropy,
+                unfused::soft_target_cross_entropy,
+            ),
+        );
     }
     if wanted("linear") || wanted("pointwise-conv") {
         for variant in [MatmulVariant::Fused, MatmulVariant::Split, MatmulVariant::Auto] {
@@ -215,45 +229,53 @@ pub fn run_with<B: DistillBackend>(device: &B::Device, options: &BenchOptions) -
     set_conv_variant(ConvVariant::Auto);
     // The separable students' depthwise 3x3 (one filter per channel).
     for (channels, hw) in [(32, 14), (64, 7)].into_iter().filter(|_| wanted("depthwise3x3")) {
-        let options = ConvOptions::new([1, 1], [1, 1], [1, 1], channels);
-        let reference_options = options.clone();
-        rows.push(layer_row::<B, 4, 4>(
-            "depthwise3x3",
-            format!("[{batch}, {channels}, {hw}, {hw}] relu"),
-            [batch, channels, hw, hw],
-            [channels, 1, 3, 3],
-            channels,
-            repeats,
-            device,
-            &move |x, w, b| conv2d(x, w, b, options.clone(), Epilogue::Relu),
-            &move |x, w, b| {
-                burn::tensor::activation::relu(burn::tensor::module::conv2d(
-                    x,
-                    w,
-                    b,
-                    reference_options.clone(),
-                ))
-            },
-        ));
+        let conv = ConvOptions::new([1, 1], [1, 1], [1, 1], channels);
+        let reference_options = conv.clone();
+        record(
+            &mut rows,
+            options,
+            layer_row::<B, 4, 4>(
+                "depthwise3x3",
+                format!("[{batch}, {channels}, {hw}, {hw}] relu"),
+                [batch, channels, hw, hw],
+                [channels, 1, 3, 3],
+                channels,
+                repeats,
+                device,
+                &move |x, w, b| conv2d(x, w, b, conv.clone(), Epilogue::Relu),
+                &move |x, w, b| {
+                    burn::tensor::activation::relu(burn::tensor::module::conv2d(
+                        x,
+                        w,
+                        b,
+                        reference_options.clone(),
+                    ))
+                },
+            ),
+        );
     }
     if wanted("adam-step") {
-        optimizer_rows::<B>(&mut rows, repeats, device);
+        optimizer_rows::<B>(&mut rows, options, device);
     }
     for (channels, hw) in [(32, 28), (64, 14), (128, 7)].into_iter().filter(|_| wanted("max-pool-2x2")) {
-        rows.push(layer_row::<B, 4, 1>(
-            "max-pool-2x2",
-            format!("[{batch}, {channels}, {hw}, {hw}]"),
-            [batch, channels, hw, hw],
-            [1],
-            1,
-            repeats,
-            device,
-            &|x, w, _| max_pool2x2(x) * w.reshape([1, 1, 1, 1]),
-            &|x, w, _| {
-                burn::tensor::module::max_pool2d(x, [2, 2], [2, 2], [0, 0], [1, 1], false)
-                    * w.reshape([1, 1, 1, 1])
-            },
-        ));
+        record(
+            &mut rows,
+            options,
+            layer_row::<B, 4, 1>(
+                "max-pool-2x2",
+                format!("[{batch}, {channels}, {hw}, {hw}]"),
+                [batch, channels, hw, hw],
+                [1],
+                1,
+                repeats,
+                device,
+                &|x, w, _| max_pool2x2(x) * w.reshape([1, 1, 1, 1]),
+                &|x, w, _| {
+                    burn::tensor::module::max_pool2d(x, [2, 2], [2, 2], [0, 0], [1, 1], false)
+                        * w.reshape([1, 1, 1, 1])
+                },
+            ),
+        );
     }
     rows
 }
@@ -262,7 +284,8 @@ pub fn run_with<B: DistillBackend>(device: &B::Device, options: &BenchOptions) -
 /// ([`crate::FusedBackend::optimizer_step`], one launch on CubeCL backends)
 /// against burn's ops one tensor at a time, as burn's `Adam` runs them. An
 /// update has no backward pass: both column pairs time the same step.
-fn optimizer_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, repeats: usize, device: &B::Device) {
+fn optimizer_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, options: &BenchOptions, device: &B::Device) {
+    let repeats = options.repeats;
     use crate::optim::{reference_step, AdamRule, ParamSlot, UpdateRule};
     use crate::FusedBackend;
     type Inner<B> = <B as burn::tensor::backend::AutodiffBackend>::InnerBackend;
@@ -305,14 +328,18 @@ fn optimizer_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, repeats: usize, d
         let unfused = median_ms::<B>(device, repeats, || {
             let _ = burn_step(warm_burn.clone());
         });
-        rows.push(BenchRow {
-            op: "adam-step".into(),
-            case: case.into(),
-            fused_forward_ms: fused,
-            unfused_forward_ms: unfused,
-            fused_train_ms: fused,
-            unfused_train_ms: unfused,
-        });
+        record(
+            rows,
+            options,
+            BenchRow {
+                op: "adam-step".into(),
+                case: case.into(),
+                fused_forward_ms: fused,
+                unfused_forward_ms: unfused,
+                fused_train_ms: fused,
+                unfused_train_ms: unfused,
+            },
+        );
     }
 }
 
@@ -335,50 +362,58 @@ fn conv_rows<B: DistillBackend>(
     // The teacher's and the quickstart students' 3x3 convolutions (padding 1).
     let conv3x3 = [(1, 28, 32), (32, 14, 64), (64, 7, 128), (1, 28, 6), (16, 14, 16), (24, 7, 24)];
     for (c_in, hw, c_out) in conv3x3.into_iter().filter(|_| wanted("conv3x3")) {
-        let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
-        let reference_options = options.clone();
-        rows.push(layer_row::<B, 4, 4>(
-            "conv3x3",
-            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} relu [{tag}]"),
-            [batch, c_in, hw, hw],
-            [c_out, c_in, 3, 3],
-            c_out,
-            repeats,
-            device,
-            &move |x, w, b| conv2d(x, w, b, options.clone(), Epilogue::Relu),
-            &move |x, w, b| {
-                crate::reference::activate(
-                    burn::tensor::module::conv2d(x, w, b, reference_options.clone()),
-                    Epilogue::Relu,
-                )
-            },
-        ));
+        let conv = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
+        let reference_options = conv.clone();
+        record(
+            rows,
+            options,
+            layer_row::<B, 4, 4>(
+                "conv3x3",
+                format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} relu [{tag}]"),
+                [batch, c_in, hw, hw],
+                [c_out, c_in, 3, 3],
+                c_out,
+                repeats,
+                device,
+                &move |x, w, b| conv2d(x, w, b, conv.clone(), Epilogue::Relu),
+                &move |x, w, b| {
+                    crate::reference::activate(
+                        burn::tensor::module::conv2d(x, w, b, reference_options.clone()),
+                        Epilogue::Relu,
+                    )
+                },
+            ),
+        );
     }
     // With the 2x2 max-pool fused in: the teacher's stages and the
     // quickstart's pooled 1x1 projections.
     let pooled = [(1, 28, 32, 3), (32, 14, 64, 3), (64, 7, 128, 3), (6, 28, 32, 1), (16, 14, 64, 1)];
     for (c_in, hw, c_out, k) in pooled.into_iter().filter(|_| wanted("conv-relu-pool")) {
-        let options = ConvOptions::new([1, 1], [k / 2, k / 2], [1, 1], 1);
-        let reference_options = options.clone();
-        rows.push(layer_row::<B, 4, 4>(
-            "conv-relu-pool",
-            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} {k}x{k} [{tag}]"),
-            [batch, c_in, hw, hw],
-            [c_out, c_in, k, k],
-            c_out,
-            repeats,
-            device,
-            &move |x, w, b| conv2d_pool(x, w, b, options.clone(), Epilogue::Relu),
-            &move |x, w, b| {
-                let y = burn::tensor::activation::relu(burn::tensor::module::conv2d(
-                    x,
-                    w,
-                    b,
-                    reference_options.clone(),
-                ));
-                burn::tensor::module::max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], false)
-            },
-        ));
+        let conv = ConvOptions::new([1, 1], [k / 2, k / 2], [1, 1], 1);
+        let reference_options = conv.clone();
+        record(
+            rows,
+            options,
+            layer_row::<B, 4, 4>(
+                "conv-relu-pool",
+                format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} {k}x{k} [{tag}]"),
+                [batch, c_in, hw, hw],
+                [c_out, c_in, k, k],
+                c_out,
+                repeats,
+                device,
+                &move |x, w, b| conv2d_pool(x, w, b, conv.clone(), Epilogue::Relu),
+                &move |x, w, b| {
+                    let y = burn::tensor::activation::relu(burn::tensor::module::conv2d(
+                        x,
+                        w,
+                        b,
+                        reference_options.clone(),
+                    ));
+                    burn::tensor::module::max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], false)
+                },
+            ),
+        );
     }
 }
 
@@ -399,32 +434,40 @@ fn layer_rows<B: DistillBackend>(
     };
     let linear_cases = [(1152, 128, Epilogue::Relu), (128, 10, Epilogue::Identity)];
     for (d_in, d_out, epilogue) in linear_cases.into_iter().filter(|_| wanted("linear")) {
-        rows.push(layer_row::<B, 2, 2>(
-            "linear",
-            format!("[{batch}, {d_in}] -> {d_out} {} [{tag}]", epilogue.name()),
-            [batch, d_in],
-            [d_in, d_out],
-            d_out,
-            repeats,
-            device,
-            &move |x, w, b| linear(x, w, b, epilogue),
-            &move |x, w, b| unfused::linear(x, w, b, epilogue),
-        ));
+        record(
+            rows,
+            options,
+            layer_row::<B, 2, 2>(
+                "linear",
+                format!("[{batch}, {d_in}] -> {d_out} {} [{tag}]", epilogue.name()),
+                [batch, d_in],
+                [d_in, d_out],
+                d_out,
+                repeats,
+                device,
+                &move |x, w, b| linear(x, w, b, epilogue),
+                &move |x, w, b| unfused::linear(x, w, b, epilogue),
+            ),
+        );
     }
     for (c_in, hw, c_out) in
         [(32, 14, 16), (16, 7, 64), (24, 3, 128)].into_iter().filter(|_| wanted("pointwise-conv"))
     {
-        rows.push(layer_row::<B, 4, 4>(
-            "pointwise-conv",
-            format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} relu [{tag}]"),
-            [batch, c_in, hw, hw],
-            [c_out, c_in, 1, 1],
-            c_out,
-            repeats,
-            device,
-            &|x, w, b| pointwise_conv(x, w, b, Epilogue::Relu),
-            &|x, w, b| unfused::pointwise_conv(x, w, b, Epilogue::Relu),
-        ));
+        record(
+            rows,
+            options,
+            layer_row::<B, 4, 4>(
+                "pointwise-conv",
+                format!("[{batch}, {c_in}, {hw}, {hw}] -> {c_out} relu [{tag}]"),
+                [batch, c_in, hw, hw],
+                [c_out, c_in, 1, 1],
+                c_out,
+                repeats,
+                device,
+                &|x, w, b| pointwise_conv(x, w, b, Epilogue::Relu),
+                &|x, w, b| unfused::pointwise_conv(x, w, b, Epilogue::Relu),
+            ),
+        );
     }
 }
 

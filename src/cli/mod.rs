@@ -329,7 +329,12 @@ fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             &device,
             check,
             bench,
-            pipebd_kernels::bench::BenchOptions { repeats, batch, only },
+            pipebd_kernels::bench::BenchOptions {
+                repeats,
+                batch,
+                only,
+                progress: Some(print::print_bench_progress),
+            },
             seed,
             verbose,
         ),

@@ -288,3 +288,15 @@ pub(super) fn print_sweep(rows: &[crate::jobs::sweep::Row]) {
         );
     }
 }
+
+/// One timed kernel case as soon as it is measured (on stderr: the table
+/// follows on stdout when every case is done).
+pub(super) fn print_bench_progress(row: &pipebd_kernels::bench::BenchRow) {
+    eprintln!(
+        "timed {} {}: forward {:.2}x, forward+backward {:.2}x",
+        row.op,
+        row.case,
+        row.forward_speedup(),
+        row.train_speedup()
+    );
+}

@@ -23,6 +23,7 @@ mod experiments;
 mod failures;
 mod idx;
 mod layers;
+mod library;
 mod minilm;
 mod mpi;
 mod reference;
