@@ -177,6 +177,13 @@ impl Default for BenchOptions {
     }
 }
 
+impl BenchOptions {
+    /// True when the cases of op `op` are to be timed.
+    pub fn wants(&self, op: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| op.starts_with(o.as_str()))
+    }
+}
+
 /// Keeps a timed row, and shows it at once where the caller follows along.
 fn record(rows: &mut Vec<BenchRow>, options: &BenchOptions, row: BenchRow) {
     if let Some(show) = options.progress {
@@ -193,8 +200,7 @@ pub fn run<B: DistillBackend>(device: &B::Device, repeats: usize) -> Vec<BenchRo
 /// Times the cases `options` selects.
 pub fn run_with<B: DistillBackend>(device: &B::Device, options: &BenchOptions) -> Vec<BenchRow> {
     let (repeats, batch) = (options.repeats, options.batch);
-    let wanted =
-        |op: &str| options.only.is_empty() || options.only.iter().any(|o| op.starts_with(o.as_str()));
+    let wanted = |op: &str| options.wants(op);
     let mut rows = Vec::new();
     for shape in
         [[batch, 32, 14, 14], [batch, 64, 7, 7], [batch, 128, 3, 3]].into_iter().filter(|_| wanted("mse"))
@@ -352,8 +358,7 @@ fn conv_rows<B: DistillBackend>(
     device: &B::Device,
 ) {
     let (repeats, batch) = (options.repeats, options.batch);
-    let wanted =
-        |op: &str| options.only.is_empty() || options.only.iter().any(|o| op.starts_with(o.as_str()));
+    let wanted = |op: &str| options.wants(op);
     let tag = match variant {
         ConvVariant::Auto => "auto",
         ConvVariant::Tiled => "tiled",
@@ -425,8 +430,7 @@ fn layer_rows<B: DistillBackend>(
     device: &B::Device,
 ) {
     let (repeats, batch) = (options.repeats, options.batch);
-    let wanted =
-        |op: &str| options.only.is_empty() || options.only.iter().any(|o| op.starts_with(o.as_str()));
+    let wanted = |op: &str| options.wants(op);
     let tag = match variant {
         MatmulVariant::Auto => "auto",
         MatmulVariant::Split => "split",
