@@ -260,82 +260,159 @@ impl<B: FusedBackend> CandidateSet<B> {
         }
         best
     }
-}
 
-/// One candidate of a [`CandidateSet`]: a student block of any kind but
-/// `candidates` (a separate type: burn's records cannot nest a type in itself).
-// As `StudentBlock`: built once per run, moved rarely.
-#[allow(clippy::large_enum_variant)]
-#[derive(Module, Debug)]
-pub enum Candidate<B: FusedBackend> {
-    /// See [`StudentBlockConfig::Conv`].
-    Conv(ConvBlock<B>),
-    /// See [`StudentBlockConfig::Separable`].
-    Separable(SeparableBlock<B>),
-    /// See [`StudentBlockConfig::Bottleneck`].
-    Bottleneck(BottleneckBlock<B>),
-    /// See [`StudentBlockConfig::Inverted`].
-    Inverted(InvertedResidualBlock<B>),
-    /// See [`StudentBlockConfig::Head`].
-    Head(HeadBlock<B>),
-    /// See [`StudentBlockConfig::Encoder`].
-    Encoder(EncoderLayer<B>),
-    /// See [`StudentBlockConfig::Skip`].
-    Skip(SkipBlock<B>),
-}
-
-impl<B: FusedBackend> Candidate<B> {
-    /// The candidate as an ordinary student block (sharing its parameters:
-    /// gradients through the copy reach them).
-    pub fn to_block(&self) -> StudentBlock<B> {
-        match self.clone() {
-            Self::Conv(b) => StudentBlock::Conv(b),
-            Self::Separable(b) => StudentBlock::Separable(b),
-            Self::Bottleneck(b) => StudentBlock::Bottleneck(b),
-            Self::Inverted(b) => StudentBlock::Inverted(b),
-            Self::Head(b) => StudentBlock::Head(b),
-            Self::Encoder(b) => StudentBlock::Encoder(b),
-            Self::Skip(b) => StudentBlock::Skip(b),
+    /// The output of the candidate with the largest architecture logit.
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
+        match self.candidates.get(self.argmax()) {
+            Some(chosen) => chosen.forward(input),
+            None => Err(CoreError::block("a `candidates` student block has no candidates")),
         }
     }
+}
 
-    /// An ordinary student block as a candidate; `None` for a candidate set.
-    pub fn from_block(block: StudentBlock<B>) -> Option<Self> {
-        Some(match block {
-            StudentBlock::Conv(b) => Self::Conv(b),
-            StudentBlock::Separable(b) => Self::Separable(b),
-            StudentBlock::Bottleneck(b) => Self::Bottleneck(b),
-            StudentBlock::Inverted(b) => Self::Inverted(b),
-            StudentBlock::Head(b) => Self::Head(b),
-            StudentBlock::Encoder(b) => Self::Encoder(b),
-            StudentBlock::Skip(b) => Self::Skip(b),
-            StudentBlock::Candidates(_) => return None,
-        })
+/// How one block kind of the zoo maps an activation: its output, or the
+/// input handed back when the block cannot take it (the caller names the
+/// kind in the error).
+trait ZooForward<B: FusedBackend> {
+    fn forward_activation(&self, input: Activation<B>) -> Result<Activation<B>, Activation<B>>;
+}
+
+/// Conv kinds: feature maps to feature maps.
+macro_rules! maps_to_maps {
+    ($($block:ident),*) => {$(
+        impl<B: FusedBackend> ZooForward<B> for $block<B> {
+            fn forward_activation(&self, input: Activation<B>) -> Result<Activation<B>, Activation<B>> {
+                match input {
+                    Activation::Maps(x) => Ok(Activation::Maps(self.forward(x))),
+                    other => Err(other),
+                }
+            }
+        }
+    )*};
+}
+maps_to_maps!(ConvBlock, SeparableBlock, BottleneckBlock, InvertedResidualBlock);
+
+impl<B: FusedBackend> ZooForward<B> for HeadBlock<B> {
+    fn forward_activation(&self, input: Activation<B>) -> Result<Activation<B>, Activation<B>> {
+        match input {
+            Activation::Maps(x) => Ok(Activation::Flat(self.forward(x))),
+            other => Err(other),
+        }
     }
 }
 
-/// One student block of any zoo kind.
-// Built once per run and moved rarely: boxing a variant would buy nothing
-// and burn's `Module` derive wants the variants by value.
-#[allow(clippy::large_enum_variant)]
-#[derive(Module, Debug)]
-pub enum StudentBlock<B: FusedBackend> {
+impl<B: FusedBackend> ZooForward<B> for EncoderLayer<B> {
+    /// Token states to token states; the mask travels on.
+    fn forward_activation(&self, input: Activation<B>) -> Result<Activation<B>, Activation<B>> {
+        match input {
+            Activation::Tokens { hidden, mask } => {
+                Ok(Activation::Tokens { hidden: self.forward(hidden, mask.clone()), mask })
+            }
+            other => Err(other),
+        }
+    }
+}
+
+impl<B: FusedBackend> ZooForward<B> for SkipBlock<B> {
+    fn forward_activation(&self, input: Activation<B>) -> Result<Activation<B>, Activation<B>> {
+        Ok(input)
+    }
+}
+
+/// Declares the zoo's block kinds once. Each line is a kind: its variant,
+/// its module type (which implements `ZooForward`) and its name in TOML.
+/// From the list come [`Candidate`] (every kind), [`StudentBlock`] (every
+/// kind and a candidate set), their `kind()` names, the conversions between
+/// them and their forward passes. A new kind is its module type, one line
+/// here, and its [`StudentBlockConfig`] variant with its `init`.
+macro_rules! student_kinds {
+    ($($(#[$doc:meta])* $variant:ident($module:ty) = $name:literal,)*) => {
+        /// One candidate of a [`CandidateSet`]: a student block of any kind
+        /// but `candidates` (a separate type: burn's records cannot nest a
+        /// type in itself).
+        // As `StudentBlock`: built once per run, moved rarely.
+        #[allow(clippy::large_enum_variant)]
+        #[derive(Module, Debug)]
+        pub enum Candidate<B: FusedBackend> {
+            $($(#[$doc])* $variant($module),)*
+        }
+
+        /// One student block of any zoo kind.
+        // Built once per run and moved rarely: boxing a variant would buy
+        // nothing and burn's `Module` derive wants the variants by value.
+        #[allow(clippy::large_enum_variant)]
+        #[derive(Module, Debug)]
+        pub enum StudentBlock<B: FusedBackend> {
+            $($(#[$doc])* $variant($module),)*
+            /// See [`StudentBlockConfig::Candidates`].
+            Candidates(CandidateSet<B>),
+        }
+
+        impl<B: FusedBackend> Candidate<B> {
+            /// The kind name as written in TOML.
+            pub fn kind(&self) -> &'static str {
+                match self {
+                    $(Self::$variant(_) => $name,)*
+                }
+            }
+
+            /// The candidate as an ordinary student block (sharing its
+            /// parameters: gradients through the copy reach them).
+            pub fn to_block(&self) -> StudentBlock<B> {
+                match self.clone() {
+                    $(Self::$variant(b) => StudentBlock::$variant(b),)*
+                }
+            }
+
+            /// An ordinary student block as a candidate; `None` for a candidate set.
+            pub fn from_block(block: StudentBlock<B>) -> Option<Self> {
+                match block {
+                    $(StudentBlock::$variant(b) => Some(Self::$variant(b)),)*
+                    StudentBlock::Candidates(_) => None,
+                }
+            }
+
+            fn forward_kind(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
+                match self {
+                    $(Self::$variant(b) => b.forward_activation(input).map_err(|input| wrong_input($name, &input)),)*
+                }
+            }
+        }
+
+        impl<B: FusedBackend> StudentBlock<B> {
+            /// The kind name as written in TOML.
+            pub fn kind(&self) -> &'static str {
+                match self {
+                    $(Self::$variant(_) => $name,)*
+                    Self::Candidates(_) => "candidates",
+                }
+            }
+
+            fn forward_kind(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
+                match self {
+                    $(Self::$variant(b) => b.forward_activation(input).map_err(|input| wrong_input($name, &input)),)*
+                    Self::Candidates(set) => set.forward(input),
+                }
+            }
+        }
+    };
+}
+
+student_kinds! {
     /// See [`StudentBlockConfig::Conv`].
-    Conv(ConvBlock<B>),
+    Conv(ConvBlock<B>) = "conv",
     /// See [`StudentBlockConfig::Separable`].
-    Separable(SeparableBlock<B>),
+    Separable(SeparableBlock<B>) = "separable",
     /// See [`StudentBlockConfig::Bottleneck`].
-    Bottleneck(BottleneckBlock<B>),
+    Bottleneck(BottleneckBlock<B>) = "bottleneck",
     /// See [`StudentBlockConfig::Inverted`].
-    Inverted(InvertedResidualBlock<B>),
+    Inverted(InvertedResidualBlock<B>) = "inverted",
     /// See [`StudentBlockConfig::Head`].
-    Head(HeadBlock<B>),
+    Head(HeadBlock<B>) = "head",
     /// See [`StudentBlockConfig::Encoder`].
-    Encoder(EncoderLayer<B>),
+    Encoder(EncoderLayer<B>) = "encoder",
     /// See [`StudentBlockConfig::Skip`].
-    Skip(SkipBlock<B>),
-    /// See [`StudentBlockConfig::Candidates`].
-    Candidates(CandidateSet<B>),
+    Skip(SkipBlock<B>) = "skip",
 }
 
 /// The identity block ([`StudentBlockConfig::Skip`]).
@@ -357,52 +434,14 @@ impl<B: FusedBackend> Default for SkipBlock<B> {
     }
 }
 
-/// Runs `$block` (a `StudentBlock` or a `Candidate`: the variants they
-/// share) on `$input`: conv, separable, bottleneck and inverted blocks map
-/// feature maps to feature maps, the head maps them to logits, the encoder
-/// maps token states to token states (the mask travels on). Any other input
-/// (or a candidate set) is an error.
-macro_rules! forward_one {
-    ($kind:ident, $block:expr, $input:expr) => {
-        Ok(match ($block, $input) {
-            ($kind::Conv(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
-            ($kind::Separable(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
-            ($kind::Bottleneck(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
-            ($kind::Inverted(block), Activation::Maps(x)) => Activation::Maps(block.forward(x)),
-            ($kind::Head(block), Activation::Maps(x)) => Activation::Flat(block.forward(x)),
-            ($kind::Encoder(layer), Activation::Tokens { hidden, mask }) => {
-                Activation::Tokens { hidden: layer.forward(hidden, mask.clone()), mask }
-            }
-            ($kind::Skip(_), input) => input,
-            (block, input) => {
-                return Err(CoreError::block(format!(
-                    "a `{}` student block cannot take input of shape {:?}",
-                    block.kind(),
-                    input.dims()
-                )))
-            }
-        })
-    };
+/// The error for a block of kind `kind` given an input it cannot take.
+fn wrong_input<B: FusedBackend>(kind: &str, input: &Activation<B>) -> CoreError {
+    CoreError::block(format!("a `{kind}` student block cannot take input of shape {:?}", input.dims()))
 }
 
 impl<B: FusedBackend> Block<B> for Candidate<B> {
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
-        forward_one!(Self, self, input)
-    }
-}
-
-impl<B: FusedBackend> Candidate<B> {
-    /// The kind name as written in TOML.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Conv(_) => "conv",
-            Self::Separable(_) => "separable",
-            Self::Bottleneck(_) => "bottleneck",
-            Self::Inverted(_) => "inverted",
-            Self::Head(_) => "head",
-            Self::Encoder(_) => "encoder",
-            Self::Skip(_) => "skip",
-        }
+        self.forward_kind(input)
     }
 }
 
@@ -411,13 +450,7 @@ impl<B: FusedBackend> Block<B> for StudentBlock<B> {
     /// output of its candidate with the largest architecture logit (the
     /// first while they are equal, as in search mode `all`).
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>, CoreError> {
-        if let Self::Candidates(set) = self {
-            return match set.candidates.get(set.argmax()) {
-                Some(chosen) => chosen.forward(input),
-                None => Err(CoreError::block("a `candidates` student block has no candidates")),
-            };
-        }
-        forward_one!(Self, self, input)
+        self.forward_kind(input)
     }
 
     /// A candidate set sums its candidates' losses (each on its own
@@ -455,22 +488,6 @@ impl<B: FusedBackend> Block<B> for StudentBlock<B> {
         match self {
             Self::Candidates(set) => Some(set.alpha.val()),
             _ => None,
-        }
-    }
-}
-
-impl<B: FusedBackend> StudentBlock<B> {
-    /// The kind name as written in TOML.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Conv(_) => "conv",
-            Self::Separable(_) => "separable",
-            Self::Bottleneck(_) => "bottleneck",
-            Self::Inverted(_) => "inverted",
-            Self::Head(_) => "head",
-            Self::Encoder(_) => "encoder",
-            Self::Skip(_) => "skip",
-            Self::Candidates(_) => "candidates",
         }
     }
 }
