@@ -1,9 +1,17 @@
-"""pipe-bd against its PyTorch peer on the quickstart recipe, side by side.
+"""pipe-bd against its PyTorch peer on one recipe, side by side.
 
-Runs `pipebd run experiments/mnist-cnn.toml` and bench/peers/mnist_cnn_torch.py
-on the same machine, one after the other, `--rounds` times each (alternating,
-so both see the same machine), and prints the ratios: samples/s while
-training, stitched test accuracy, and each block's final loss. With
+`--workload mnist` (the default, the quickstart): runs `pipebd run
+experiments/mnist-cnn.toml` and bench/peers/mnist_cnn_torch.py on the same
+machine, one after the other, `--rounds` times each (alternating, so both
+see the same machine), and prints the ratios: samples/s while training,
+stitched test accuracy, and each block's final loss.
+
+`--workload minilm`: experiments/minilm-quick.toml (its probe section
+dropped, `train_limit`, `max_tokens` and `stitched_epochs` set from the
+flags) against bench/peers/minilm_torch.py: blockwise samples/s, the
+stitched pass's samples/s with `--stitched-epochs N`, each block's final
+loss (the students start from differently pruned teacher layers, so the
+losses are alike, not equal) and per-block times. With
 `--seeds 1,2,3`, each round runs every seed (the config's `seed` replaced,
 the peer's `--seed` set): after one epoch the stitched accuracy of this
 recipe spreads over points from seed to seed, in both. `--device cuda` runs
@@ -11,8 +19,9 @@ both on the GPU (pipe-bd built with `--features cuda`).
 
     cargo build --release && bash bench/peers/setup.sh
     bench/peers/.venv/bin/python bench/peers/compare.py --epochs 1
+    bench/peers/.venv/bin/python bench/peers/compare.py --workload minilm --rounds 3 --threads 2
 
-Writes the measurements to runs/peers/compare.json.
+Writes the measurements to runs/peers/compare-<workload>.json.
 """
 
 import argparse
@@ -40,29 +49,56 @@ def config_with_seed(path, seed, out):
     return copy
 
 
+def minilm_config(args, out):
+    """A copy of the MiniLM config in folder `out` with the flags' data size,
+    sequence length and stitched epochs, and without the probe (it only
+    evaluates, after training)."""
+    with open(os.path.join(ROOT, args.config)) as f:
+        text = f.read()
+    text = re.sub(r"(?ms)^\[data\.probe\].*?(?=^\[)", "", text)
+    for key, value in (("train_limit", args.train_limit), ("max_tokens", args.max_tokens),
+                       ("stitched_epochs", args.stitched_epochs), ("test_limit", 100)):
+        text, found = re.subn(rf"(?m)^{key}\s*=\s*[^\n#]*", f"{key} = {value}", text, count=1)
+        if not found:
+            sys.exit(f"{args.config}: no `{key} = ...` line to replace")
+    copy = os.path.join(out, "config.toml")
+    with open(copy, "w") as f:
+        f.write(text)
+    return copy
+
+
 def run_pipebd(args, seed):
     with tempfile.TemporaryDirectory() as out:
-        config = args.config if seed is None else config_with_seed(args.config, seed, out)
+        if args.workload == "minilm":
+            config = minilm_config(args, out)
+        else:
+            config = args.config if seed is None else config_with_seed(args.config, seed, out)
         cmd = [args.pipebd, "run", config, "--out", out, "--epochs", str(args.epochs), "--quiet"]
         if args.device:
             cmd += ["--device", args.device]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "report.json")) as f:
             report = json.load(f)
-    return {
+    result = {
         "samples_per_second": report["samples_per_second"],
         "train_seconds": report["train_seconds"],
-        "student_accuracy": report["student_accuracy"],
-        "teacher_accuracy": report["teacher_accuracy"],
+        "student_accuracy": report.get("student_accuracy"),
+        "teacher_accuracy": report.get("teacher_accuracy"),
         "final_losses": [b["final_loss"] for b in report["blocks"]],
     }
+    stitched = report.get("stitched")
+    if stitched:
+        result["stitched_samples_per_second"] = stitched["steps"] * report["config"]["train"]["batch_size"] / \
+            stitched["seconds"]
+    return result
 
 
 def profile_pipebd(args):
     """Per block at the full batch on one slot: teacher forward and student step (ms)."""
     with tempfile.TemporaryDirectory() as out:
         path = os.path.join(out, "profile.json")
-        cmd = [args.pipebd, "profile", args.config, "--devices", args.device or "cpu", "--out", path]
+        config = minilm_config(args, out) if args.workload == "minilm" else args.config
+        cmd = [args.pipebd, "profile", config, "--devices", args.device or "cpu", "--out", path]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(path) as f:
             entries = json.load(f)["entries"]
@@ -72,8 +108,13 @@ def profile_pipebd(args):
 
 
 def run_peer(args, seed):
-    cmd = [sys.executable, os.path.join(ROOT, "bench/peers/mnist_cnn_torch.py"), "--epochs", str(args.epochs),
-           "--threads", str(args.threads), "--device", args.device or "cpu"]
+    if args.workload == "minilm":
+        cmd = [sys.executable, os.path.join(ROOT, "bench/peers/minilm_torch.py"), "--epochs", str(args.epochs),
+               "--threads", str(args.threads), "--train-limit", str(args.train_limit),
+               "--max-tokens", str(args.max_tokens), "--stitched-epochs", str(args.stitched_epochs)]
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "bench/peers/mnist_cnn_torch.py"), "--epochs", str(args.epochs),
+               "--threads", str(args.threads), "--device", args.device or "cpu"]
     if seed is not None:
         cmd += ["--seed", str(seed)]
     done = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
@@ -85,12 +126,22 @@ def main():
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--config", default="experiments/mnist-cnn.toml")
+    parser.add_argument("--workload", choices=["mnist", "minilm"], default="mnist",
+                        help="the quickstart CNN recipe, or MiniLM's encoder layers")
+    parser.add_argument("--config", help="pipe-bd's config (default: experiments/mnist-cnn.toml, "
+                        "or experiments/minilm-quick.toml for minilm)")
+    parser.add_argument("--train-limit", type=int, default=1024, help="minilm: training sentences")
+    parser.add_argument("--max-tokens", type=int, default=32, help="minilm: tokens per sequence")
+    parser.add_argument("--stitched-epochs", type=int, default=0, help="minilm: stitched epochs after training")
     parser.add_argument("--pipebd", default=os.path.join(ROOT, "target/release/pipebd"))
     parser.add_argument("--device", help="run both here: cpu or cuda[:N] (default: the config's device for "
                         "pipe-bd, the CPU for the peer)")
     parser.add_argument("--seeds", help="comma-separated seeds (default: the config's, and the peer's 42)")
     args = parser.parse_args()
+    if args.config is None:
+        args.config = "experiments/minilm-quick.toml" if args.workload == "minilm" else "experiments/mnist-cnn.toml"
+    if args.workload == "minilm" and (args.seeds or args.device not in (None, "cpu")):
+        sys.exit("--workload minilm: the peer runs on the CPU with the config's seed (no --seeds, --device)")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
     if not os.path.exists(args.pipebd):
         sys.exit(f"{args.pipebd}: not found (cargo build --release first)")
@@ -106,13 +157,20 @@ def main():
 
     median = lambda runs, key: statistics.median(run[key] for run in runs)
     speed = median(ours, "samples_per_second") / median(theirs, "samples_per_second")
-    print(f"quickstart recipe, {args.epochs} epoch(s), {args.threads} threads, {args.rounds} round(s); "
+    recipe = "quickstart recipe" if args.workload == "mnist" else f"MiniLM recipe at {args.max_tokens} tokens"
+    print(f"{recipe}, {args.epochs} epoch(s), {args.threads} threads, {args.rounds} round(s); "
           f"peer: {theirs[0]['peer']}")
     print(f"{'':<24}{'pipe-bd':>12}{'pytorch':>12}{'ratio':>10}")
-    print(f"{'samples/s':<24}{median(ours, 'samples_per_second'):>12.0f}"
-          f"{median(theirs, 'samples_per_second'):>12.0f}{speed:>9.2f}x")
-    print(f"{'stitched accuracy':<24}{100 * median(ours, 'student_accuracy'):>11.2f}%"
-          f"{100 * median(theirs, 'student_accuracy'):>11.2f}%")
+    print(f"{'samples/s':<24}{median(ours, 'samples_per_second'):>12.1f}"
+          f"{median(theirs, 'samples_per_second'):>12.1f}{speed:>9.2f}x")
+    stitched_speed = None
+    if args.workload == "minilm" and args.stitched_epochs:
+        a, b = median(ours, "stitched_samples_per_second"), median(theirs, "stitched_samples_per_second")
+        stitched_speed = a / b
+        print(f"{'stitched samples/s':<24}{a:>12.1f}{b:>12.1f}{stitched_speed:>9.2f}x")
+    if args.workload == "mnist":
+        print(f"{'stitched accuracy':<24}{100 * median(ours, 'student_accuracy'):>11.2f}%"
+              f"{100 * median(theirs, 'student_accuracy'):>11.2f}%")
     for k in range(len(ours[0]["final_losses"])):
         a = statistics.median(run["final_losses"][k] for run in ours)
         b = statistics.median(run["final_losses"][k] for run in theirs)
@@ -134,8 +192,8 @@ def main():
         st = f"{a['student_step']:.1f} / {b['student_step']:.1f} = {a['student_step'] / b['student_step']:.1f}x"
         print(f"{f'block {k + 1}':<10}{tf:>34}{st:>34}")
     os.makedirs(os.path.join(ROOT, "runs/peers"), exist_ok=True)
-    with open(os.path.join(ROOT, "runs/peers/compare.json"), "w") as f:
-        json.dump({"epochs": args.epochs, "threads": args.threads, "seeds": seeds, "pipebd": ours, "pytorch": theirs,
+    with open(os.path.join(ROOT, f"runs/peers/compare-{args.workload}.json"), "w") as f:
+        json.dump({"workload": args.workload, "stitched_speed_ratio": stitched_speed, "epochs": args.epochs, "threads": args.threads, "seeds": seeds, "pipebd": ours, "pytorch": theirs,
                    "speed_ratio": speed, "pipebd_block_ms": ours_ms}, f, indent=1)
 
 

@@ -14,6 +14,7 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
+use crate::transformer::{AttentionOutput, LayerNormGrads, LayerNormOutput};
 use crate::{BiasAxis, ConvBackwardInputs, ConvGrads, Epilogue, FusedBackend, LossWithGrad};
 
 /// Backward of a loss whose gradient with respect to the student was computed
@@ -66,7 +67,6 @@ struct MatmulState<B: FusedBackend> {
     bias: Option<(FloatTensor<B>, BiasAxis)>,
     output: FloatTensor<B>,
     epilogue: Epilogue,
-    sum_batch: bool,
 }
 
 /// Gradients of `act(lhs @ rhs + bias)`: `(dlhs, drhs, dbias)`, each only
@@ -76,14 +76,11 @@ fn matmul_grads<B: FusedBackend>(
     grad: FloatTensor<B>,
     wanted: [bool; 3],
 ) -> (Option<FloatTensor<B>>, Option<FloatTensor<B>>, Option<FloatTensor<B>>) {
-    let MatmulState { lhs, rhs, bias, output, epilogue, sum_batch } = state;
-    // G = dL/d(pre-activation).
-    let saved = match epilogue {
-        Epilogue::Gelu => {
-            B::matmul_epilogue(lhs.clone(), rhs.clone(), bias.clone(), Epilogue::Identity, sum_batch)
-        }
-        _ => output,
-    };
+    let MatmulState { lhs, rhs, bias, output, epilogue } = state;
+    // G = dL/d(pre-activation). A GELU is never recorded here (its own op
+    // keeps its input), so the output is what the epilogue's derivative reads.
+    debug_assert!(epilogue != Epilogue::Gelu, "the fused matmul records no GELU");
+    let saved = output;
     let pre_grad =
         Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::epilogue_backward(grad, saved, epilogue)));
     let [zl, _, _] = lhs.shape().dims::<3>();
@@ -159,7 +156,7 @@ where
     match kind {
         OpsKind::Tracked(prep) => {
             let output = B::matmul_epilogue(lhs.clone(), rhs.clone(), bias.clone(), epilogue, sum_batch);
-            let state = MatmulState { lhs, rhs, bias, output: output.clone(), epilogue, sum_batch };
+            let state = MatmulState { lhs, rhs, bias, output: output.clone(), epilogue };
             prep.finish(state, output)
         }
         OpsKind::UnTracked(prep) => prep.finish(B::matmul_epilogue(lhs, rhs, bias, epilogue, sum_batch)),
@@ -299,6 +296,85 @@ impl<B: FusedBackend> Backward<B, 1> for MaxPoolBackward {
     }
 }
 
+/// Backward of an activation; the state is its input.
+#[derive(Debug)]
+struct ActivationBackward(Epilogue);
+
+impl<B: FusedBackend> Backward<B, 1> for ActivationBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        if let [Some(node)] = ops.parents {
+            grads.register::<B>(node.id, B::epilogue_backward(grad, ops.state, self.0));
+        }
+    }
+}
+
+/// What the attention backward needs: its inputs and weights.
+#[derive(Debug, Clone)]
+struct AttentionState<B: FusedBackend> {
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    probs: FloatTensor<B>,
+    heads: usize,
+}
+
+/// Backward of the masked attention (parents q, k, v; the mask is data).
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: FusedBackend> Backward<B, 3> for AttentionBackward {
+    type State = AttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let AttentionState { q, k, v, probs, heads } = ops.state;
+        let [dq, dk, dv] = B::masked_attention_backward(q, k, v, probs, grad, heads);
+        for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// What the layer norm backward needs: the sum, each row's `1 / std`, the scale.
+#[derive(Debug, Clone)]
+struct LayerNormState<B: FusedBackend> {
+    sum: FloatTensor<B>,
+    rstd: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+}
+
+/// Backward of the residual add with its layer norm (parents x, residual,
+/// gamma, beta: x and residual get the same gradient).
+#[derive(Debug)]
+struct LayerNormBackward;
+
+impl<B: FusedBackend> Backward<B, 4> for LayerNormBackward {
+    type State = LayerNormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let LayerNormState { sum, rstd, gamma } = ops.state;
+        let LayerNormGrads { input, gamma, beta } = B::add_layer_norm_backward(sum, rstd, gamma, grad);
+        let [x, residual, gamma_node, beta_node] = ops.parents;
+        let gradients = [
+            (x, Some(input.clone())),
+            (residual, Some(input)),
+            (gamma_node, Some(gamma)),
+            (beta_node, Some(beta)),
+        ];
+        for (parent, grad) in gradients {
+            if let (Some(node), Some(grad)) = (parent, grad) {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
     const FUSED_CONV_POOL: bool = B::FUSED_CONV_POOL;
     const ASYNC_DEVICE: bool = B::ASYNC_DEVICE;
@@ -327,6 +403,12 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
         epilogue: Epilogue,
         sum_batch: bool,
     ) -> FloatTensor<Self> {
+        if epilogue == Epilogue::Gelu {
+            // The GELU keeps the pre-activation its derivative needs: the
+            // backward then runs no product a second time to get it back.
+            let pre = Self::matmul_epilogue(lhs, rhs, bias, Epilogue::Identity, sum_batch);
+            return Self::activation(pre, Epilogue::Gelu);
+        }
         match bias {
             None => {
                 let kind = MatmulBackward
@@ -381,6 +463,79 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
             (output, Some(indices)) => (output, indices),
             (_, None) => unreachable!("a pooled convolution returns the indices of its maxima"),
         }
+    }
+
+    fn activation(x: FloatTensor<Self>, epilogue: Epilogue) -> FloatTensor<Self> {
+        match ActivationBackward(epilogue).prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let output = B::activation(x.primitive.clone(), epilogue);
+                prep.finish(x.primitive, output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::activation(x.primitive, epilogue)),
+        }
+    }
+
+    fn masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        _with_probs: bool,
+    ) -> AttentionOutput<Self> {
+        let parents = [q.node.clone(), k.node.clone(), v.node.clone()];
+        let context = match AttentionBackward.prepare::<C>(parents).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (q, k, v) = (q.primitive, k.primitive, v.primitive);
+                let out = B::masked_attention(q.clone(), k.clone(), v.clone(), mask.primitive, heads, true);
+                let probs = out.probs.expect("the attention was asked for its weights");
+                prep.finish(AttentionState { q, k, v, probs, heads }, out.context)
+            }
+            OpsKind::UnTracked(prep) => {
+                let out =
+                    B::masked_attention(q.primitive, k.primitive, v.primitive, mask.primitive, heads, false);
+                prep.finish(out.context)
+            }
+        };
+        AttentionOutput { context, probs: None }
+    }
+
+    fn add_layer_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        _with_saved: bool,
+    ) -> LayerNormOutput<Self> {
+        let parents = [x.node.clone(), residual.node.clone(), gamma.node.clone(), beta.node.clone()];
+        let output = match LayerNormBackward.prepare::<C>(parents).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let gamma = gamma.primitive;
+                let out = B::add_layer_norm(
+                    x.primitive,
+                    residual.primitive,
+                    gamma.clone(),
+                    beta.primitive,
+                    epsilon,
+                    true,
+                );
+                let (sum, rstd) = out.saved.expect("the layer norm was asked for its statistics");
+                prep.finish(LayerNormState { sum, rstd, gamma }, out.output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(
+                B::add_layer_norm(
+                    x.primitive,
+                    residual.primitive,
+                    gamma.primitive,
+                    beta.primitive,
+                    epsilon,
+                    false,
+                )
+                .output,
+            ),
+        };
+        LayerNormOutput { output, saved: None }
     }
 
     fn max_pool2x2(x: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -3,7 +3,9 @@
 //! Teachers (all-MiniLM-L6-v2's six layers) and students (narrower layers)
 //! share this module, so it lives at the bottom of the dependency graph. Its
 //! projections run through [`linear`] (one fused matmul + bias + activation
-//! on wgpu and cuda); attention and layer norms are burn ops.
+//! on wgpu and cuda), the attention through [`masked_attention`] and each
+//! residual add with its layer norm through [`add_layer_norm`] (one pass
+//! each, forward and backward, on flex; burn ops elsewhere).
 //!
 //! ```text
 //! h   = LayerNorm(x + Wo · MultiHeadAttention(Wq·x, Wk·x, Wv·x, mask))
@@ -16,14 +18,13 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::softmax;
 use burn::tensor::{ElementConversion, Int, Tensor};
 
+use crate::transformer::{add_layer_norm, masked_attention};
 use crate::{linear, Epilogue, FusedBackend};
 
-/// Added to the attention scores of padding tokens: their softmax weight
-/// underflows to zero.
-const MASKED_SCORE: f32 = -1.0e9;
+/// BERT's layer-norm epsilon, of every encoder layer (teacher and students).
+pub const LAYER_NORM_EPS: f64 = 1e-12;
 
 /// Sizes of one encoder layer.
 #[derive(Config, Debug, PartialEq)]
@@ -37,16 +38,13 @@ pub struct EncoderLayerConfig {
     pub head_dim: usize,
     /// Width of the feed-forward layer (1536 for MiniLM).
     pub ffn: usize,
-    /// Layer-norm epsilon (BERT: 1e-12).
-    #[config(default = 1e-12)]
-    pub layer_norm_eps: f64,
 }
 
 impl EncoderLayerConfig {
     /// Builds a randomly initialised layer (burn's default initialisers).
     pub fn init<B: FusedBackend>(&self, device: &B::Device) -> EncoderLayer<B> {
         let inner = self.heads * self.head_dim;
-        let norm = || LayerNormConfig::new(self.hidden).with_epsilon(self.layer_norm_eps).init(device);
+        let norm = || LayerNormConfig::new(self.hidden).with_epsilon(LAYER_NORM_EPS).init(device);
         EncoderLayer {
             query: LinearConfig::new(self.hidden, inner).init(device),
             key: LinearConfig::new(self.hidden, inner).init(device),
@@ -115,26 +113,25 @@ impl<B: FusedBackend> EncoderLayer<B> {
         let [batch, tokens, hidden] = x.dims();
         let h = self.attention(x, mask);
         let ffn = fused(&self.ffn_out, fused(&self.ffn_in, h.clone(), Epilogue::Gelu), Epilogue::Identity);
-        self.ffn_norm.forward(ffn + h).reshape([batch, tokens, hidden])
+        add_layer_norm(ffn, h, &self.ffn_norm, LAYER_NORM_EPS).reshape([batch, tokens, hidden])
     }
 
     /// The attention half: `[batch, tokens, hidden]` to the normalised
     /// residual stream `[batch * tokens, hidden]` that enters the feed-forward.
     fn attention(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
         let [batch, tokens, hidden] = x.dims();
-        let (heads, head_dim) = (self.heads, self.head_dim);
+        let inner = self.heads * self.head_dim;
         let rows = x.reshape([batch * tokens, hidden]);
-        let split_heads = |t: Tensor<B, 2>| t.reshape([batch, tokens, heads, head_dim]).swap_dims(1, 2);
-        let q = split_heads(fused(&self.query, rows.clone(), Epilogue::Identity));
-        let k = split_heads(fused(&self.key, rows.clone(), Epilogue::Identity));
-        let v = split_heads(fused(&self.value, rows.clone(), Epilogue::Identity));
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        // (1 - mask) * MASKED_SCORE, broadcast over heads and query positions.
-        let bias = (mask.neg() + 1.0).mul_scalar(MASKED_SCORE).reshape([batch, 1, 1, tokens]);
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale) + bias;
-        let context =
-            softmax(scores, 3).matmul(v).swap_dims(1, 2).reshape([batch * tokens, heads * head_dim]);
-        self.attn_norm.forward(fused(&self.attn_out, context, Epilogue::Identity) + rows)
+        let project = |layer| fused(layer, rows.clone(), Epilogue::Identity).reshape([batch, tokens, inner]);
+        let context = masked_attention(
+            project(&self.query),
+            project(&self.key),
+            project(&self.value),
+            mask,
+            self.heads,
+        );
+        let out = fused(&self.attn_out, context.reshape([batch * tokens, inner]), Epilogue::Identity);
+        add_layer_norm(out, rows, &self.attn_norm, LAYER_NORM_EPS)
     }
 
     /// The sizes of this layer.

@@ -19,6 +19,10 @@ use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
+use crate::flex_encoder::{self, AttentionSizes};
+use crate::flex_optim;
+use crate::optim::{ParamSlot, ParamUpdate, UpdateRule};
+use crate::transformer::{self, AttentionOutput, LayerNormGrads, LayerNormOutput};
 use crate::{reference, BiasAxis, Epilogue, FusedBackend, LossWithGrad};
 
 /// Elements per parallel task of an elementwise pass (fixed, so the partition
@@ -127,7 +131,7 @@ fn activate(x: f32, epilogue: Epilogue) -> f32 {
             }
         }
         Epilogue::Relu6 => x.clamp(0.0, 6.0),
-        // Not reached: GELU takes the generic path.
+        // Applied by `epilogue_in_place` to whole rows after the bias.
         Epilogue::Gelu => x,
     }
 }
@@ -142,6 +146,14 @@ fn epilogue_in_place(
     parallel: bool,
 ) {
     if bias.is_none() && epilogue == Epilogue::Identity {
+        return;
+    }
+    if epilogue == Epilogue::Gelu {
+        epilogue_in_place(data, [m, n], bias, Epilogue::Identity, parallel);
+        match parallel {
+            true => data.par_chunks_mut(CHUNK).for_each(flex_encoder::gelu_slice),
+            false => flex_encoder::gelu_slice(data),
+        }
         return;
     }
     let row_op = |(r, row): (usize, &mut [f32])| match bias {
@@ -794,6 +806,111 @@ fn conv_pool_forward(
 
 impl FusedBackend for Flex {
     const FUSED_CONV_POOL: bool = true;
+    const FUSED_OPTIMIZER: bool = true;
+
+    fn optimizer_step(slots: Vec<ParamSlot<Self>>, rule: &UpdateRule, lr: f64) -> Vec<ParamUpdate<Self>> {
+        match rule {
+            UpdateRule::Adam(adam) if flex_optim::native_adam_applies(&slots) => {
+                slots.into_iter().map(|slot| flex_optim::adam_slot(slot, adam, lr)).collect()
+            }
+            _ => crate::optim::reference_step::<Self>(slots, rule, lr),
+        }
+    }
+
+    fn activation(x: FloatTensor<Self>, epilogue: Epilogue) -> FloatTensor<Self> {
+        if epilogue != Epilogue::Gelu || !is_f32(&x) {
+            return reference::activation::<Self>(x, epilogue);
+        }
+        let mut out = owned(x);
+        write(&mut out, flex_encoder::gelu_in_place);
+        out
+    }
+
+    fn masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        with_probs: bool,
+    ) -> AttentionOutput<Self> {
+        let [batch, tokens, width] = q.shape().dims::<3>();
+        if ![&q, &k, &v, &mask].iter().all(|t| is_f32(t)) || heads == 0 || width % heads != 0 {
+            return transformer::attention_reference::<Self>(q, k, v, mask, heads, with_probs);
+        }
+        let sizes = AttentionSizes { batch, tokens, heads, head_dim: width / heads };
+        let inputs = [&*values(&q), &*values(&k), &*values(&v)];
+        let (context, probs) = flex_encoder::attention(inputs, &values(&mask), sizes, with_probs);
+        AttentionOutput {
+            context: from_vec(context, [batch, tokens, width]),
+            probs: with_probs.then(|| from_vec(probs, [batch, heads, tokens, tokens])),
+        }
+    }
+
+    fn masked_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        heads: usize,
+    ) -> [FloatTensor<Self>; 3] {
+        let [batch, tokens, width] = q.shape().dims::<3>();
+        if ![&q, &k, &v, &probs, &grad].iter().all(|t| is_f32(t)) {
+            return transformer::attention_backward_reference::<Self>(q, k, v, probs, grad, heads);
+        }
+        let sizes = AttentionSizes { batch, tokens, heads, head_dim: width / heads };
+        let inputs = [&*values(&q), &*values(&k), &*values(&v)];
+        flex_encoder::attention_backward(inputs, &values(&probs), &values(&grad), sizes)
+            .map(|g| from_vec(g, [batch, tokens, width]))
+    }
+
+    fn add_layer_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        with_saved: bool,
+    ) -> LayerNormOutput<Self> {
+        let shape = x.shape();
+        let [rows, hidden] = shape.dims::<2>();
+        if ![&x, &residual, &gamma, &beta].iter().all(|t| is_f32(t)) {
+            return transformer::add_layer_norm_reference::<Self>(
+                x, residual, gamma, beta, epsilon, with_saved,
+            );
+        }
+        let (inputs, scale) = ([&*values(&x), &*values(&residual)], [&*values(&gamma), &*values(&beta)]);
+        let (output, saved) = flex_encoder::add_layer_norm(inputs, scale, epsilon, with_saved);
+        LayerNormOutput {
+            output: from_vec(output, shape),
+            saved: saved.map(|(sum, rstd)| (from_vec(sum, [rows, hidden]), from_vec(rstd, [rows]))),
+        }
+    }
+
+    fn add_layer_norm_backward(
+        sum: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> LayerNormGrads<Self> {
+        let shape = sum.shape();
+        if ![&sum, &rstd, &gamma, &grad].iter().all(|t| is_f32(t)) {
+            return transformer::add_layer_norm_backward_reference::<Self>(sum, rstd, gamma, grad);
+        }
+        let hidden = shape.dims::<2>()[1];
+        let [input, dgamma, dbeta] = flex_encoder::add_layer_norm_backward(
+            &values(&sum),
+            &values(&rstd),
+            &values(&gamma),
+            &values(&grad),
+        );
+        LayerNormGrads {
+            input: from_vec(input, shape),
+            gamma: from_vec(dgamma, [hidden]),
+            beta: from_vec(dbeta, [hidden]),
+        }
+    }
 
     fn mse_loss(
         student: FloatTensor<Self>,
@@ -835,10 +952,15 @@ impl FusedBackend for Flex {
             Epilogue::Identity => return grad,
             Epilogue::Relu => (0.0, f32::INFINITY),
             Epilogue::Relu6 => (0.0, 6.0),
-            Epilogue::Gelu => return reference::epilogue_backward::<Self>(grad, saved, epilogue),
+            Epilogue::Gelu => (f32::NAN, f32::NAN),
         };
         if !is_f32(&grad) || !is_f32(&saved) {
             return reference::epilogue_backward::<Self>(grad, saved, epilogue);
+        }
+        if epilogue == Epilogue::Gelu {
+            let mut out = owned(grad);
+            write(&mut out, |data| flex_encoder::gelu_backward_in_place(&values(&saved), data));
+            return out;
         }
         let saved = values(&saved);
         let mut out = owned(grad);
@@ -883,10 +1005,7 @@ impl FusedBackend for Flex {
         epilogue: Epilogue,
         sum_batch: bool,
     ) -> FloatTensor<Self> {
-        let generic = epilogue == Epilogue::Gelu
-            || !is_f32(&lhs)
-            || !is_f32(&rhs)
-            || bias.as_ref().is_some_and(|(b, _)| !is_f32(b));
+        let generic = !is_f32(&lhs) || !is_f32(&rhs) || bias.as_ref().is_some_and(|(b, _)| !is_f32(b));
         if generic {
             return reference::matmul_epilogue::<Self>(lhs, rhs, bias, epilogue, sum_batch);
         }

@@ -11,7 +11,12 @@
 //!   written by the same pass,
 //! - **matmul with an epilogue**: `act(lhs @ rhs + bias)` in one tiled kernel,
 //!   `act` in {identity, relu, relu6, gelu}; linear layers and the students'
-//!   pointwise (1x1) convolutions use it ([`linear`], [`pointwise_conv`]).
+//!   pointwise (1x1) convolutions use it ([`linear`], [`pointwise_conv`]),
+//! - **the encoder layer's ops** ([`transformer`]): masked multi-head
+//!   attention on the projections' own layout, and the residual add with its
+//!   layer norm, each one pass forward and one backward on the CPU,
+//! - **convolutions** with their epilogue and 2x2 max-pool, and **one
+//!   optimizer update over a whole block** (Adam, SGD).
 //!
 //! Every backend gets the ops: burn's CubeCL backends (wgpu, cuda) run our
 //! CubeCL kernels (module `cube`, feature `cubecl`), `Autodiff<B>` adds the
@@ -25,6 +30,8 @@
 //! - `cubecl`: the kernels for any CubeCL runtime (implied by the two above).
 #![warn(missing_docs)]
 
+#[macro_use]
+mod wide;
 mod autodiff;
 pub mod bench;
 pub mod check;
@@ -32,9 +39,12 @@ pub mod check;
 mod cube;
 pub mod encoder;
 mod flex;
+mod flex_encoder;
+mod flex_optim;
 pub mod loss;
 pub mod optim;
 pub mod reference;
+pub mod transformer;
 
 use burn::nn::conv::Conv2d;
 use burn::nn::PaddingConfig2d;
@@ -153,6 +163,11 @@ pub trait FusedBackend: Backend {
         reference::epilogue_backward::<Self>(grad, saved, epilogue)
     }
 
+    /// The activation `epilogue` of any-rank `x`, elementwise.
+    fn activation(x: FloatTensor<Self>, epilogue: Epilogue) -> FloatTensor<Self> {
+        reference::activation::<Self>(x, epilogue)
+    }
+
     /// The bias gradient of a fused matmul: `grad [z, m, n]` summed over `z`
     /// and the other axis, giving `[m]` ([`BiasAxis::Rows`]) or `[n]`.
     fn bias_grad(grad: FloatTensor<Self>, axis: BiasAxis) -> FloatTensor<Self> {
@@ -267,6 +282,64 @@ pub trait FusedBackend: Backend {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         reference::max_pool2x2_backward::<Self>(x, grad, indices)
+    }
+
+    /// Multi-head attention over the real tokens: `q`, `k`, `v` are
+    /// `[batch, tokens, heads * head_dim]` (heads side by side, as the
+    /// projections write them), `mask` is `[batch, tokens]` (1 for real
+    /// tokens, 0 for padding). Scores `q k^T / sqrt(head_dim)` plus
+    /// [`transformer::MASKED_SCORE`] on padding keys, softmax over keys,
+    /// times `v`: the context `[batch, tokens, heads * head_dim]` and, with
+    /// `with_probs`, the weights `[batch, heads, tokens, tokens]`.
+    fn masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        with_probs: bool,
+    ) -> transformer::AttentionOutput<Self> {
+        transformer::attention_reference::<Self>(q, k, v, mask, heads, with_probs)
+    }
+
+    /// The gradients `[dq, dk, dv]` of [`masked_attention`](FusedBackend::masked_attention)
+    /// from its inputs, its weights and the gradient of its context.
+    fn masked_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        heads: usize,
+    ) -> [FloatTensor<Self>; 3] {
+        transformer::attention_backward_reference::<Self>(q, k, v, probs, grad, heads)
+    }
+
+    /// `LayerNorm(x + residual) * gamma + beta` over the last axis of
+    /// `[rows, hidden]` inputs (biased variance, `epsilon` inside the square
+    /// root, as burn's `LayerNorm`); with `with_saved`, also what the
+    /// backward needs.
+    fn add_layer_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        with_saved: bool,
+    ) -> transformer::LayerNormOutput<Self> {
+        transformer::add_layer_norm_reference::<Self>(x, residual, gamma, beta, epsilon, with_saved)
+    }
+
+    /// The gradients of [`add_layer_norm`](FusedBackend::add_layer_norm)
+    /// from what it saved (`sum = x + residual`, `rstd` per row), `gamma`
+    /// and the gradient of its output.
+    fn add_layer_norm_backward(
+        sum: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> transformer::LayerNormGrads<Self> {
+        transformer::add_layer_norm_backward_reference::<Self>(sum, rstd, gamma, grad)
     }
 }
 

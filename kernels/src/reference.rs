@@ -158,6 +158,12 @@ pub fn activate<B: Backend, const D: usize>(x: Tensor<B, D>, epilogue: Epilogue)
     }
 }
 
+/// The activation of any-rank `x` with burn's ops.
+pub fn activation<B: Backend>(x: FloatTensor<B>, epilogue: Epilogue) -> FloatTensor<B> {
+    let shape = x.shape();
+    B::float_reshape(unwrap(activate(flat::<B>(x), epilogue)), shape)
+}
+
 /// `act(lhs @ rhs + bias)` with burn ops (`matmul`, `add`, the activation),
 /// with the shapes of [`FusedBackend::matmul_epilogue`](crate::FusedBackend::matmul_epilogue).
 pub fn matmul_epilogue<B: Backend>(

@@ -10,8 +10,18 @@ fn fallback_ops_and_their_custom_backward_match_burns_autodiff() {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
     let rows = check::run::<Autodiff<Flex>>(&Default::default(), seed);
     let ops: std::collections::BTreeSet<_> = rows.iter().map(|r| r.op.as_str()).collect();
-    let every =
-        ["conv2d", "conv2d-pool", "linear", "max-pool-2x2", "mse", "optimizer", "pointwise-conv", "soft-ce"];
+    let every = [
+        "add-layer-norm",
+        "attention",
+        "conv2d",
+        "conv2d-pool",
+        "linear",
+        "max-pool-2x2",
+        "mse",
+        "optimizer",
+        "pointwise-conv",
+        "soft-ce",
+    ];
     assert_eq!(ops, every.into_iter().collect(), "every op is checked");
     assert!(rows.iter().any(|r| r.quantity == "d bias"), "bias gradients are checked");
     assert!(rows.iter().all(|r| r.passed()), "seed {seed}:\n{}", check::table(&rows));

@@ -109,7 +109,7 @@ pub enum BlockOptimizer<B: DistillBackend, M: AutodiffModule<B>> {
     /// Adam.
     Adam(OptimizerAdaptor<Adam, M, B>),
     /// Either rule through the backend's one-pass update over the whole
-    /// block (backends with [`FusedBackend::FUSED_OPTIMIZER`]: CubeCL).
+    /// block (backends with [`FusedBackend::FUSED_OPTIMIZER`]: CubeCL, and flex for Adam).
     Fused(FusedOptimizer<B, M>),
 }
 

@@ -169,3 +169,106 @@ fn torch_generator_draws_what_pytorch_draws() {
         assert_eq!(&got[got.len() - want.last.len()..], &want.last[..], "epoch {epoch}: last samples");
     }
 }
+
+#[derive(Deserialize)]
+struct TextReference {
+    steps: usize,
+    lr: f64,
+    epsilon: f64,
+    block: usize,
+    heads: usize,
+    head_dim: usize,
+    ffn: usize,
+    max_tokens: usize,
+    batches: Vec<Vec<Vec<u32>>>,
+    losses: Vec<f32>,
+}
+
+/// Element `index` (row-major, PyTorch's layout) of tensor number `tensor`
+/// of the patterned student, in [-0.5, 0.5): the integer pattern of
+/// `bench/peers/reference_curves_minilm.py`, the same bits on both sides.
+fn pattern(tensor: usize, index: usize) -> f64 {
+    ((index * 7919 + tensor * 104_729) % 20_011) as f64 / 20_011.0 - 0.5
+}
+
+/// A linear layer's weight and bias from the pattern (tensors `tensor` and
+/// `tensor + 1`), the weight in burn's `[in, out]` layout.
+fn patterned_linear<B: burn::tensor::backend::Backend>(
+    layer: &mut burn::nn::Linear<B>,
+    tensor: usize,
+    device: &B::Device,
+) {
+    let [d_in, d_out] = layer.weight.dims();
+    let scale = 2.0 / (d_in as f64).sqrt();
+    let weight: Vec<f32> =
+        (0..d_in * d_out).map(|n| (scale * pattern(tensor, (n % d_out) * d_in + n / d_out)) as f32).collect();
+    let bias: Vec<f32> = (0..d_out).map(|n| (0.1 * pattern(tensor + 1, n)) as f32).collect();
+    layer.weight = Param::from_tensor(Tensor::from_data(TensorData::new(weight, [d_in, d_out]), device));
+    layer.bias = Some(Param::from_tensor(Tensor::from_data(TensorData::new(bias, [d_out]), device)));
+}
+
+fn patterned_norm<B: burn::tensor::backend::Backend>(
+    norm: &mut burn::nn::LayerNorm<B>,
+    tensor: usize,
+    device: &B::Device,
+) {
+    let n = norm.gamma.dims()[0];
+    let values = |t, f: fn(f64) -> f64| -> Vec<f32> { (0..n).map(|i| f(pattern(t, i)) as f32).collect() };
+    let (gamma, beta) = (values(tensor, |p| 1.0 + 0.2 * p), values(tensor + 1, |p| 0.1 * p));
+    norm.gamma = Param::from_tensor(Tensor::from_data(TensorData::new(gamma, [n]), device));
+    norm.beta = Some(Param::from_tensor(Tensor::from_data(TensorData::new(beta, [n]), device)));
+}
+
+/// An encoder student's training against the loss curve PyTorch computed
+/// (`tests/data/minilm-reference-curves.json`, written by
+/// `bench/peers/reference_curves_minilm.py`): MiniLM's second layer, a
+/// narrow student from the same patterned weights, the same real Brown
+/// batches with their padding. The masked attention, the residual layer
+/// norms, GELU, the masked MSE and Adam (eps 1e-8, cosine) must give
+/// PyTorch's loss at every step to 5 digits.
+#[test]
+fn an_encoder_students_steps_follow_pytorchs_loss_curve_from_the_same_start() {
+    use pipebd_kernels::encoder::EncoderLayerConfig;
+    let text = std::fs::read_to_string("tests/data/minilm-reference-curves.json").unwrap();
+    let reference: TextReference = serde_json::from_str(&text).unwrap();
+    let device = Default::default();
+    let config = crate::common::minilm_config(64, 16, 1, reference.max_tokens);
+    let (embeddings, teacher) = pipe_bd::zoo::build_minilm::<Flex>(&config, &device).unwrap();
+    let sizes = EncoderLayerConfig::new(384, reference.heads, reference.head_dim, reference.ffn);
+    let rng = pipe_bd::rng::burn_rng_lock();
+    let mut layer = sizes.init::<Train>(&device);
+    drop(rng);
+    for (i, linear) in
+        [&mut layer.query, &mut layer.key, &mut layer.value, &mut layer.attn_out].into_iter().enumerate()
+    {
+        patterned_linear(linear, 2 * i, &device);
+    }
+    patterned_norm(&mut layer.attn_norm, 8, &device);
+    patterned_linear(&mut layer.ffn_in, 10, &device);
+    patterned_linear(&mut layer.ffn_out, 12, &device);
+    patterned_norm(&mut layer.ffn_norm, 14, &device);
+    let optimizer = OptimizerConfig {
+        kind: OptimizerKind::Adam,
+        lr: reference.lr,
+        min_lr: 0.0,
+        schedule: LrSchedule::Cosine,
+        epsilon: reference.epsilon,
+        ..Default::default()
+    };
+    let k = reference.block - 1;
+    let module = pipebd_students::StudentBlock::Encoder(layer);
+    let mut trainer = BlockTrainer::new(k, teacher.specs[k].clone(), module, &optimizer, reference.steps);
+    assert_eq!(reference.batches.len(), reference.steps);
+    for (step, (batch, &theirs)) in reference.batches.iter().zip(&reference.losses).enumerate() {
+        let ids: Vec<&[u32]> = batch.iter().map(Vec::as_slice).collect();
+        assert!(ids.iter().any(|s| s.len() < reference.max_tokens), "step {step}: a batch without padding");
+        let mut x = pipe_bd::zoo::text::embed_batch(&embeddings, &ids, reference.max_tokens, &device);
+        for t in &teacher.blocks[..k] {
+            x = t.forward(x).unwrap();
+        }
+        let y = teacher.blocks[k].forward(x.clone()).unwrap();
+        let ours = trainer.step(x, y).unwrap();
+        let tolerance = 1e-5 * theirs.abs();
+        assert!((ours - theirs).abs() <= tolerance, "step {step}: pipe-bd {ours} against PyTorch {theirs}");
+    }
+}

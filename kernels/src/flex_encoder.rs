@@ -1,0 +1,408 @@
+//! Native CPU paths of the encoder layer's ops on flex
+//! ([`crate::transformer`]): masked attention with every head of a sequence
+//! in one task (scores, softmax and the weighted sum of values while a
+//! sequence's keys and values are in cache; no split or merge copies), and
+//! the residual add with its layer norm in one pass over each row, each with
+//! its backward. Sequences (attention) and fixed groups of rows (layer norm)
+//! run in parallel on the calling thread's rayon pool, in a partition that
+//! does not depend on the number of threads.
+
+use rayon::prelude::*;
+
+use crate::transformer::MASKED_SCORE;
+
+/// Sizes of one attention call: `[batch, tokens, heads * head_dim]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionSizes {
+    pub batch: usize,
+    pub tokens: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttentionSizes {
+    fn width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Values of one sequence in `[tokens, heads * head_dim]`.
+    fn sequence(&self) -> usize {
+        self.tokens * self.width()
+    }
+
+    /// Attention weights of one sequence, `[heads, tokens, tokens]`.
+    fn sequence_probs(&self) -> usize {
+        self.heads * self.tokens * self.tokens
+    }
+}
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// The sum of `values` in eight interleaved lanes (vectorised; a fixed order).
+#[inline(always)]
+fn lane_sum(values: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = values.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for chunk in chunks {
+        for i in 0..8 {
+            lanes[i] += chunk[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// `dst += alpha * src`.
+#[inline(always)]
+fn axpy(dst: &mut [f32], alpha: f32, src: &[f32]) {
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d += alpha * s);
+}
+
+/// Row `t`, head `h` of a sequence's `[tokens, heads * head_dim]` values.
+#[inline(always)]
+fn head_row(sizes: AttentionSizes, t: usize, h: usize) -> std::ops::Range<usize> {
+    let start = t * sizes.width() + h * sizes.head_dim;
+    start..start + sizes.head_dim
+}
+
+/// Softmax of one row in place (the max subtracted first, as burn's).
+#[inline(always)]
+fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    row.iter_mut().for_each(|v| *v = exp_fast(*v - max));
+    let sum = lane_sum(row);
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|v| *v *= inv);
+}
+
+wide! {
+/// One sequence's attention: `context` and, when not empty, `probs`
+/// (`[heads, tokens, tokens]`) from its `qkv` and `mask`.
+fn attend_sequence(
+    qkv: [&[f32]; 3],
+    mask: &[f32],
+    sizes: AttentionSizes,
+    context: &mut [f32],
+    probs: &mut [f32],
+) {
+    let [q, k, v] = qkv;
+    let (tokens, head_dim) = (sizes.tokens, sizes.head_dim);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let bias: Vec<f32> = mask.iter().map(|m| (1.0 - m) * MASKED_SCORE).collect();
+    let mut row = vec![0f32; tokens];
+    context.fill(0.0);
+    for h in 0..sizes.heads {
+        for i in 0..tokens {
+            let qi = &q[head_row(sizes, i, h)];
+            for (j, score) in row.iter_mut().enumerate() {
+                *score = dot(qi, &k[head_row(sizes, j, h)]) * scale + bias[j];
+            }
+            softmax_row(&mut row);
+            let out = head_row(sizes, i, h);
+            for (j, &p) in row.iter().enumerate() {
+                axpy(&mut context[out.clone()], p, &v[head_row(sizes, j, h)]);
+            }
+            if !probs.is_empty() {
+                probs[(h * tokens + i) * tokens..][..tokens].copy_from_slice(&row);
+            }
+        }
+    }
+}
+}
+
+/// [`crate::FusedBackend::masked_attention`] on contiguous `f32` values:
+/// the context and, with `with_probs`, the attention weights.
+pub(crate) fn attention(
+    [q, k, v]: [&[f32]; 3],
+    mask: &[f32],
+    sizes: AttentionSizes,
+    with_probs: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let (seq, seq_probs) = (sizes.sequence(), sizes.sequence_probs());
+    let mut context = vec![0f32; sizes.batch * seq];
+    let mut probs = if with_probs { vec![0f32; sizes.batch * seq_probs] } else { Vec::new() };
+    let probs_chunks: Vec<&mut [f32]> = match with_probs {
+        true => probs.chunks_mut(seq_probs.max(1)).collect(),
+        false => (0..sizes.batch).map(|_| <&mut [f32]>::default()).collect(),
+    };
+    context.par_chunks_mut(seq.max(1)).zip(probs_chunks).enumerate().for_each(|(b, (context, probs))| {
+        let at = b * seq..(b + 1) * seq;
+        let inputs = [&q[at.clone()], &k[at.clone()], &v[at]];
+        attend_sequence(inputs, &mask[b * sizes.tokens..(b + 1) * sizes.tokens], sizes, context, probs);
+    });
+    (context, probs)
+}
+
+wide! {
+/// One sequence's attention backward into its `dq`, `dk`, `dv` (zeroed).
+fn attend_sequence_backward(
+    qkv: [&[f32]; 3],
+    probs: &[f32],
+    grad: &[f32],
+    sizes: AttentionSizes,
+    grads: [&mut [f32]; 3],
+) {
+    let [q, k, v] = qkv;
+    let [dq, dk, dv] = grads;
+    let (tokens, head_dim) = (sizes.tokens, sizes.head_dim);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut ds = vec![0f32; tokens];
+    for h in 0..sizes.heads {
+        for i in 0..tokens {
+            let p = &probs[(h * tokens + i) * tokens..][..tokens];
+            let gi = &grad[head_row(sizes, i, h)];
+            // dP_ij = dO_i . V_j; dS_ij = P_ij (dP_ij - sum_j dP_ij P_ij).
+            let mut weighted = 0.0;
+            for (j, d) in ds.iter_mut().enumerate() {
+                *d = dot(gi, &v[head_row(sizes, j, h)]);
+                weighted += *d * p[j];
+            }
+            let qi = head_row(sizes, i, h);
+            for j in 0..tokens {
+                let s = p[j] * (ds[j] - weighted) * scale;
+                let kj = head_row(sizes, j, h);
+                axpy(&mut dq[qi.clone()], s, &k[kj.clone()]);
+                axpy(&mut dk[kj.clone()], s, &q[qi.clone()]);
+                axpy(&mut dv[kj], p[j], gi);
+            }
+        }
+    }
+}
+}
+
+/// [`crate::FusedBackend::masked_attention_backward`] on contiguous `f32`
+/// values: `[dq, dk, dv]`.
+pub(crate) fn attention_backward(
+    [q, k, v]: [&[f32]; 3],
+    probs: &[f32],
+    grad: &[f32],
+    sizes: AttentionSizes,
+) -> [Vec<f32>; 3] {
+    let (seq, seq_probs) = (sizes.sequence(), sizes.sequence_probs());
+    let n = sizes.batch * seq;
+    let (mut dq, mut dk, mut dv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    dq.par_chunks_mut(seq.max(1))
+        .zip(dk.par_chunks_mut(seq.max(1)))
+        .zip(dv.par_chunks_mut(seq.max(1)))
+        .enumerate()
+        .for_each(|(b, ((dq, dk), dv))| {
+            let at = b * seq..(b + 1) * seq;
+            let inputs = [&q[at.clone()], &k[at.clone()], &v[at.clone()]];
+            let probs = &probs[b * seq_probs..(b + 1) * seq_probs];
+            attend_sequence_backward(inputs, probs, &grad[at], sizes, [dq, dk, dv]);
+        });
+    [dq, dk, dv]
+}
+
+/// Rows per task of the layer norm (fixed: the partial sums of the scale
+/// and shift gradients do not depend on the thread count).
+const ROWS_PER_TASK: usize = 64;
+
+/// `(mean, 1 / sqrt(var + eps))` of one row (two passes: as burn's reference).
+fn row_stats(row: &[f32], epsilon: f64) -> (f32, f32) {
+    let n = row.len().max(1) as f32;
+    let mean = row.iter().sum::<f32>() / n;
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + epsilon as f32).sqrt())
+}
+
+/// [`crate::FusedBackend::add_layer_norm`] on contiguous `f32` `[rows,
+/// hidden]` values: the output and, with `with_saved`, the sum and each
+/// row's `1 / std`.
+pub(crate) fn add_layer_norm(
+    [x, residual]: [&[f32]; 2],
+    [gamma, beta]: [&[f32]; 2],
+    epsilon: f64,
+    with_saved: bool,
+) -> (Vec<f32>, Option<(Vec<f32>, Vec<f32>)>) {
+    let hidden = gamma.len().max(1);
+    let rows = x.len() / hidden;
+    let mut sum: Vec<f32> = vec![0f32; x.len()];
+    let mut out = vec![0f32; x.len()];
+    let mut rstd = vec![0f32; rows];
+    let task = ROWS_PER_TASK * hidden;
+    out.par_chunks_mut(task)
+        .zip(sum.par_chunks_mut(task))
+        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
+        .enumerate()
+        .for_each(|(t, ((out, sum), rstd))| {
+            let at = t * task..t * task + out.len();
+            sum.iter_mut().zip(&x[at.clone()]).zip(&residual[at]).for_each(|((s, a), b)| *s = a + b);
+            for ((out, row), r) in out.chunks_mut(hidden).zip(sum.chunks(hidden)).zip(rstd.iter_mut()) {
+                let (mean, inv) = row_stats(row, epsilon);
+                *r = inv;
+                for (((o, v), g), b) in out.iter_mut().zip(row).zip(gamma).zip(beta) {
+                    *o = (v - mean) * inv * g + b;
+                }
+            }
+        });
+    (out, with_saved.then_some((sum, rstd)))
+}
+
+/// [`crate::FusedBackend::add_layer_norm_backward`] on contiguous `f32`
+/// values: the gradient of the sum, of `gamma` and of `beta`.
+pub(crate) fn add_layer_norm_backward(
+    sum: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    grad: &[f32],
+) -> [Vec<f32>; 3] {
+    let hidden = gamma.len().max(1);
+    let task = ROWS_PER_TASK * hidden;
+    let mut input = vec![0f32; sum.len()];
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = input
+        .par_chunks_mut(task)
+        .enumerate()
+        .map(|(t, input)| {
+            let (mut dgamma, mut dbeta) = (vec![0f32; hidden], vec![0f32; hidden]);
+            let at = t * task..t * task + input.len();
+            let rows = sum[at.clone()].chunks(hidden).zip(grad[at].chunks(hidden));
+            let mut normalized = vec![0f32; hidden];
+            for ((di, (row, dy)), inv) in input.chunks_mut(hidden).zip(rows).zip(&rstd[t * ROWS_PER_TASK..]) {
+                let mean = row.iter().sum::<f32>() / hidden as f32;
+                let (mut mean_g, mut mean_gx) = (0.0, 0.0);
+                for (j, (v, d)) in row.iter().zip(dy).enumerate() {
+                    normalized[j] = (v - mean) * inv;
+                    let g = d * gamma[j];
+                    mean_g += g;
+                    mean_gx += g * normalized[j];
+                    dgamma[j] += d * normalized[j];
+                    dbeta[j] += d;
+                }
+                let (mean_g, mean_gx) = (mean_g / hidden as f32, mean_gx / hidden as f32);
+                for (j, out) in di.iter_mut().enumerate() {
+                    *out = inv * (dy[j] * gamma[j] - mean_g - normalized[j] * mean_gx);
+                }
+            }
+            (dgamma, dbeta)
+        })
+        .collect();
+    let (mut dgamma, mut dbeta) = (vec![0f32; hidden], vec![0f32; hidden]);
+    for (g, b) in &partials {
+        axpy(&mut dgamma, 1.0, g);
+        axpy(&mut dbeta, 1.0, b);
+    }
+    [input, dgamma, dbeta]
+}
+
+/// `e^x` without calls or branches, so that loops over it vectorise: `x = n
+/// ln2 + r` with `|r| <= ln2 / 2` (Cody-Waite), `e^r` by Cephes' degree-6
+/// polynomial, `2^n` through the exponent bits. Within 2 ulp of `exp` for
+/// `x` in `[-87, 88]`; clamped outside (0 and `f32::MAX`-ish, as needed here).
+#[inline(always)]
+fn exp_fast(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 5.000_000_1e-1;
+    let e_r = p * r * r + r + 1.0;
+    e_r * f32::from_bits(((n as i32 + 127) << 23) as u32)
+}
+
+/// `(1 + erf(x / sqrt 2)) / 2` (the normal CDF) and `e^(-x^2 / 2)`, the two
+/// pieces of GELU and its derivative: erf by Abramowitz and Stegun 7.1.26
+/// (absolute error under 1.5e-7).
+#[inline(always)]
+fn normal_cdf_and_gauss(x: f32) -> (f32, f32) {
+    let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
+    let t = 1.0 / (1.0 + 0.327_591_1 * z);
+    let poly = ((((1.061_405_4 * t - 1.453_152) * t + 1.421_413_8) * t - 0.284_496_72) * t + 0.254_829_6) * t;
+    let gauss = exp_fast(-z * z);
+    let erf = (1.0 - poly * gauss).copysign(x);
+    (0.5 * (1.0 + erf), gauss)
+}
+
+wide! {
+/// The exact (erf) GELU, `x * Phi(x)`, in place, on the calling thread.
+pub(crate) fn gelu_slice(values: &mut [f32]) {
+    for v in values.iter_mut() {
+        *v *= normal_cdf_and_gauss(*v).0;
+    }
+}
+}
+
+wide! {
+/// `grad * GELU'(pre)` in place (`GELU'(x) = Phi(x) + x phi(x)`), on the
+/// calling thread.
+fn gelu_backward_slice(pre: &[f32], grad: &mut [f32]) {
+    const INV_SQRT_2PI: f32 = 0.398_942_3;
+    for (g, &x) in grad.iter_mut().zip(pre) {
+        let (cdf, gauss) = normal_cdf_and_gauss(x);
+        *g *= cdf + x * INV_SQRT_2PI * gauss;
+    }
+}
+}
+
+/// [`gelu_slice`] in parallel over fixed chunks.
+pub(crate) fn gelu_in_place(values: &mut [f32]) {
+    values.par_chunks_mut(16 * 1024).for_each(gelu_slice);
+}
+
+/// [`gelu_backward_slice`] in parallel over fixed chunks.
+pub(crate) fn gelu_backward_in_place(pre: &[f32], grad: &mut [f32]) {
+    grad.par_chunks_mut(16 * 1024).zip(pre.par_chunks(16 * 1024)).for_each(|(grad, pre)| {
+        gelu_backward_slice(pre, grad);
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::tensor::{Tensor, TensorData};
+
+    /// Inputs from -12 to 12, dense near 0, and the extremes.
+    fn inputs() -> Vec<f32> {
+        let mut x: Vec<f32> = (-24_000..=24_000).map(|i| i as f32 * 5e-4).collect();
+        x.extend([-100.0, -88.5, -40.0, 40.0, 88.5, 100.0, 1e-30, -1e-30, 0.0]);
+        x
+    }
+
+    #[test]
+    fn the_fast_gelu_and_its_derivative_match_burns_erf_gelu() {
+        let x = inputs();
+        let device = Default::default();
+        let t = || Tensor::<Flex, 1>::from_data(TensorData::new(x.clone(), [x.len()]), &device);
+        let reference: Vec<f32> = burn::tensor::activation::gelu(t()).into_data().to_vec().unwrap();
+        let mut ours = x.clone();
+        super::gelu_in_place(&mut ours);
+        for ((a, b), x) in ours.iter().zip(&reference).zip(&x) {
+            assert!((a - b).abs() <= 1e-6 * x.abs().max(1.0), "gelu({x}) = {a}, burn's {b}");
+        }
+        // The derivative against burn's autodiff of its GELU.
+        type Train = burn::backend::Autodiff<Flex>;
+        let xt = Tensor::<Train, 1>::from_data(TensorData::new(x.clone(), [x.len()]), &device).require_grad();
+        let grads = burn::tensor::activation::gelu(xt.clone()).sum().backward();
+        let reference: Vec<f32> = xt.grad(&grads).unwrap().into_data().to_vec().unwrap();
+        let mut ours = vec![1.0; x.len()];
+        super::gelu_backward_in_place(&x, &mut ours);
+        for ((a, b), x) in ours.iter().zip(&reference).zip(&x) {
+            assert!((a - b).abs() <= 2e-6, "gelu'({x}) = {a}, burn's {b}");
+        }
+    }
+
+    #[test]
+    fn the_fast_exp_is_within_a_few_ulp() {
+        for i in -8_700..=8_800 {
+            let x = i as f32 * 0.01;
+            let (ours, std) = (super::exp_fast(x), x.exp());
+            assert!((ours - std).abs() <= 4.0 * f32::EPSILON * std, "exp({x}) = {ours}, std {std}");
+        }
+    }
+}
