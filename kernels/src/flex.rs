@@ -176,18 +176,18 @@ fn epilogue_in_place(
 /// A strided matrix inside a buffer: element `(r, c)` at
 /// `data[offset + r * row_stride + c * col_stride]`.
 #[derive(Debug, Clone, Copy)]
-struct Matrix<'a> {
-    data: &'a [f32],
-    offset: usize,
-    rows: usize,
-    cols: usize,
-    row_stride: usize,
-    col_stride: usize,
+pub(crate) struct Matrix<'a> {
+    pub(crate) data: &'a [f32],
+    pub(crate) offset: usize,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) row_stride: usize,
+    pub(crate) col_stride: usize,
 }
 
 impl<'a> Matrix<'a> {
     /// A contiguous row-major `rows x cols` matrix.
-    fn dense(data: &'a [f32], rows: usize, cols: usize) -> Self {
+    pub(crate) fn dense(data: &'a [f32], rows: usize, cols: usize) -> Self {
         Self { data, offset: 0, rows, cols, row_stride: cols, col_stride: 1 }
     }
 
@@ -208,7 +208,7 @@ impl<'a> Matrix<'a> {
         })
     }
 
-    fn transposed(self) -> Self {
+    pub(crate) fn transposed(self) -> Self {
         Self {
             rows: self.cols,
             cols: self.rows,
@@ -229,7 +229,13 @@ impl<'a> Matrix<'a> {
 
 /// `dst = lhs @ rhs`, or `dst += lhs @ rhs` with `accumulate`, for a
 /// contiguous row-major `dst`, through the `gemm` crate.
-fn gemm_into(dst: &mut [f32], lhs: Matrix, rhs: Matrix, accumulate: bool, parallelism: gemm::Parallelism) {
+pub(crate) fn gemm_into(
+    dst: &mut [f32],
+    lhs: Matrix,
+    rhs: Matrix,
+    accumulate: bool,
+    parallelism: gemm::Parallelism,
+) {
     let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
     assert!(
         rhs.rows == k && dst.len() == m * n && lhs.in_bounds() && rhs.in_bounds(),

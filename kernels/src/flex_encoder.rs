@@ -9,6 +9,7 @@
 
 use rayon::prelude::*;
 
+use crate::flex::{gemm_into, Matrix};
 use crate::transformer::MASKED_SCORE;
 
 /// Sizes of one attention call: `[batch, tokens, heads * head_dim]`.
@@ -86,9 +87,47 @@ fn softmax_row(row: &mut [f32]) {
     row.iter_mut().for_each(|v| *v *= inv);
 }
 
+/// Head `h` of a sequence's `[tokens, heads * head_dim]` values as a
+/// `[tokens, head_dim]` matrix (rows `heads * head_dim` apart).
+fn head(values: &[f32], sizes: AttentionSizes, h: usize) -> Matrix<'_> {
+    Matrix {
+        data: values,
+        offset: h * sizes.head_dim,
+        rows: sizes.tokens,
+        cols: sizes.head_dim,
+        row_stride: sizes.width(),
+        col_stride: 1,
+    }
+}
+
+/// `dst = lhs @ rhs` on this thread (the caller runs sequences in parallel).
+fn product(dst: &mut [f32], lhs: Matrix, rhs: Matrix) {
+    gemm_into(dst, lhs, rhs, false, gemm::Parallelism::None);
+}
+
+/// Copies a dense `[tokens, head_dim]` block into head `h` of `[tokens,
+/// heads * head_dim]` values.
+fn scatter_head(dst: &mut [f32], block: &[f32], sizes: AttentionSizes, h: usize) {
+    for (t, row) in block.chunks(sizes.head_dim).enumerate() {
+        dst[head_row(sizes, t, h)].copy_from_slice(row);
+    }
+}
+
 wide! {
+/// Scales and masks the scores of one head (`[tokens, tokens]`) and turns
+/// each row into its softmax.
+fn scores_to_probs(scores: &mut [f32], bias: &[f32], scale: f32) {
+    for row in scores.chunks_mut(bias.len().max(1)) {
+        row.iter_mut().zip(bias).for_each(|(s, b)| *s = *s * scale + b);
+        softmax_row(row);
+    }
+}
+}
+
 /// One sequence's attention: `context` and, when not empty, `probs`
-/// (`[heads, tokens, tokens]`) from its `qkv` and `mask`.
+/// (`[heads, tokens, tokens]`) from its `qkv` and `mask`. Per head, the
+/// scores `Q K^T` and the weighted values `P V` are matrix products on the
+/// heads' strided views.
 fn attend_sequence(
     qkv: [&[f32]; 3],
     mask: &[f32],
@@ -97,28 +136,21 @@ fn attend_sequence(
     probs: &mut [f32],
 ) {
     let [q, k, v] = qkv;
-    let (tokens, head_dim) = (sizes.tokens, sizes.head_dim);
-    let scale = 1.0 / (head_dim as f32).sqrt();
+    let tokens = sizes.tokens;
+    let scale = 1.0 / (sizes.head_dim as f32).sqrt();
     let bias: Vec<f32> = mask.iter().map(|m| (1.0 - m) * MASKED_SCORE).collect();
-    let mut row = vec![0f32; tokens];
-    context.fill(0.0);
+    let mut own = vec![0f32; if probs.is_empty() { tokens * tokens } else { 0 }];
+    let mut block = vec![0f32; tokens * sizes.head_dim];
     for h in 0..sizes.heads {
-        for i in 0..tokens {
-            let qi = &q[head_row(sizes, i, h)];
-            for (j, score) in row.iter_mut().enumerate() {
-                *score = dot(qi, &k[head_row(sizes, j, h)]) * scale + bias[j];
-            }
-            softmax_row(&mut row);
-            let out = head_row(sizes, i, h);
-            for (j, &p) in row.iter().enumerate() {
-                axpy(&mut context[out.clone()], p, &v[head_row(sizes, j, h)]);
-            }
-            if !probs.is_empty() {
-                probs[(h * tokens + i) * tokens..][..tokens].copy_from_slice(&row);
-            }
-        }
+        let p: &mut [f32] = match probs.is_empty() {
+            true => &mut own,
+            false => &mut probs[h * tokens * tokens..(h + 1) * tokens * tokens],
+        };
+        product(p, head(q, sizes, h), head(k, sizes, h).transposed());
+        scores_to_probs(p, &bias, scale);
+        product(&mut block, Matrix::dense(p, tokens, tokens), head(v, sizes, h));
+        scatter_head(context, &block, sizes, h);
     }
-}
 }
 
 /// [`crate::FusedBackend::masked_attention`] on contiguous `f32` values:
@@ -145,7 +177,17 @@ pub(crate) fn attention(
 }
 
 wide! {
-/// One sequence's attention backward into its `dq`, `dk`, `dv` (zeroed).
+/// `dS = P (dP - rowsum(dP P)) * scale` in place of `dP`, row by row.
+fn probs_backward(dp: &mut [f32], p: &[f32], tokens: usize, scale: f32) {
+    for (d, p) in dp.chunks_mut(tokens.max(1)).zip(p.chunks(tokens.max(1))) {
+        let weighted = dot(d, p);
+        d.iter_mut().zip(p).for_each(|(d, p)| *d = p * (*d - weighted) * scale);
+    }
+}
+}
+
+/// One sequence's attention backward into its `dq`, `dk`, `dv`: per head,
+/// `dV = P^T dO`, `dP = dO V^T`, then `dQ = dS K` and `dK = dS^T Q`.
 fn attend_sequence_backward(
     qkv: [&[f32]; 3],
     probs: &[f32],
@@ -155,30 +197,22 @@ fn attend_sequence_backward(
 ) {
     let [q, k, v] = qkv;
     let [dq, dk, dv] = grads;
-    let (tokens, head_dim) = (sizes.tokens, sizes.head_dim);
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut ds = vec![0f32; tokens];
+    let tokens = sizes.tokens;
+    let scale = 1.0 / (sizes.head_dim as f32).sqrt();
+    let mut ds = vec![0f32; tokens * tokens];
+    let mut block = vec![0f32; tokens * sizes.head_dim];
     for h in 0..sizes.heads {
-        for i in 0..tokens {
-            let p = &probs[(h * tokens + i) * tokens..][..tokens];
-            let gi = &grad[head_row(sizes, i, h)];
-            // dP_ij = dO_i . V_j; dS_ij = P_ij (dP_ij - sum_j dP_ij P_ij).
-            let mut weighted = 0.0;
-            for (j, d) in ds.iter_mut().enumerate() {
-                *d = dot(gi, &v[head_row(sizes, j, h)]);
-                weighted += *d * p[j];
-            }
-            let qi = head_row(sizes, i, h);
-            for j in 0..tokens {
-                let s = p[j] * (ds[j] - weighted) * scale;
-                let kj = head_row(sizes, j, h);
-                axpy(&mut dq[qi.clone()], s, &k[kj.clone()]);
-                axpy(&mut dk[kj.clone()], s, &q[qi.clone()]);
-                axpy(&mut dv[kj], p[j], gi);
-            }
-        }
+        let p = Matrix::dense(&probs[h * tokens * tokens..(h + 1) * tokens * tokens], tokens, tokens);
+        product(&mut block, p.transposed(), head(grad, sizes, h));
+        scatter_head(dv, &block, sizes, h);
+        product(&mut ds, head(grad, sizes, h), head(v, sizes, h).transposed());
+        probs_backward(&mut ds, p.data, tokens, scale);
+        let ds_matrix = Matrix::dense(&ds, tokens, tokens);
+        product(&mut block, ds_matrix, head(k, sizes, h));
+        scatter_head(dq, &block, sizes, h);
+        product(&mut block, ds_matrix.transposed(), head(q, sizes, h));
+        scatter_head(dk, &block, sizes, h);
     }
-}
 }
 
 /// [`crate::FusedBackend::masked_attention_backward`] on contiguous `f32`
