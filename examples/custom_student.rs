@@ -20,11 +20,11 @@ use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
-use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::jobs::eval::{score, TopOneAccuracy};
 use pipe_bd::runtime::Distillation;
 use pipe_bd::train::{inference_blocks, TrainSettings};
 use pipe_bd::{Activation, Block, BlockResult, FusedBackend, Plan, Students};
+use pipebd_zoo::mnist::Split;
 
 /// Training backend: burn's CPU backend with autodiff (the teacher runs on
 /// its inner backend, `Flex`).
@@ -92,9 +92,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     <Flex as Backend>::seed(&device, 7);
 
     // The built-in teacher, cut into its 4 blocks, and MNIST.
-    let teacher = pipe_bd::zoo::mnist_teacher::<Flex>(Path::new("data/teachers/mnist-cnn.pth"), &device)?;
-    let train = ImageDataset::load_mnist(Path::new("data/mnist"), Split::Train, Some(train_limit))?;
-    let test = ImageDataset::load_mnist(Path::new("data/mnist"), Split::Test, Some(2000))?;
+    let teacher = pipebd_zoo::mnist_teacher::<Flex>(Path::new("data/teachers/mnist-cnn.pth"), &device)?;
+    let train = pipebd_zoo::mnist::load(Path::new("data/mnist"), Split::Train, Some(train_limit))?;
+    let test = pipebd_zoo::mnist::load(Path::new("data/mnist"), Split::Test, Some(2000))?;
 
     // Our students: shapes, parameters and losses are inferred from the
     // modules and checked against the teacher's blocks.

@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use pipebd_core::{LossKind, Schedule};
 use serde::{Deserialize, Serialize};
 
-use crate::data::text::ProbeConfig;
 use crate::error::{Error, Result};
 use crate::train::optim::OptimizerConfig;
 use crate::train::stitch::StitchedGradients;
@@ -242,70 +241,95 @@ fn default_max_failures() -> usize {
 }
 
 /// Which dataset, where.
+///
+/// Besides the keys below, `[data]` may hold keys of the zoo's own (the
+/// built-in zoo's `max_tokens` and `[data.probe]` for text): the zoo names
+/// them ([`crate::zoo::Zoo::data_options`]; any other key is refused) and
+/// parses them from [`DataConfig::options`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// Dataset kind: `mnist` (IDX files; Fashion-MNIST uncompressed works
-    /// too) or `brown` (the Brown corpus, for the `minilm-l6` teacher).
+    /// The data set's name, as the zoo knows it (the built-in zoo: `mnist`
+    /// for MNIST-format images, `brown` for the Brown corpus).
     pub dataset: String,
-    /// Folder with the IDX files, or the Brown corpus files (`c[a-r]NN`).
+    /// Folder with the data set's files.
     pub dir: PathBuf,
-    /// Use at most this many training samples (sentences for `brown`).
+    /// Use at most this many training samples.
     #[serde(default)]
     pub train_limit: Option<usize>,
-    /// Use at most this many test samples (held-out sentences for `brown`).
+    /// Use at most this many test samples.
     #[serde(default)]
     pub test_limit: Option<usize>,
-    /// Text: every sentence is truncated or padded to this many tokens,
-    /// `[CLS]` and `[SEP]` included (default 64).
-    #[serde(default)]
-    pub max_tokens: Option<usize>,
-    /// Text: the downstream probe on frozen sentence embeddings.
-    #[serde(default)]
-    pub probe: Option<ProbeConfig>,
-}
-
-/// Default `data.max_tokens`.
-pub const DEFAULT_MAX_TOKENS: usize = 64;
-
-impl DataConfig {
-    /// Tokens per sequence for text data.
-    pub fn max_tokens(&self) -> usize {
-        self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
-    }
+    /// The zoo's own keys of `[data]`, as written.
+    #[serde(flatten)]
+    pub options: toml::Table,
 }
 
 /// Which teacher, with which weights.
+///
+/// Besides `kind` and `weights`, `[teacher]` may hold keys of the zoo's own
+/// (the built-in zoo's `tokenizer` and `layers_per_block` for MiniLM),
+/// named by [`crate::zoo::Zoo::teacher_options`] and parsed from
+/// [`TeacherConfig::options`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct TeacherConfig {
-    /// Teacher kind: `mnist-cnn` or `minilm-l6`.
-    pub kind: String,
-    /// Weight file (PyTorch `.pth` for `mnist-cnn`, `model.safetensors` for
+    /// Teacher kind, as the zoo knows it (the built-in zoo: `mnist-cnn` or
     /// `minilm-l6`).
+    pub kind: String,
+    /// The teacher's weight file.
     pub weights: PathBuf,
-    /// `minilm-l6`: the tokenizer (default: `tokenizer.json` beside the weights).
-    #[serde(default)]
-    pub tokenizer: Option<PathBuf>,
-    /// `minilm-l6`: teacher layers per block, in order (default one each:
-    /// six blocks). `[2, 2, 2]` cuts three blocks of two layers, so that one
-    /// student block replaces two teacher layers.
-    #[serde(default)]
-    pub layers_per_block: Option<Vec<usize>>,
+    /// The zoo's own keys of `[teacher]`, as written.
+    #[serde(flatten)]
+    pub options: toml::Table,
 }
 
 impl TeacherConfig {
-    /// A teacher of `kind` with weights at `weights` and default options.
+    /// A teacher of `kind` with weights at `weights` and no options.
     pub fn new(kind: &str, weights: impl Into<PathBuf>) -> Self {
-        Self { kind: kind.into(), weights: weights.into(), tokenizer: None, layers_per_block: None }
+        Self { kind: kind.into(), weights: weights.into(), options: toml::Table::new() }
     }
+}
 
-    /// The tokenizer file of a text teacher.
-    pub fn tokenizer_path(&self) -> PathBuf {
-        self.tokenizer
-            .clone()
-            .unwrap_or_else(|| self.weights.parent().unwrap_or(Path::new(".")).join("tokenizer.json"))
+/// Refuses a key of `[data]` or `[teacher]` that is neither the engine's nor
+/// one of the zoo's (`data_keys`, `teacher_keys`), naming what is allowed.
+pub fn check_option_keys(
+    config: &RunConfig,
+    data_keys: &[&str],
+    teacher_keys: &[&str],
+) -> std::result::Result<(), ConfigIssue> {
+    let tables = [
+        ("data", &config.data.options, data_keys, "dataset, dir, train_limit, test_limit"),
+        ("teacher", &config.teacher.options, teacher_keys, "kind, weights"),
+    ];
+    for (table, options, zoo_keys, engine_keys) in tables {
+        if let Some(key) = options.keys().find(|key| !zoo_keys.contains(&key.as_str())) {
+            let mut expected = engine_keys.to_string();
+            for zoo_key in zoo_keys {
+                expected.push_str(", ");
+                expected.push_str(zoo_key);
+            }
+            return Err(ConfigIssue::new(
+                table,
+                key,
+                format!("unknown field `{key}`, expected one of {expected}"),
+            ));
+        }
     }
+    Ok(())
+}
+
+/// A zoo's own keys of a table (`options`: [`DataConfig::options`] or
+/// [`TeacherConfig::options`]) parsed as a `C`; the issue names the table
+/// (`table`: `data` or `teacher`) and what serde found wrong.
+pub fn parse_options<C: serde::de::DeserializeOwned>(
+    table: &str,
+    options: &toml::Table,
+) -> std::result::Result<C, ConfigIssue> {
+    C::deserialize(toml::Value::Table(options.clone())).map_err(|e| {
+        let message = e.message().trim().to_string();
+        // serde names the field in its message (`missing field `x``, `unknown field `x``).
+        let key = message.split('`').nth(1).filter(|key| options.contains_key(*key)).unwrap_or("");
+        ConfigIssue::new(table, key, message.clone())
+    })
 }
 
 /// Blockwise architecture search settings (`[search]`).
@@ -694,20 +718,21 @@ impl RunConfig {
     }
 
     /// Checkpoints in `dir` as `[checkpoint]` asks, with the config fields a
-    /// checkpoint must match to be resumed from (the runtime adds each
-    /// block's shapes, parameters, steps, seed and optimizer).
-    pub fn checkpoint_policy(&self, dir: PathBuf) -> crate::train::checkpoint::CheckpointPolicy {
+    /// checkpoint must match to be resumed from: the engine's and the zoo's
+    /// (`zoo_fields`, [`crate::zoo::Zoo::checkpoint_identity`]); the
+    /// runtime adds each block's shapes, parameters, steps, seed and
+    /// optimizer.
+    pub fn checkpoint_policy(
+        &self,
+        dir: PathBuf,
+        zoo_fields: std::collections::BTreeMap<String, serde_json::Value>,
+    ) -> crate::train::checkpoint::CheckpointPolicy {
         use serde_json::json;
-        let mut identity = std::collections::BTreeMap::new();
+        let mut identity = zoo_fields;
         identity.insert("data.dataset".into(), json!(self.data.dataset));
         identity.insert("data.train_limit".into(), json!(self.data.train_limit));
-        identity.insert("data.max_tokens".into(), json!(self.data.max_tokens));
         identity.insert("teacher.kind".into(), json!(self.teacher.kind));
-        identity.insert("teacher.layers_per_block".into(), json!(self.teacher.layers_per_block));
         identity.insert("train.epochs".into(), json!(self.train.epochs));
-        if !self.custom.is_empty() {
-            identity.insert("custom".into(), json!(self.custom));
-        }
         crate::train::checkpoint::CheckpointPolicy {
             dir,
             every_steps: self.checkpoint.every_steps,

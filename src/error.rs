@@ -225,12 +225,26 @@ impl Error {
         }
     }
 
-    pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    /// An I/O failure on the user's file `path` while `action` ("reading",
+    /// "writing", "creating directory").
+    pub fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { action, path: path.into(), source }
     }
 }
 
 impl Error {
+    /// A zoo's teacher failure ([`Error::Teacher`]): `?` on the error of a
+    /// teacher crate that knows nothing of pipe-bd goes through
+    /// `.map_err(Error::teacher)`.
+    pub fn teacher(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Teacher(Box::new(error))
+    }
+
+    /// A zoo's student failure ([`Error::Student`]), as [`Error::teacher`].
+    pub fn student(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Student(Box::new(error))
+    }
+
     /// A block error of block `block` (one-based).
     pub fn block(block: usize, message: impl Into<String>) -> Self {
         Error::Core(pipebd_core::Error::Block { block, message: message.into() })

@@ -9,14 +9,14 @@
 //! ([`Activation`], [`Block`], [`BlockSpec`], [`Teacher`], [`Students`],
 //! [`Dataset`], [`Plan`], and the backend traits [`FusedBackend`] and
 //! [`DistillBackend`]), so a user's crate needs only `pipe-bd` and `burn`
-//! (the built-in [`teachers`] and [`students`] and [`serde`] are re-exported
-//! for a zoo of its own).
+//! ([`serde`] is re-exported for a zoo of its own; the built-in teachers,
+//! students and data are the `pipebd-zoo` crate's, which a zoo may reuse).
 //! Train your own blocks with [`runtime::Distillation`]; see
 //! `examples/` and `ARCHITECTURE.md`.
 //!
 //! - [`data`]: datasets and seeded batching,
 //! - [`zoo`]: where teachers, students and data come from ([`zoo::Zoo`]; the
-//!   built-in ones are [`zoo::Builtin`]), from config sections,
+//!   built-in ones are `pipebd_zoo::Builtin`), from config sections,
 //! - [`train`]: one block's optimizer step, its settings, the stitched pass,
 //! - [`runtime`]: the one interpreter of plans,
 //! - [`jobs`]: what each `pipebd` command does, from a
@@ -24,8 +24,11 @@
 //! - [`report`]: `report.json` and `metrics.csv`,
 //! - [`search`]: choosing one candidate student per block under a budget.
 //!
-//! The `pipebd` binary is [`cli::run_with`]`(`[`zoo::Builtin`]`)`; a crate
-//! with its own zoo gets the same command line for its blocks.
+//! The `pipebd` binary (crate `pipebd-zoo`) is [`cli::run_with`]`(Builtin)`;
+//! a crate with its own zoo gets the same command line for its blocks.
+//!
+//! This crate depends on no teacher, student or data set: the built-in ones
+//! live in `pipebd-zoo`, above it (a rule cargo enforces).
 //!
 //! # Feature flags
 //! - `cuda`: burn's CUDA backend (`device = "cuda:N"`).
@@ -60,11 +63,6 @@ pub use pipebd_core::{
     Teacher,
 };
 pub use pipebd_core::{Error as BlockError, Result as BlockResult};
-/// The built-in student zoo (`pipebd-students`), for a zoo that reuses its blocks.
-pub use pipebd_students as students;
-/// The built-in teachers and their weight import (`pipebd-teachers`), for a
-/// zoo that reuses them.
-pub use pipebd_teachers as teachers;
 /// serde, which a [`zoo::Zoo`] parses its config sections with: derive with
 /// `#[derive(pipe_bd::serde::Deserialize)]` and `#[serde(crate =
 /// "pipe_bd::serde")]`, and a crate needs no serde of its own.

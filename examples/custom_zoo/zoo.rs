@@ -8,13 +8,13 @@ use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use pipe_bd::config::{ConfigIssue, RunConfig};
-use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::jobs::eval::TopOneAccuracy;
 use pipe_bd::serde::Deserialize;
-use pipe_bd::teachers::mnist_cnn::{block_flops, MnistBlock, MnistCnn};
 use pipe_bd::zoo::{parse_custom, parse_students, Workload, Zoo};
 use pipe_bd::{forward_chain, Activation, Block, BlockError, BlockResult, BlockSpec, DistillBackend};
 use pipe_bd::{FusedBackend, Students, Teacher};
+use pipebd_zoo::mnist::Split;
+use pipebd_zoo::teachers::mnist_cnn::{block_flops, MnistBlock, MnistCnn};
 
 /// The zoo's own settings: the `[custom]` table. (serde comes through
 /// pipe-bd: this crate needs only `pipe-bd` and `burn`.)
@@ -218,8 +218,9 @@ impl Zoo for MyZoo {
     }
 
     fn check_inputs(&self, config: &RunConfig) -> pipe_bd::Result<()> {
-        pipe_bd::data::check_mnist_files(&config.data.dir)?;
-        MnistCnn::<burn::backend::Flex>::load_pytorch(&config.teacher.weights, &Default::default())?;
+        pipebd_zoo::mnist::check_mnist_files(&config.data.dir)?;
+        MnistCnn::<burn::backend::Flex>::load_pytorch(&config.teacher.weights, &Default::default())
+            .map_err(pipe_bd::Error::teacher)?;
         Ok(())
     }
 
@@ -229,14 +230,14 @@ impl Zoo for MyZoo {
         device: &B::Device,
         with_evaluation: bool,
     ) -> pipe_bd::Result<Workload<B, Group<B>>> {
-        let cnn = MnistCnn::load_pytorch(&config.teacher.weights, device)?;
+        let cnn = MnistCnn::load_pytorch(&config.teacher.weights, device).map_err(pipe_bd::Error::teacher)?;
         let test = match with_evaluation {
-            true => Some(ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit)?),
+            true => Some(pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit)?),
             false => None,
         };
         Ok(Workload {
             teacher: Self::teacher(config, cnn, device)?,
-            train: Box::new(ImageDataset::load_mnist(
+            train: Box::new(pipebd_zoo::mnist::load(
                 &config.data.dir,
                 Split::Train,
                 config.data.train_limit,

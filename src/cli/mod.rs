@@ -219,16 +219,6 @@ enum Command {
     },
 }
 
-/// The `pipebd` command line with the built-in zoo ([`run_with`]`(Builtin)`).
-///
-/// Not generic, so the library compiles the whole engine for the built-in zoo
-/// once, here, and `pipebd` and the tests link that copy: in a release build
-/// every crate that names `Builtin` in a generic call compiles the engine for
-/// it again (minutes for each).
-pub fn run_builtin() -> ExitCode {
-    run_with(crate::zoo::Builtin)
-}
-
 /// Parses the command line and runs the command with the teachers, students
 /// and datasets of `zoo`; prints errors and returns the exit status (2 for
 /// errors in the user's input, 1 otherwise).

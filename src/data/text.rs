@@ -1,11 +1,9 @@
 //! What a text evaluation reports, and the arithmetic behind it: the
 //! cosine of sentence embeddings, its breakdown by sentence length, and a
 //! logistic-regression probe fitted on frozen embeddings (a downstream task
-//! scored for teacher and student alike). The config of such a probe is
-//! here too; which corpus, tokenizer and teacher produce the embeddings is a
-//! zoo's business (the built-in one: `zoo::text`).
-
-use std::path::PathBuf;
+//! scored for teacher and student alike). Which corpus, tokenizer and
+//! teacher produce the embeddings, and the probe's settings, are a zoo's
+//! business (the built-in one: `pipebd_zoo::text`).
 
 use serde::{Deserialize, Serialize};
 
@@ -184,31 +182,6 @@ pub struct ProbeReport {
     pub teacher_accuracy: f64,
     /// Accuracy with the stitched student's embeddings.
     pub student_accuracy: f64,
-}
-
-/// The SpamAssassin ham/spam probe: logistic regression on frozen sentence
-/// embeddings of the teacher and of the stitched student, same split.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ProbeConfig {
-    /// Folder with the `<group>/*.json` email files.
-    pub dir: PathBuf,
-    /// Use at most this many emails (a seeded, fixed sample; default all).
-    #[serde(default)]
-    pub limit: Option<usize>,
-    /// Tokens per email body (default 128).
-    #[serde(default = "default_probe_tokens")]
-    pub max_tokens: usize,
-    /// Share of the emails held out to score the probe (default 0.3).
-    #[serde(default = "default_test_fraction")]
-    pub test_fraction: f64,
-}
-
-fn default_probe_tokens() -> usize {
-    128
-}
-fn default_test_fraction() -> f64 {
-    0.3
 }
 
 /// Cosine of each pair of embeddings.

@@ -494,7 +494,7 @@ pub fn profile_key(config: &RunConfig) -> String {
         "students": config.students,
         "custom": config.custom,
         "batch": config.train.batch_size,
-        "tokens": config.data.max_tokens,
+        "data": config.data.options,
         "devices": config.device_slots(),
         "optimizer": config.optimizer,
         "threads": config.runtime.threads_per_worker,

@@ -49,18 +49,20 @@ pub struct RunFlags {
 
 /// The runtime settings of a run, built here once: the config's
 /// ([`RunConfig::runtime_settings`]), with checkpoints in
-/// `out_dir/checkpoints`, the flags' resume folder and failure budget,
+/// `out_dir/checkpoints` (resumed only under the same config fields, the
+/// zoo's `zoo_identity` among them), the flags' resume folder and failure budget,
 /// faults from [`crate::fault::ENV`], the cost table for re-planning and,
 /// across processes, the transport (ranks on one machine share its cores).
 pub fn runtime_settings_for(
     config: &RunConfig,
+    zoo_identity: std::collections::BTreeMap<String, serde_json::Value>,
     out_dir: &Path,
     flags: &RunFlags,
     costs: Option<&CostTable>,
     transport: Option<&Arc<dyn Transport>>,
 ) -> Result<crate::runtime::RuntimeSettings> {
     let mut runtime = config.runtime_settings();
-    runtime.checkpoints = Some(config.checkpoint_policy(out_dir.join("checkpoints")));
+    runtime.checkpoints = Some(config.checkpoint_policy(out_dir.join("checkpoints"), zoo_identity));
     runtime.resume_from = flags.resume.clone();
     runtime.faults.extend(crate::fault::from_env()?);
     if let Some(max) = flags.max_failures {
@@ -208,8 +210,15 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let (trained_on, held_out) =
             held_out_split(train.as_ref(), config.has_candidates().then_some(config.search.held_out));
 
-        let runtime =
-            runtime_settings_for(config, self.out_dir, self.flags, self.costs, self.transport.as_ref())?;
+        let identity = self.zoo.checkpoint_identity(config);
+        let runtime = runtime_settings_for(
+            config,
+            identity,
+            self.out_dir,
+            self.flags,
+            self.costs,
+            self.transport.as_ref(),
+        )?;
         let rank = self.transport.as_ref().map_or(0, |t| t.rank());
         let settings = config.train_settings();
         let mut distillation = Distillation::new(&teacher, students, &trained_on)

@@ -2,30 +2,24 @@
 //! one door through which `pipebd run`, `bench`, `profile`, `sweep`, `eval`
 //! and `check` build a job's blocks and data from its config.
 //!
-//! The built-in zoo ([`Builtin`]: the MNIST CNN and MiniLM teachers, the
-//! students of `pipebd-students`) goes through this door like any other. A
-//! user crate implements [`Zoo`] for its own kinds and calls
-//! [`crate::cli::run_with`] (the whole `pipebd` command line) or the job
-//! functions ([`crate::jobs::run::run`], ...) with it; see
+//! The built-in zoo (`pipebd_zoo::Builtin`, its own crate: the MNIST CNN and
+//! MiniLM teachers, the students of `pipebd-students`, their data) goes
+//! through this door like any other. A user crate implements [`Zoo`] for its
+//! own kinds and calls [`crate::cli::run_with`] (the whole `pipebd` command
+//! line) or the job functions ([`crate::jobs::run::run`], ...) with it; see
 //! `examples/custom_zoo/`.
 
-mod builtin;
-pub mod text;
-
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use pipebd_core::{Block, BlockSpec, Dataset, Students};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use serde::de::DeserializeOwned;
 
-use crate::config::{ConfigIssue, Overrides, RunConfig};
+pub use crate::config::parse_options;
+use crate::config::{check_option_keys, ConfigIssue, Overrides, RunConfig};
 use crate::error::{Error, Result};
 use crate::jobs::eval::Evaluate;
-
-pub use builtin::{
-    build_minilm, build_teacher, eval_builtin_run, layers_per_block, mnist_teacher, run_builtin, Builtin,
-    BuiltinTeacher,
-};
 
 /// A family of teachers, students and datasets that configs can name.
 ///
@@ -47,6 +41,40 @@ pub trait Zoo: Sync {
     /// kind, each student table, `[custom]`) before anything runs. Name the
     /// field in the issue: errors then point at the file's line.
     fn check_config(&self, config: &RunConfig) -> std::result::Result<(), ConfigIssue>;
+
+    /// The keys of `[data]` this zoo reads beyond the engine's (`dataset`,
+    /// `dir`, `train_limit`, `test_limit`), parsed from
+    /// [`DataConfig::options`](crate::config::DataConfig::options) (e.g. with
+    /// [`parse_options`]); any other key is refused before
+    /// [`Zoo::check_config`] runs. None by default.
+    fn data_options(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// The keys of `[teacher]` this zoo reads beyond `kind` and `weights`,
+    /// as [`Zoo::data_options`]. None by default.
+    fn teacher_options(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// The config fields of this zoo that a checkpoint must match to be
+    /// resumed from (name -> value as written; a checkpoint written under
+    /// other values is refused, one that lacks a name too). By default every
+    /// `[data]` and `[teacher]` option as `data.<key>` / `teacher.<key>`, and
+    /// `custom` when `[custom]` is not empty; leave out what does not change
+    /// training (an evaluation setting).
+    fn checkpoint_identity(&self, config: &RunConfig) -> BTreeMap<String, serde_json::Value> {
+        let mut identity = BTreeMap::new();
+        for (table, options) in [("data", &config.data.options), ("teacher", &config.teacher.options)] {
+            for (key, value) in options {
+                identity.insert(format!("{table}.{key}"), serde_json::json!(value));
+            }
+        }
+        if !config.custom.is_empty() {
+            identity.insert("custom".into(), serde_json::json!(config.custom));
+        }
+        identity
+    }
 
     /// The teacher's block specs, cheaply (without reading large weight files
     /// where possible): configs are checked against them before heavy work.
@@ -124,7 +152,7 @@ pub trait Zoo: Sync {
     /// Parses and validates config text: the engine's checks, then this
     /// zoo's ([`Zoo::check_config`]); `path` is only used in errors.
     fn parse_config(&self, text: &str, path: &Path) -> Result<RunConfig> {
-        RunConfig::parse_checked(text, path, &|config| self.check_config(config))
+        RunConfig::parse_checked(text, path, &|config| self.check_all(config))
     }
 
     /// Reads, parses and validates a config file ([`Zoo::parse_config`]),
@@ -139,7 +167,15 @@ pub trait Zoo: Sync {
     /// [`Zoo::check_config`] for a config that did not come from a file (a
     /// library user's): the error names the field but no line.
     fn check(&self, config: &RunConfig) -> Result<()> {
-        self.check_config(config).map_err(ConfigIssue::into_plain_error)
+        self.check_all(config).map_err(ConfigIssue::into_plain_error)
+    }
+
+    /// The zoo's checks of `config`: only declared option keys
+    /// ([`Zoo::data_options`], [`Zoo::teacher_options`]), then
+    /// [`Zoo::check_config`].
+    fn check_all(&self, config: &RunConfig) -> std::result::Result<(), ConfigIssue> {
+        check_option_keys(config, self.data_options(), self.teacher_options())?;
+        self.check_config(config)
     }
 }
 

@@ -14,7 +14,7 @@ use pipe_bd::jobs::profile::{plan_from_candidate, profile_key, Profile, PROFILE_
 use pipe_bd::jobs::run::RunFlags;
 use pipe_bd::planning::planner::{plan as best_plans, Candidate};
 use pipe_bd::report::RunReport;
-use pipe_bd::zoo::run_builtin;
+use pipebd_zoo::run_builtin;
 
 use crate::common;
 

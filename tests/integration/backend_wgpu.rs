@@ -20,7 +20,7 @@ fn wgpu_run_matches_the_cpu_run() {
         let mut config = RunConfig::parse(&text, Path::new("small.toml")).unwrap();
         config.device = device.to_string();
         let out = tempfile::tempdir().unwrap();
-        pipe_bd::zoo::run_builtin(&config, out.path(), &Default::default(), &mut |_| {}).unwrap()
+        pipebd_zoo::run_builtin(&config, out.path(), &Default::default(), &mut |_| {}).unwrap()
     };
     let cpu = run("cpu");
     let gpu = run("wgpu");

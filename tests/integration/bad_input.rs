@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use pipe_bd::data::read_idx_images;
 use pipe_bd::Error;
+use pipebd_zoo::mnist::read_idx_images;
 
 use crate::common;
 

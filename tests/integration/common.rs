@@ -91,7 +91,7 @@ classes = 10
 
 /// Runs the `pipebd` binary with `args`; returns (exit code, stdout, stderr).
 pub fn pipebd(args: &[&str]) -> (i32, String, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipebd"))
+    let out = std::process::Command::new(pipebd_bin())
         .args(args)
         .current_dir(repo())
         .output()
@@ -195,10 +195,9 @@ pub fn student_weights(run_dir: &std::path::Path) -> Vec<Vec<f32>> {
         }
     }
     let report = pipe_bd::report::RunReport::read(run_dir).unwrap();
-    let teacher = pipe_bd::zoo::Builtin.teacher_specs(&report.config).unwrap();
+    let teacher = pipebd_zoo::Builtin.teacher_specs(&report.config).unwrap();
     let (blocks, _) =
-        pipe_bd::jobs::eval::load_students(&pipe_bd::zoo::Builtin, run_dir, &report.config, &teacher)
-            .unwrap();
+        pipe_bd::jobs::eval::load_students(&pipebd_zoo::Builtin, run_dir, &report.config, &teacher).unwrap();
     blocks
         .iter()
         .map(|b| {
@@ -231,4 +230,25 @@ pub fn rerun_alone(test: &str) -> bool {
     assert!(out.status.success(), "{test} failed in its own process:\n{stdout}\n{stderr}");
     assert!(stdout.contains("1 passed"), "{test} did not run in its own process:\n{stdout}\n{stderr}");
     true
+}
+
+/// The `pipebd` binary (crate `pipebd-zoo`) beside this test binary in the
+/// target folder: `cargo test --workspace` builds it (pipebd-zoo's own
+/// tests need it); a test run of the engine's package alone needs
+/// `cargo build --release --bin pipebd` first.
+pub fn pipebd_bin() -> &'static str {
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        let test_binary = std::env::current_exe().expect("the test binary's path");
+        // target/<profile>/deps/integration-<hash> -> target/<profile>/pipebd
+        let profile_dir = test_binary.parent().and_then(|deps| deps.parent()).expect("a target folder");
+        let bin = profile_dir.join(format!("pipebd{}", std::env::consts::EXE_SUFFIX));
+        assert!(
+            bin.is_file(),
+            "no pipebd binary at {}: build it with `cargo build --release --features wgpu,mpi --bin pipebd` \
+             (or run `cargo test --workspace`, which builds it)",
+            bin.display()
+        );
+        bin.to_string_lossy().into_owned()
+    })
 }

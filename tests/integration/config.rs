@@ -4,8 +4,9 @@
 use std::path::Path;
 
 use pipe_bd::config::RunConfig;
-use pipe_bd::zoo::{Builtin, Zoo};
+use pipe_bd::zoo::Zoo;
 use pipe_bd::Error;
+use pipebd_zoo::Builtin;
 
 use crate::common;
 

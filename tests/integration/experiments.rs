@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use pipe_bd::jobs::check::preflight;
 use pipe_bd::jobs::sweep::{apply, expand, SweepConfig};
-use pipe_bd::zoo::{Builtin, Zoo};
+use pipe_bd::zoo::Zoo;
+use pipebd_zoo::Builtin;
 
 fn experiments() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");

@@ -9,14 +9,15 @@ use std::time::{Duration, Instant};
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use pipe_bd::config::RunConfig;
-use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
-use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
+use pipe_bd::zoo::Zoo;
 use pipe_bd::Error;
 use pipe_bd::{Activation, Block, Students};
 use pipebd_kernels::FusedBackend;
 use pipebd_students::StudentBlock;
+use pipebd_zoo::mnist::Split;
+use pipebd_zoo::{build_teacher, Builtin};
 
 use crate::common;
 
@@ -62,7 +63,7 @@ fn threads() -> usize {
 fn run_with_fault(mode: usize) -> (Error, Duration, usize) {
     let config = RunConfig::parse(&common::small_config(640, 100, 1), Path::new("fault.toml")).unwrap();
     let device = Default::default();
-    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
     let students = Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
     let blocks = students

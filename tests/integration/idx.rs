@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use pipe_bd::data::{read_idx_images, read_idx_labels, ImageDataset, Split};
 use pipe_bd::Error;
+use pipebd_zoo::mnist::{read_idx_images, read_idx_labels, Split};
 
 fn idx_images(count: u32, rows: u32, cols: u32, pixels: &[u8]) -> Vec<u8> {
     let mut bytes = Vec::new();
@@ -104,20 +104,20 @@ fn rejects_mismatched_image_and_label_counts() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "t10k-images-idx3-ubyte", &idx_images(3, 2, 2, &[0; 12]));
     let labels = write(dir.path(), "t10k-labels-idx1-ubyte", &idx_labels(&[1, 2]));
-    let text = data_message(ImageDataset::load_mnist(dir.path(), Split::Test, None), &labels);
+    let text = data_message(pipebd_zoo::mnist::load(dir.path(), Split::Test, None), &labels);
     assert!(text.contains("2 labels for 3 images"), "{text}");
 }
 
 #[test]
 fn missing_files_point_to_the_setup_script() {
     let dir = tempfile::tempdir().unwrap();
-    let err = ImageDataset::load_mnist(dir.path(), Split::Train, None).unwrap_err();
+    let err = pipebd_zoo::mnist::load(dir.path(), Split::Train, None).unwrap_err();
     assert!(err.to_string().contains("setup-data.sh"), "{err}");
 }
 
 #[test]
 fn real_mnist_test_split_has_ten_thousand_labelled_images() {
-    let data = ImageDataset::load_mnist(&common::mnist_dir(), Split::Test, None).unwrap();
+    let data = pipebd_zoo::mnist::load(&common::mnist_dir(), Split::Test, None).unwrap();
     assert_eq!(data.len(), 10_000);
     assert_eq!(data.sample_shape(), vec![1, 28, 28]);
     let mut counts = [0usize; 10];

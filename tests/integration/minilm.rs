@@ -7,11 +7,12 @@ use burn::backend::Flex;
 use pipe_bd::config::RunConfig;
 use pipe_bd::data::text::cosine;
 use pipe_bd::jobs::eval::Network;
-use pipe_bd::zoo::build_minilm;
-use pipe_bd::zoo::text::sentence_embeddings;
-use pipe_bd::zoo::{student_table, Builtin, Zoo};
+use pipe_bd::zoo::{student_table, Zoo};
 use pipe_bd::{forward_chain, Activation};
 use pipebd_teachers::minilm::MiniLmTokenizer;
+use pipebd_zoo::build_minilm;
+use pipebd_zoo::text::sentence_embeddings;
+use pipebd_zoo::Builtin;
 use serde::Deserialize;
 
 use crate::common;
@@ -36,7 +37,10 @@ fn reference() -> Reference {
 
 fn config(layers_per_block: Option<Vec<usize>>, max_tokens: usize) -> RunConfig {
     let mut config = common::minilm_config(64, 16, 1, max_tokens);
-    config.teacher.layers_per_block = layers_per_block;
+    if let Some(groups) = layers_per_block {
+        let groups = groups.iter().map(|&n| toml::Value::Integer(n as i64)).collect();
+        config.teacher.options.insert("layers_per_block".into(), toml::Value::Array(groups));
+    }
     config
 }
 
@@ -44,7 +48,7 @@ fn config(layers_per_block: Option<Vec<usize>>, max_tokens: usize) -> RunConfig 
 fn teacher_reproduces_the_reference_ids_and_embeddings() {
     let reference = reference();
     let config = config(None, reference.max_length);
-    let tokenizer = MiniLmTokenizer::load(&config.teacher.tokenizer_path()).unwrap();
+    let tokenizer = MiniLmTokenizer::load(&pipebd_zoo::tokenizer_path(&config).unwrap()).unwrap();
     let device = Default::default();
     let (embeddings, teacher) = build_minilm::<Flex>(&config, &device).unwrap();
     let mut ids = Vec::new();
@@ -66,7 +70,7 @@ fn teacher_reproduces_the_reference_ids_and_embeddings() {
 fn grouping_layers_into_blocks_does_not_change_the_teacher() {
     let reference = reference();
     let device = Default::default();
-    let tokenizer = MiniLmTokenizer::load(&config(None, 32).teacher.tokenizer_path()).unwrap();
+    let tokenizer = MiniLmTokenizer::load(&pipebd_zoo::tokenizer_path(&config(None, 32)).unwrap()).unwrap();
     let ids: Vec<Vec<u32>> =
         reference.sentences.iter().take(3).map(|s| tokenizer.encode(&s.text, 32).unwrap()).collect();
     let (embeddings, six) = build_minilm::<Flex>(&config(None, 32), &device).unwrap();
@@ -79,7 +83,7 @@ fn grouping_layers_into_blocks_does_not_change_the_teacher() {
     let flops = |t: &pipe_bd::Teacher<Flex, _>| t.specs.iter().map(|s| s.flops).sum::<u64>();
     assert_eq!(flops(&six), flops(&three));
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-    let input = pipe_bd::zoo::text::embed_batch(&embeddings, &refs, 32, &device);
+    let input = pipebd_zoo::text::embed_batch(&embeddings, &refs, 32, &device);
     let (Activation::Tokens { hidden: a, .. }, Activation::Tokens { hidden: b, .. }) =
         (forward_chain(&six.blocks, input.clone()).unwrap(), forward_chain(&three.blocks, input).unwrap())
     else {
@@ -109,7 +113,7 @@ fn a_student_pruned_to_the_teachers_full_size_is_the_teacher() {
     let stitched = pipe_bd::train::inference_blocks(&students);
     let ids: Vec<Vec<u32>> = vec![vec![101, 1996, 4248, 2829, 102], vec![101, 7592, 102]];
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-    let input = pipe_bd::zoo::text::embed_batch(&embeddings, &refs, 16, &device);
+    let input = pipebd_zoo::text::embed_batch(&embeddings, &refs, 16, &device);
     let ours = forward_chain(&stitched, input.clone()).unwrap().into_tokens(0).unwrap().0;
     let theirs = forward_chain(&teacher.blocks, input).unwrap().into_tokens(0).unwrap().0;
     let diff = (ours - theirs).abs().max().into_scalar();
@@ -219,7 +223,7 @@ fn every_schedule_trains_the_same_text_students() {
 /// teacher, not trained), scored as the run scores its trained students.
 fn untrained_cosine(config: &RunConfig) -> f64 {
     let mut config = config.clone();
-    config.data.probe = None;
+    config.data.options.remove("probe");
     let device = Default::default();
     let workload = Builtin.workload::<Flex>(&config, &device, true).unwrap();
     let teacher = &workload.teacher;
@@ -240,15 +244,16 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     // (README), and the students must move measurably from their start.
     config.train.epochs = 3;
     config.optimizer.epsilon = 1e-8;
-    config.data.probe = Some(pipe_bd::data::text::ProbeConfig {
+    let probe = pipebd_zoo::text::ProbeConfig {
         dir: common::repo().join("data/spam-assassin"),
         limit: Some(80),
         max_tokens: 24,
         test_fraction: 0.25,
-    });
+    };
+    config.data.options.insert("probe".into(), toml::Value::try_from(probe).unwrap());
     let start = untrained_cosine(&config);
     let out = tempfile::tempdir().unwrap();
-    let report = pipe_bd::zoo::run_builtin(&config, out.path(), &Default::default(), &mut |_| {}).unwrap();
+    let report = pipebd_zoo::run_builtin(&config, out.path(), &Default::default(), &mut |_| {}).unwrap();
     let text = report.text.clone().expect("a text run reports its text section");
     assert_eq!(text.heldout_sentences, 16);
     // The pruned start is already close to the teacher; training must bring
@@ -282,7 +287,7 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     let probe = text.probe.expect("probe configured");
     assert_eq!((probe.train_emails, probe.test_emails), (60, 20));
     // The saved student, reloaded, scores exactly what the run reported.
-    let eval = pipe_bd::zoo::eval_builtin_run(out.path()).unwrap();
+    let eval = pipebd_zoo::eval_builtin_run(out.path()).unwrap();
     let again = eval.text.expect("text section");
     assert!((again.embedding_cosine - text.embedding_cosine).abs() < 1e-6);
     assert_eq!(eval.student_accuracy, report.student_accuracy);
@@ -292,6 +297,6 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
 fn the_torch_generator_is_refused_for_minilm_students() {
     let mut config = config(None, 16);
     config.generator = pipe_bd::rng::Generator::Torch;
-    let error = pipe_bd::zoo::Zoo::check(&pipe_bd::zoo::Builtin, &config).unwrap_err().to_string();
+    let error = pipe_bd::zoo::Zoo::check(&pipebd_zoo::Builtin, &config).unwrap_err().to_string();
     assert!(error.contains("generator") && error.contains("native"), "{error}");
 }

@@ -25,12 +25,12 @@ fn mpirun(ranks: usize) -> Command {
         // shared-memory transport; plain copies work everywhere.
         .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .env_remove(pipe_bd::fault::ENV)
-        .arg(env!("CARGO_BIN_EXE_pipebd"));
+        .arg(common::pipebd_bin());
     command
 }
 
 fn one_process() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_pipebd"));
+    let mut command = Command::new(common::pipebd_bin());
     command.env_remove(pipe_bd::fault::ENV);
     command
 }
@@ -147,8 +147,7 @@ fn rank_pids(config: &Path) -> Vec<(usize, u32)> {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
         let cmdline = String::from_utf8_lossy(&cmdline);
-        if !cmdline.contains(&*config.to_string_lossy()) || !cmdline.starts_with(env!("CARGO_BIN_EXE_pipebd"))
-        {
+        if !cmdline.contains(&*config.to_string_lossy()) || !cmdline.starts_with(common::pipebd_bin()) {
             continue;
         }
         let Ok(environ) = std::fs::read(entry.path().join("environ")) else { continue };

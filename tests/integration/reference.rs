@@ -9,12 +9,12 @@
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Tensor, TensorData};
-use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::train::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
 use pipe_bd::train::BlockTrainer;
-use pipe_bd::zoo::mnist_teacher;
 use pipe_bd::{Activation, Block, BlockSpec, LossKind};
 use pipebd_students::StudentBlockConfig;
+use pipebd_zoo::mnist::Split;
+use pipebd_zoo::mnist_teacher;
 use serde::Deserialize;
 
 type Train = Autodiff<Flex>;
@@ -65,7 +65,7 @@ fn student_steps_follow_pytorchs_loss_curves_from_the_same_start() {
     let reference: Reference = serde_json::from_str(&text).unwrap();
     let device = Default::default();
     let teacher = mnist_teacher::<Flex>("data/teachers/mnist-cnn.pth".as_ref(), &device).unwrap();
-    let train = ImageDataset::load_mnist("data/mnist".as_ref(), Split::Train, None).unwrap();
+    let train = pipebd_zoo::mnist::load("data/mnist".as_ref(), Split::Train, None).unwrap();
     let optimizer = OptimizerConfig {
         kind: OptimizerKind::Adam,
         lr: reference.lr,
@@ -138,7 +138,8 @@ fn torch_generator_draws_what_pytorch_draws() {
     use pipe_bd::config::Overrides;
     use pipe_bd::data::DataOrder;
     use pipe_bd::rng::Generator;
-    use pipe_bd::zoo::{Builtin, Zoo};
+    use pipe_bd::zoo::Zoo;
+    use pipebd_zoo::Builtin;
 
     let text = std::fs::read_to_string("tests/data/torch-init.json").unwrap();
     let reference: TorchInit = serde_json::from_str(&text).unwrap();
@@ -233,7 +234,7 @@ fn an_encoder_students_steps_follow_pytorchs_loss_curve_from_the_same_start() {
     let reference: TextReference = serde_json::from_str(&text).unwrap();
     let device = Default::default();
     let config = crate::common::minilm_config(64, 16, 1, reference.max_tokens);
-    let (embeddings, teacher) = pipe_bd::zoo::build_minilm::<Flex>(&config, &device).unwrap();
+    let (embeddings, teacher) = pipebd_zoo::build_minilm::<Flex>(&config, &device).unwrap();
     let sizes = EncoderLayerConfig::new(384, reference.heads, reference.head_dim, reference.ffn);
     let rng = pipe_bd::rng::burn_rng_lock();
     let mut layer = sizes.init::<Train>(&device);
@@ -262,7 +263,7 @@ fn an_encoder_students_steps_follow_pytorchs_loss_curve_from_the_same_start() {
     for (step, (batch, &theirs)) in reference.batches.iter().zip(&reference.losses).enumerate() {
         let ids: Vec<&[u32]> = batch.iter().map(Vec::as_slice).collect();
         assert!(ids.iter().any(|s| s.len() < reference.max_tokens), "step {step}: a batch without padding");
-        let mut x = pipe_bd::zoo::text::embed_batch(&embeddings, &ids, reference.max_tokens, &device);
+        let mut x = pipebd_zoo::text::embed_batch(&embeddings, &ids, reference.max_tokens, &device);
         for t in &teacher.blocks[..k] {
             x = t.forward(x).unwrap();
         }

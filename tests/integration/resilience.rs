@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use pipe_bd::config::RunConfig;
 use pipe_bd::jobs::run::RunFlags;
 use pipe_bd::report::RunReport;
-use pipe_bd::zoo::run_builtin;
+use pipebd_zoo::run_builtin;
 
 use crate::common::{self, newest_step};
 
@@ -33,7 +33,7 @@ fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 fn pipebd(args: &[&std::ffi::OsStr]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_pipebd"));
+    let mut command = Command::new(common::pipebd_bin());
     command.arg("run").args(args).arg("--quiet").env_remove(pipe_bd::fault::ENV);
     command
 }

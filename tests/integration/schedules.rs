@@ -6,11 +6,12 @@ use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
 use pipe_bd::config::RunConfig;
-use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::flat_parameters;
 use pipe_bd::plan::{flops_cost, Plan, StageSpec};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
-use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
+use pipe_bd::zoo::Zoo;
+use pipebd_zoo::mnist::Split;
+use pipebd_zoo::{build_teacher, Builtin};
 
 use crate::common;
 
@@ -28,7 +29,7 @@ fn config() -> RunConfig {
 fn train(plan: &Plan, slots: usize) -> Vec<Vec<f32>> {
     let config = config();
     let device = Default::default();
-    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
     let students = Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
     let options = RuntimeSettings { threads_per_worker: 1, ..Default::default() };

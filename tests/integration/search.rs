@@ -14,15 +14,17 @@ use std::process::{Command, Stdio};
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use pipe_bd::config::RunConfig;
-use pipe_bd::data::{DatasetSlice, ImageDataset, Split};
+use pipe_bd::data::DatasetSlice;
 use pipe_bd::jobs::eval::{load_student_weights, load_students};
 use pipe_bd::jobs::search::{Objective, SearchScores};
 use pipe_bd::plan::{flops_cost, Plan};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::search::score::measure_candidates;
-use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
+use pipe_bd::zoo::Zoo;
 use pipe_bd::{flat_parameters, Block, Loss, Students};
 use pipebd_students::StudentBlock;
+use pipebd_zoo::mnist::Split;
+use pipebd_zoo::{build_teacher, Builtin};
 
 use crate::common;
 
@@ -83,7 +85,7 @@ fn flat(blocks: &[impl burn::module::Module<Flex>]) -> Vec<Vec<f32>> {
 /// search's architecture steps).
 fn train_students(config: &RunConfig, plan: &Plan, slots: usize) -> Students<B, StudentBlock<B>> {
     let device = Default::default();
-    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
     let trained_on = DatasetSlice::new(&data, 0, data.len() - 64);
     let held_out = DatasetSlice::new(&data, data.len() - 64, 64);
     let teacher = build_teacher::<Flex>(config, &device).unwrap();
@@ -179,7 +181,7 @@ fn every_schedule_trains_the_same_supernets_and_alpha_moves_only_through_held_ou
 }
 
 fn pipebd(args: &[&std::ffi::OsStr]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_pipebd"));
+    let mut command = Command::new(common::pipebd_bin());
     command.args(args).env_remove(pipe_bd::fault::ENV).current_dir(common::repo());
     command
 }
@@ -334,7 +336,7 @@ fn chosen_config_reloads_the_scored_weights(
     let students = load_student_weights(&chosen, students, &device).unwrap();
     let inner: Vec<_> = students.blocks.iter().map(|b| b.valid()).collect();
     let teacher = build_teacher::<Flex>(&chosen, &device).unwrap();
-    let data = ImageDataset::load_mnist(&chosen.data.dir, Split::Train, chosen.data.train_limit).unwrap();
+    let data = pipebd_zoo::mnist::load(&chosen.data.dir, Split::Train, chosen.data.train_limit).unwrap();
     let held_out = DatasetSlice::new(&data, 576, 64);
     let losses: Vec<Loss> = teacher_specs.iter().map(|t| Loss::new(t.loss)).collect();
     // The output loss: the last block's (no stitched output loss configured).

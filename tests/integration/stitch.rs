@@ -8,13 +8,14 @@ use std::path::Path;
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use pipe_bd::config::RunConfig;
-use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
 use pipe_bd::train::stitch::{stitched_pass, OutputLoss, StitchedGradients, StitchedPass};
 use pipe_bd::train::TrainSettings;
-use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
+use pipe_bd::zoo::Zoo;
 use pipe_bd::{forward_chain, Activation, LossKind};
+use pipebd_zoo::mnist::Split;
+use pipebd_zoo::{build_teacher, Builtin};
 
 use crate::common;
 
@@ -24,8 +25,8 @@ type B = Autodiff<Flex>;
 fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let config = RunConfig::parse(&common::small_config(1280, 200, 2), Path::new("stitch.toml")).unwrap();
     let device = Default::default();
-    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
-    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
+    let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let test = pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
     let settings = config.train_settings();
     let blockwise = |settings: &TrainSettings, students| {
@@ -90,8 +91,8 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
 fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
     let config = RunConfig::parse(&common::small_config(640, 200, 1), Path::new("stitch.toml")).unwrap();
     let device = Default::default();
-    let data = ImageDataset::load_mnist(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
-    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
+    let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let test = pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
     let teacher = build_teacher::<Flex>(&config, &device).unwrap();
     let settings = config.train_settings();
     let trained = || {

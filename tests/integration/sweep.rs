@@ -32,7 +32,7 @@ fn a_sweep_resumes_after_being_killed_and_draws_its_plot() {
     let csv = out.join("sweep.csv");
 
     // Start the sweep and kill it once two points are written.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pipebd"))
+    let mut child = Command::new(common::pipebd_bin())
         .args(["sweep", sweep_path.to_str().unwrap()])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

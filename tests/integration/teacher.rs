@@ -2,9 +2,9 @@
 
 use burn::backend::Flex;
 use pipe_bd::config::{RunConfig, TeacherConfig};
-use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::jobs::eval::{accuracy, Network};
-use pipe_bd::zoo::build_teacher;
+use pipebd_zoo::build_teacher;
+use pipebd_zoo::mnist::Split;
 
 use crate::common;
 
@@ -23,7 +23,7 @@ fn teacher_config() -> RunConfig {
 fn imported_teacher_classifies_real_test_images() {
     let device = Default::default();
     let teacher = build_teacher::<Flex>(&teacher_config(), &device).unwrap();
-    let test = ImageDataset::load_mnist(&common::mnist_dir(), Split::Test, Some(1000)).unwrap();
+    let test = pipebd_zoo::mnist::load(&common::mnist_dir(), Split::Test, Some(1000)).unwrap();
     let run_teacher = |x| pipe_bd::forward_chain(&teacher.blocks, x);
     let acc = accuracy(&Network::new(&run_teacher, &teacher.specs), &test, &device, 250).unwrap();
     assert!(acc > 0.98, "teacher accuracy {acc} on 1000 test images");

@@ -11,7 +11,7 @@ use pipe_bd::config::RunConfig;
 use pipe_bd::jobs::run::RunFlags;
 use pipe_bd::report::RunReport;
 use pipe_bd::trace::SpanKind;
-use pipe_bd::zoo::run_builtin;
+use pipebd_zoo::run_builtin;
 
 use crate::common;
 

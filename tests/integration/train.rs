@@ -6,10 +6,11 @@ use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
 use pipe_bd::config::RunConfig;
-use pipe_bd::data::{ImageDataset, Split};
 use pipe_bd::jobs::eval::{accuracy, Network};
 use pipe_bd::train::inference_blocks;
-use pipe_bd::zoo::{build_teacher, Builtin, Zoo};
+use pipe_bd::zoo::Zoo;
+use pipebd_zoo::mnist::Split;
+use pipebd_zoo::{build_teacher, Builtin};
 
 use crate::common;
 
@@ -19,7 +20,7 @@ fn untrained_accuracy(config: &RunConfig) -> f64 {
     let device = Default::default();
     let teacher = build_teacher::<Flex>(config, &device).unwrap();
     let students = Builtin.students::<Autodiff<Flex>>(config, &teacher.specs, &device).unwrap();
-    let test = ImageDataset::load_mnist(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
+    let test = pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
     let blocks = inference_blocks(&students);
     let run_students = |x| pipe_bd::forward_chain(&blocks, x);
     accuracy::<Flex>(&Network::new(&run_students, &students.specs), &test, &device, 1000).unwrap()
@@ -31,8 +32,7 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     let out = tempfile::tempdir().unwrap();
     let mut steps_seen = 0;
     let report =
-        pipe_bd::zoo::run_builtin(&config, out.path(), &Default::default(), &mut |_| steps_seen += 1)
-            .unwrap();
+        pipebd_zoo::run_builtin(&config, out.path(), &Default::default(), &mut |_| steps_seen += 1).unwrap();
     assert_eq!(steps_seen, 100, "6400 samples at batch 64 is 100 steps");
     assert_eq!(report.steps, 100);
 
@@ -81,7 +81,7 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     assert!(after >= before + 0.3, "100 steps took the stitched student only from {before} to {after}");
 
     // Reload from disk and re-score.
-    let eval = pipe_bd::zoo::eval_builtin_run(out.path()).unwrap();
+    let eval = pipebd_zoo::eval_builtin_run(out.path()).unwrap();
     assert_eq!(eval.test_samples, 1000);
     assert_eq!(eval.student_accuracy, report.student_accuracy);
 

@@ -8,8 +8,9 @@ use burn::backend::{Autodiff, Flex};
 use pipe_bd::config::RunConfig;
 use pipe_bd::report::RunReport;
 use pipe_bd::train::inference_blocks;
-use pipe_bd::zoo::{Builtin, Zoo};
+use pipe_bd::zoo::Zoo;
 use pipe_bd::Error;
+use pipebd_zoo::Builtin;
 
 use crate::common;
 

@@ -3,7 +3,8 @@
 //! the block API of `pipebd-core` themselves) built into a [`Teacher`] and
 //! [`Students`], with their data.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
@@ -17,24 +18,15 @@ use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
 use pipebd_teachers::TeacherBlock;
 
-use super::text::{brown_splits, tokenize, ProbeData, SentenceEmbeddings, TextDataset};
-use super::{parse_students, Workload, Zoo};
-use crate::config::{ConfigIssue, RunConfig};
-use crate::data::{ImageDataset, Split};
-use crate::error::{Error, Result};
-use crate::jobs::eval::TopOneAccuracy;
+use pipe_bd::config::{ConfigIssue, RunConfig};
+use pipe_bd::jobs::eval::TopOneAccuracy;
+use pipe_bd::zoo::{parse_options, parse_students, Workload, Zoo};
+use pipe_bd::{Error, Result};
+use serde::{Deserialize, Serialize};
 
-impl From<pipebd_teachers::TeacherError> for Error {
-    fn from(error: pipebd_teachers::TeacherError) -> Self {
-        Error::Teacher(Box::new(error))
-    }
-}
-
-impl From<pipebd_students::StudentError> for Error {
-    fn from(error: pipebd_students::StudentError) -> Self {
-        Error::Student(Box::new(error))
-    }
-}
+use crate::mnist::{self, Split};
+use crate::text::{brown_splits, tokenize, ProbeConfig, ProbeData, SentenceEmbeddings, TextDataset};
+use crate::Lift;
 
 /// True for the built-in text corpus (Brown: MiniLM and token-state blocks);
 /// every other dataset is MNIST-format images.
@@ -42,29 +34,97 @@ fn is_text(config: &RunConfig) -> bool {
     config.data.dataset == "brown"
 }
 
-/// [`crate::jobs::run::run`] with the built-in zoo, compiled once in this library
-/// (see [`crate::cli::run_builtin`]): callers outside it should prefer this to
+/// [`pipe_bd::jobs::run::run`] with the built-in zoo, compiled once in this
+/// library (see [`crate::cli`]): callers outside it should prefer this to
 /// `run(&Builtin, ...)`.
 pub fn run_builtin(
     config: &RunConfig,
     out_dir: &Path,
-    options: &crate::jobs::run::RunFlags,
-    observer: &mut dyn FnMut(&crate::train::Progress),
-) -> Result<crate::report::RunReport> {
-    crate::jobs::run::run(&Builtin, config, out_dir, options, observer)
+    options: &pipe_bd::jobs::run::RunFlags,
+    observer: &mut dyn FnMut(&pipe_bd::train::Progress),
+) -> Result<pipe_bd::report::RunReport> {
+    pipe_bd::jobs::run::run(&Builtin, config, out_dir, options, observer)
 }
 
-/// [`crate::jobs::eval::eval_run`] with the built-in zoo.
-pub fn eval_builtin_run(run_dir: &Path) -> Result<crate::jobs::eval::EvalResult> {
-    crate::jobs::eval::eval_run(&Builtin, run_dir)
+/// [`pipe_bd::jobs::eval::eval_run`] with the built-in zoo.
+pub fn eval_builtin_run(run_dir: &Path) -> Result<pipe_bd::jobs::eval::EvalResult> {
+    pipe_bd::jobs::eval::eval_run(&Builtin, run_dir)
 }
 
 /// A built-in teacher, cut into blocks.
 pub type BuiltinTeacher<B> = Teacher<B, TeacherBlock<B>>;
 
+/// The built-in zoo's own keys of `[data]` (for text: the Brown corpus).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataOptions {
+    /// Every sentence is truncated or padded to this many tokens, `[CLS]`
+    /// and `[SEP]` included (default [`DEFAULT_MAX_TOKENS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+    /// The downstream probe on frozen sentence embeddings (`[data.probe]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe: Option<ProbeConfig>,
+}
+
+/// Default `data.max_tokens`.
+pub const DEFAULT_MAX_TOKENS: usize = 64;
+
+impl DataOptions {
+    /// The keys, as [`Zoo::data_options`] declares them.
+    const KEYS: &'static [&'static str] = &["max_tokens", "probe"];
+
+    /// `config`'s `[data]` options (checked when the config was loaded).
+    pub fn of(config: &RunConfig) -> Result<Self> {
+        parse_options("data", &config.data.options).map_err(ConfigIssue::into_plain_error)
+    }
+
+    /// Tokens per sequence for text data.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
+    }
+}
+
+/// The built-in zoo's own keys of `[teacher]` (for `minilm-l6`).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TeacherOptions {
+    /// The tokenizer (default: `tokenizer.json` beside the weights).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// Teacher layers per block, in order (default one each: six blocks).
+    /// `[2, 2, 2]` cuts three blocks of two layers, so that one student
+    /// block replaces two teacher layers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers_per_block: Option<Vec<usize>>,
+}
+
+impl TeacherOptions {
+    /// The keys, as [`Zoo::teacher_options`] declares them.
+    const KEYS: &'static [&'static str] = &["tokenizer", "layers_per_block"];
+
+    /// `config`'s `[teacher]` options (checked when the config was loaded).
+    pub fn of(config: &RunConfig) -> Result<Self> {
+        parse_options("teacher", &config.teacher.options).map_err(ConfigIssue::into_plain_error)
+    }
+}
+
+/// The tokenizer file of the text teacher of `config`.
+pub fn tokenizer_path(config: &RunConfig) -> Result<PathBuf> {
+    let weights = &config.teacher.weights;
+    Ok(TeacherOptions::of(config)?
+        .tokenizer
+        .unwrap_or_else(|| weights.parent().unwrap_or(Path::new(".")).join("tokenizer.json")))
+}
+
 /// MiniLM layers per block: `teacher.layers_per_block`, or one each.
-pub fn layers_per_block(config: &RunConfig) -> Vec<usize> {
-    config.teacher.layers_per_block.clone().unwrap_or_else(|| vec![1; minilm::LAYERS])
+pub fn layers_per_block(config: &RunConfig) -> Result<Vec<usize>> {
+    Ok(TeacherOptions::of(config)?.layers_per_block.unwrap_or_else(|| vec![1; minilm::LAYERS]))
+}
+
+/// Tokens per sequence of the text data of `config` (`data.max_tokens`).
+pub fn max_tokens(config: &RunConfig) -> Result<usize> {
+    Ok(DataOptions::of(config)?.max_tokens())
 }
 
 /// Loads MiniLM and cuts it into the configured blocks; returns the frozen
@@ -75,12 +135,12 @@ pub fn build_minilm<B: FusedBackend>(
 ) -> Result<(Embeddings<B>, BuiltinTeacher<B>)> {
     // Building modules may draw from burn's generator (before the weights
     // replace the draws): not from under a concurrent seeded build.
-    let rng = crate::rng::burn_rng_lock();
-    let (embeddings, layers) = MiniLm::<B>::load(&config.teacher.weights, device)?.into_parts();
+    let rng = pipe_bd::rng::burn_rng_lock();
+    let (embeddings, layers) = MiniLm::<B>::load(&config.teacher.weights, device).lift()?.into_parts();
     drop(rng);
-    let groups = layers_per_block(config);
+    let groups = layers_per_block(config)?;
     let blocks = minilm_blocks(layers, &groups);
-    let specs = minilm_specs(&groups, config.data.max_tokens());
+    let specs = minilm_specs(&groups, max_tokens(config)?);
     Ok((embeddings, Teacher::new(blocks, specs)?))
 }
 
@@ -102,8 +162,8 @@ pub fn mnist_teacher<B: FusedBackend>(
     device: &B::Device,
 ) -> Result<Teacher<B, TeacherBlock<B>>> {
     // As in `build_minilm`: building may draw from burn's generator.
-    let rng = crate::rng::burn_rng_lock();
-    let blocks = MnistCnn::<B>::load_pytorch(weights, device)?.into_blocks();
+    let rng = pipe_bd::rng::burn_rng_lock();
+    let blocks = MnistCnn::<B>::load_pytorch(weights, device).lift()?.into_blocks();
     let specs = mnist_specs(&blocks);
     drop(rng);
     Ok(Teacher::new(blocks.into_iter().map(TeacherBlock::Mnist).collect(), specs)?)
@@ -118,22 +178,23 @@ fn load_workload<B: FusedBackend>(
 ) -> Result<Workload<B, TeacherBlock<B>>> {
     let data = &config.data;
     if !is_text(config) {
-        let train = ImageDataset::load_mnist(&data.dir, Split::Train, data.train_limit)?;
+        let train = mnist::load(&data.dir, Split::Train, data.train_limit)?;
         let test = if with_evaluation {
-            ImageDataset::load_mnist(&data.dir, Split::Test, data.test_limit)?
+            mnist::load(&data.dir, Split::Test, data.test_limit)?
         } else {
-            ImageDataset::load_mnist(&data.dir, Split::Test, Some(0))?
+            mnist::load(&data.dir, Split::Test, Some(0))?
         };
         let teacher = build_teacher::<B>(config, device)?;
         let evaluation = Some(Box::new(TopOneAccuracy(test)) as _);
         return Ok(Workload { teacher, train: Box::new(train), evaluation });
     }
-    let tokenizer = MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;
-    let max_tokens = data.max_tokens();
+    let tokenizer = MiniLmTokenizer::load(&tokenizer_path(config)?).lift()?;
+    let options = DataOptions::of(config)?;
+    let max_tokens = options.max_tokens();
     let (train, heldout) = brown_splits(&data.dir, data.train_limit, data.test_limit)?;
     let train = tokenize(&tokenizer, &train, max_tokens)?;
     let heldout = if with_evaluation { tokenize(&tokenizer, &heldout, max_tokens)? } else { Vec::new() };
-    let probe = match (&data.probe, with_evaluation) {
+    let probe = match (&options.probe, with_evaluation) {
         (Some(probe), true) => Some(ProbeData::load(probe, &tokenizer)?),
         _ => None,
     };
@@ -158,7 +219,7 @@ fn load_workload<B: FusedBackend>(
 /// Students initialised from the teacher are checked against it too.
 fn specs_of(configs: &[StudentBlockConfig], teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
     // Building draws initial weights: not from under a concurrent build.
-    let _rng = crate::rng::burn_rng_lock();
+    let _rng = pipe_bd::rng::burn_rng_lock();
     let (_, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &Default::default())?;
     Ok(specs)
 }
@@ -172,7 +233,7 @@ fn init_student_blocks<B: FusedBackend>(
     let mut blocks = Vec::new();
     let mut specs = Vec::new();
     for (k, (config, t)) in configs.iter().zip(teacher).enumerate() {
-        let built = config.init::<B>(k + 1, &t.input_shape, device)?;
+        let built = config.init::<B>(k + 1, &t.input_shape, device).lift()?;
         specs.push(BlockSpec {
             name: config.kind().to_string(),
             input_shape: t.input_shape.clone(),
@@ -230,15 +291,16 @@ fn init_from_teacher(
     }
     let device = Default::default();
     let (embeddings, layers) =
-        MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device)?.into_parts();
-    let groups = layers_per_block(config);
+        MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device).lift()?.into_parts();
+    let groups = layers_per_block(config)?;
     // The calibration batch entering each teacher layer.
-    let tokenizer = MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;
+    let tokenizer = MiniLmTokenizer::load(&tokenizer_path(config)?).lift()?;
     let (sentences, _) = brown_splits(&config.data.dir, Some(CALIBRATION_SENTENCES), Some(0))?;
-    let ids = tokenize(&tokenizer, &sentences, config.data.max_tokens())?;
+    let max_tokens = max_tokens(config)?;
+    let ids = tokenize(&tokenizer, &sentences, max_tokens)?;
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
     let (mut hidden, mask) =
-        super::text::embed_batch(&embeddings, &refs, config.data.max_tokens(), &device).into_tokens(0)?;
+        crate::text::embed_batch(&embeddings, &refs, max_tokens, &device).into_tokens(0)?;
     let mut layer_inputs = Vec::with_capacity(layers.len());
     for layer in &layers {
         layer_inputs.push(hidden.clone());
@@ -303,18 +365,18 @@ fn build_students<B: DistillBackend>(
     // burn's CPU backend draws from one process-wide generator: hold it from
     // seeding to the last module built (the target modules below, built on
     // that backend too, included), so that concurrent builds stay reproducible.
-    let _rng = crate::rng::burn_rng_lock();
+    let _rng = pipe_bd::rng::burn_rng_lock();
     let (cpu_blocks, specs) = {
         <burn::backend::Flex as burn::tensor::backend::Backend>::seed(&cpu, seed);
         let (mut blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
         init_from_teacher(config, configs, &mut blocks)?;
-        if config.generator == crate::rng::Generator::Torch {
-            let mut rng = crate::rng::TorchRng::new(seed);
+        if config.generator == pipe_bd::rng::Generator::Torch {
+            let mut rng = pipe_bd::rng::TorchRng::new(seed);
             blocks = blocks
                 .into_iter()
                 .enumerate()
                 .map(|(k, block)| {
-                    crate::rng::init_like_torch(block, &mut rng).map_err(|e| Error::block(k + 1, e))
+                    pipe_bd::rng::init_like_torch(block, &mut rng).map_err(|e| Error::block(k + 1, e))
                 })
                 .collect::<Result<Vec<_>>>()?;
         }
@@ -350,24 +412,25 @@ fn build_students<B: DistillBackend>(
 fn check_builtin_inputs(config: &RunConfig) -> Result<()> {
     let data = &config.data;
     if !is_text(config) {
-        let _training_images = crate::data::check_mnist_files(&data.dir)?;
+        let _training_images = mnist::check_mnist_files(&data.dir)?;
         pipebd_teachers::mnist_cnn::MnistCnn::<burn::backend::Flex>::load_pytorch(
             &config.teacher.weights,
             &Default::default(),
-        )?;
+        )
+        .lift()?;
         return Ok(());
     }
-    super::text::brown_files(&data.dir)?;
-    if let Some(probe) = &data.probe {
+    crate::text::brown_files(&data.dir)?;
+    if let Some(probe) = &DataOptions::of(config)?.probe {
         if !probe.dir.is_dir() {
-            return Err(crate::data::data_error(
+            return Err(pipe_bd::data::data_error(
                 &probe.dir,
                 "folder not found (run scripts/setup-data.sh, or fix `data.probe.dir` in the config)",
             ));
         }
     }
     check_safetensors_header(&config.teacher.weights)?;
-    pipebd_teachers::minilm::MiniLmTokenizer::load(&config.teacher.tokenizer_path())?;
+    pipebd_teachers::minilm::MiniLmTokenizer::load(&tokenizer_path(config)?).lift()?;
     Ok(())
 }
 
@@ -377,12 +440,13 @@ fn check_builtin_inputs(config: &RunConfig) -> Result<()> {
 fn check_safetensors_header(path: &Path) -> Result<()> {
     use pipebd_teachers::TeacherError;
     use std::io::Read;
-    let bad = |message: String| Error::from(TeacherError::BadWeights { path: path.to_path_buf(), message });
+    let bad =
+        |message: String| Error::teacher(TeacherError::BadWeights { path: path.to_path_buf(), message });
     if path.is_dir() {
         return Err(bad("is a folder, expected the `model.safetensors` file".into()));
     }
     if !path.is_file() {
-        return Err(TeacherError::MissingWeights { path: path.to_path_buf() }.into());
+        return Err(Error::teacher(TeacherError::MissingWeights { path: path.to_path_buf() }));
     }
     let mut file = std::fs::File::open(path).map_err(|e| bad(format!("cannot read: {e}")))?;
     let size = file.metadata().map_err(|e| bad(format!("cannot read: {e}")))?.len();
@@ -426,6 +490,24 @@ impl Zoo for Builtin {
     type Teacher<B: FusedBackend> = TeacherBlock<B>;
     type Student<B: DistillBackend> = StudentBlock<B>;
 
+    fn data_options(&self) -> &'static [&'static str] {
+        DataOptions::KEYS
+    }
+
+    fn teacher_options(&self) -> &'static [&'static str] {
+        TeacherOptions::KEYS
+    }
+
+    /// `data.max_tokens` and `teacher.layers_per_block` (the probe and the
+    /// tokenizer's path do not change what the students learn).
+    fn checkpoint_identity(&self, config: &RunConfig) -> BTreeMap<String, serde_json::Value> {
+        let option = |options: &toml::Table, key: &str| serde_json::json!(options.get(key));
+        BTreeMap::from([
+            ("data.max_tokens".to_string(), option(&config.data.options, "max_tokens")),
+            ("teacher.layers_per_block".to_string(), option(&config.teacher.options, "layers_per_block")),
+        ])
+    }
+
     fn check_config(&self, config: &RunConfig) -> std::result::Result<(), ConfigIssue> {
         let data = &config.data;
         if !["mnist", "brown"].contains(&data.dataset.as_str()) {
@@ -446,7 +528,7 @@ impl Zoo for Builtin {
                 ),
             ));
         }
-        if config.generator == crate::rng::Generator::Torch && is_text(config) {
+        if config.generator == pipe_bd::rng::Generator::Torch && is_text(config) {
             return Err(ConfigIssue::new(
                 "",
                 "generator",
@@ -462,8 +544,10 @@ impl Zoo for Builtin {
                 "the built-in teachers and students take no [custom] settings".into(),
             ));
         }
+        let options: DataOptions = parse_options("data", &data.options)?;
+        let teacher_options: TeacherOptions = parse_options("teacher", &config.teacher.options)?;
         let positions = 2..=minilm::MAX_POSITIONS;
-        if let Some(tokens) = data.max_tokens {
+        if let Some(tokens) = options.max_tokens {
             if !positions.contains(&tokens) {
                 return Err(ConfigIssue::new(
                     "data",
@@ -472,7 +556,7 @@ impl Zoo for Builtin {
                 ));
             }
         }
-        if let Some(probe) = &data.probe {
+        if let Some(probe) = &options.probe {
             if !positions.contains(&probe.max_tokens) {
                 let message = format!("must be in 2..=512, got {}", probe.max_tokens);
                 return Err(ConfigIssue::new("data.probe", "max_tokens", message));
@@ -486,7 +570,7 @@ impl Zoo for Builtin {
                 return Err(ConfigIssue::new("data.probe", "limit", message));
             }
         }
-        if let Some(groups) = &config.teacher.layers_per_block {
+        if let Some(groups) = &teacher_options.layers_per_block {
             let layers = minilm::LAYERS;
             if groups.contains(&0) || groups.iter().sum::<usize>() != layers {
                 return Err(ConfigIssue::new(
@@ -498,7 +582,7 @@ impl Zoo for Builtin {
         }
         let students: Vec<StudentBlockConfig> = parse_students(config)?;
         let teacher_blocks = if is_text(config) {
-            config.teacher.layers_per_block.as_ref().map_or(minilm::LAYERS, Vec::len)
+            teacher_options.layers_per_block.as_ref().map_or(minilm::LAYERS, Vec::len)
         } else {
             pipebd_teachers::mnist_cnn::block_output_shapes().len()
         };
@@ -519,11 +603,11 @@ impl Zoo for Builtin {
 
     fn teacher_specs(&self, config: &RunConfig) -> Result<Vec<BlockSpec>> {
         if is_text(config) {
-            return Ok(minilm_specs(&layers_per_block(config), config.data.max_tokens()));
+            return Ok(minilm_specs(&layers_per_block(config)?, max_tokens(config)?));
         }
         // An initialised (random) teacher, for its shapes: its draws must not
         // land inside a concurrent seeded build.
-        let _rng = crate::rng::burn_rng_lock();
+        let _rng = pipe_bd::rng::burn_rng_lock();
         let blocks = MnistCnn::<burn::backend::Flex>::init(&Default::default()).into_blocks();
         Ok(mnist_specs(&blocks))
     }
@@ -543,7 +627,7 @@ impl Zoo for Builtin {
         let configs = student_configs(config)?;
         check_block_count(configs.len(), teacher.len())?;
         let device = Default::default();
-        let _rng = crate::rng::burn_rng_lock();
+        let _rng = pipe_bd::rng::burn_rng_lock();
         configs
             .iter()
             .zip(teacher)
@@ -553,7 +637,8 @@ impl Zoo for Builtin {
                     .candidates()
                     .iter()
                     .map(|candidate| {
-                        let built = candidate.init::<burn::backend::Flex>(k + 1, &t.input_shape, &device)?;
+                        let built =
+                            candidate.init::<burn::backend::Flex>(k + 1, &t.input_shape, &device).lift()?;
                         Ok(BlockSpec {
                             name: candidate.kind().to_string(),
                             input_shape: t.input_shape.clone(),
@@ -578,7 +663,7 @@ impl Zoo for Builtin {
             // Counting the corpus's sentences means reading it: only a limit is known.
             return Ok(data.train_limit);
         }
-        let images = crate::data::check_mnist_files(&data.dir)?;
+        let images = mnist::check_mnist_files(&data.dir)?;
         Ok(Some(data.train_limit.map_or(images, |limit| limit.min(images))))
     }
 

@@ -13,15 +13,42 @@ use pipebd_teachers::minilm::{Embeddings, MiniLmTokenizer, PaddedIds};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-use crate::data::data_error;
-use crate::data::text::{
-    cosine_by_length, cosines, mean_and_min_cosine, LogisticProbe, ProbeConfig, ProbeReport, TextReport,
-    PROBE_ITERATIONS, PROBE_L2,
+use pipe_bd::data::data_error;
+use pipe_bd::data::text::{
+    cosine_by_length, cosines, mean_and_min_cosine, LogisticProbe, ProbeReport, TextReport, PROBE_ITERATIONS,
+    PROBE_L2,
 };
-use crate::error::{Error, Result};
-use crate::jobs::eval::{Evaluate, Network, Score};
+use pipe_bd::jobs::eval::{Evaluate, Network, Score};
+use pipe_bd::{Error, Result};
+
+use crate::Lift;
+
+/// The SpamAssassin ham/spam probe: logistic regression on frozen sentence
+/// embeddings of the teacher and of the stitched student, same split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeConfig {
+    /// Folder with the `<group>/*.json` email files.
+    pub dir: PathBuf,
+    /// Use at most this many emails (a seeded, fixed sample; default all).
+    #[serde(default)]
+    pub limit: Option<usize>,
+    /// Tokens per email body (default 128).
+    #[serde(default = "default_probe_tokens")]
+    pub max_tokens: usize,
+    /// Share of the emails held out to score the probe (default 0.3).
+    #[serde(default = "default_test_fraction")]
+    pub test_fraction: f64,
+}
+
+fn default_probe_tokens() -> usize {
+    128
+}
+fn default_test_fraction() -> f64 {
+    0.3
+}
 
 /// Seed of the fixed shuffles that split the corpora (independent of a run's
 /// seed, so every run of a config sees the same held-out sentences).
@@ -160,7 +187,7 @@ pub fn read_spam_assassin(dir: &Path) -> Result<Vec<Email>> {
 
 /// Token ids of `texts`, each truncated to `max_tokens`.
 pub fn tokenize(tokenizer: &MiniLmTokenizer, texts: &[String], max_tokens: usize) -> Result<Vec<Vec<u32>>> {
-    texts.iter().map(|t| Ok(tokenizer.encode(t, max_tokens)?)).collect()
+    texts.iter().map(|t| tokenizer.encode(t, max_tokens).lift()).collect()
 }
 
 /// Tokenised sentences whose batches are the teacher's embeddings: the

@@ -1,5 +1,0 @@
-//! The `pipebd` command line: the built-in zoo through [`pipe_bd::cli`].
-
-fn main() -> std::process::ExitCode {
-    pipe_bd::cli::run_builtin()
-}
