@@ -36,6 +36,11 @@ pub struct BlockReport {
     /// Mean training loss over the block's last blockwise steps (the
     /// stitched pass's, in a run without blockwise epochs).
     pub final_loss: f32,
+    /// The loss the block was trained on (absent in reports of older
+    /// versions); `losses.png` draws the MSE blocks on a log axis and the
+    /// others on their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<pipebd_core::LossKind>,
 }
 
 /// What the stitched fine-tuning did (`train.stitched_epochs`).

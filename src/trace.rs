@@ -63,6 +63,11 @@ impl SpanKind {
         }
     }
 
+    /// The kind named `name` in a trace ([`SpanKind::name`]), if any.
+    pub fn from_name(name: &str) -> Option<SpanKind> {
+        SpanKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
     /// True for waiting, false for work.
     pub fn is_idle(self) -> bool {
         matches!(
@@ -189,21 +194,26 @@ struct TraceEvent<'a> {
     args: Option<serde_json::Value>,
 }
 
+/// The name of a worker's row in traces and timelines:
+/// `worker 3: stage 2 replica 0 (slot 1)`.
+pub fn worker_name(worker: &WorkerSummary) -> String {
+    format!("worker {}: {} (slot {})", worker.worker, worker.role, worker.slot)
+}
+
 /// Writes spans as Chrome trace-event JSON (`{"traceEvents": [...]}`), one
-/// thread per worker, named by `roles[worker]`.
-pub fn write_chrome_trace(path: &Path, spans: &[Span], roles: &[String]) -> Result<()> {
-    let mut events: Vec<TraceEvent> = roles
+/// thread per worker, named by [`worker_name`].
+pub fn write_chrome_trace(path: &Path, spans: &[Span], workers: &[WorkerSummary]) -> Result<()> {
+    let mut events: Vec<TraceEvent> = workers
         .iter()
-        .enumerate()
-        .map(|(worker, role)| TraceEvent {
+        .map(|worker| TraceEvent {
             name: "thread_name".into(),
             cat: "__metadata",
             ph: "M",
             ts: 0,
             dur: None,
             pid: 1,
-            tid: worker,
-            args: Some(serde_json::json!({ "name": format!("worker {worker}: {role}") })),
+            tid: worker.worker,
+            args: Some(serde_json::json!({ "name": worker_name(worker) })),
         })
         .collect();
     for s in spans {

@@ -22,7 +22,7 @@ pub(super) fn run<Z: Zoo>(
     let config = zoo.load_config(config, overrides)?;
     let transport = crate::runtime::launch::open(transport)?;
     let rank = transport.as_ref().map_or(0, |t| t.rank());
-    let mut view = ProgressView::new(quiet || rank != 0);
+    let mut view = ProgressView::new(quiet || rank != 0, config.train.batch_size);
     let mut observer = |p: &Progress| view.show(p);
     let flags = crate::jobs::run::RunFlags { trace, resume, max_failures };
     let report = crate::jobs::run::run_rank(zoo, &config, &out, &flags, transport.clone(), &mut observer);
@@ -34,6 +34,19 @@ pub(super) fn run<Z: Zoo>(
         return Ok(());
     };
     print::print_run(&report, &out, trace);
+    // The run's files are written; pictures that cannot be drawn (no font)
+    // are a warning, and `pipebd plot` draws them later.
+    match crate::jobs::plot::plot_run(&out) {
+        Ok(written) => print::print_pictures(&written),
+        Err(e) => eprintln!("warning: {e}"),
+    }
+    Ok(())
+}
+
+/// `pipebd plot`.
+pub(super) fn plot(run_dir: &Path) -> Result<(), Error> {
+    let written = crate::jobs::plot::plot_run(run_dir)?;
+    print::print_pictures(&written);
     Ok(())
 }
 
@@ -65,7 +78,7 @@ pub(super) fn bench<Z: Zoo>(
     let mut say = |line: &str| eprintln!("bench: {line}");
     let report = crate::jobs::bench::bench(zoo, &config, schedules, out, &mut say)?;
     print::print_bench(&report);
-    println!("wrote {}/bench.json and bench.csv", out.display());
+    println!("wrote {}/bench.json, bench.csv and bench.png", out.display());
     Ok(())
 }
 

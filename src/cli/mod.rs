@@ -6,6 +6,7 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 
 use crate::config::Overrides;
 use crate::plan::Schedule;
@@ -82,7 +83,7 @@ enum Command {
         /// Override the config's device slots, comma-separated (e.g. cpu,cpu).
         #[arg(long, value_delimiter = ',')]
         devices: Option<Vec<String>>,
-        /// Folder that receives bench.json and bench.csv.
+        /// Folder that receives bench.json, bench.csv and bench.png.
         #[arg(long, default_value = "runs/bench")]
         out: PathBuf,
     },
@@ -163,6 +164,12 @@ enum Command {
         /// with only that block replaced: comparable across blocks).
         #[arg(long, default_value = "block")]
         objective: String,
+    },
+    /// Draw a run folder's pictures (again): losses.png from metrics.csv
+    /// and, for a run with --trace, timeline.png from trace.json.
+    Plot {
+        /// The run folder given to `pipebd run --out`.
+        run_dir: PathBuf,
     },
     /// Reload the student saved by `pipebd run` and score it on the test set.
     Eval {
@@ -313,6 +320,7 @@ fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             let objective = crate::jobs::search::Objective::parse(&objective)?;
             commands::search(zoo, &run_dir, choice, out, pareto.as_deref(), evaluate, objective)
         }
+        Command::Plot { run_dir } => commands::plot(&run_dir),
         Command::Eval { run_dir } => commands::eval(zoo, &run_dir),
         Command::EvalTeacher { config } => commands::eval_teacher(zoo, &config),
         Command::Kernels { device, check, bench, repeats, batch, only, seed, verbose } => commands::kernels(
@@ -348,48 +356,65 @@ const LOG_LINE_SECONDS: u64 = 30;
 
 /// Training progress on stderr: a bar on a terminal, a line every
 /// [`LOG_LINE_SECONDS`] otherwise (log files, batch schedulers), nothing
-/// with `--quiet`.
+/// with `--quiet`; both with the samples per second and the time left.
 struct ProgressView {
     bar: Option<ProgressBar>,
     lines: bool,
-    start: std::time::Instant,
-    last_line: std::time::Instant,
+    batch_size: usize,
+    rate: StepRate,
+    start: Instant,
+    last_line: Instant,
 }
 
 impl ProgressView {
-    fn new(quiet: bool) -> Self {
+    /// Progress of a run of `batch_size` samples per step.
+    fn new(quiet: bool, batch_size: usize) -> Self {
         let terminal = std::io::stderr().is_terminal();
         let bar = (!quiet && terminal).then(|| {
             let bar = ProgressBar::new(0);
             bar.set_style(
-                ProgressStyle::with_template(
-                    "{elapsed_precise} [{bar:30}] {pos}/{len} steps (eta {eta}) {msg}",
-                )
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
             bar
         });
-        let now = std::time::Instant::now();
-        Self { bar, lines: !quiet && !terminal, start: now, last_line: now }
+        let now = Instant::now();
+        Self {
+            bar,
+            lines: !quiet && !terminal,
+            batch_size,
+            rate: StepRate::default(),
+            start: now,
+            last_line: now,
+        }
     }
 
     fn show(&mut self, p: &Progress) {
         let per_phase = p.epochs * p.steps_per_epoch;
         let total = p.phases * per_phase;
         let done = p.phase * per_phase + p.epoch * p.steps_per_epoch + p.step_in_epoch + 1;
+        let speed = match self.rate.update(done, total, Instant::now()) {
+            Some((steps_per_second, left)) => format!(
+                "{:.0} samples/s, {} left, ",
+                steps_per_second * self.batch_size as f64,
+                duration_text(left)
+            ),
+            None => String::new(),
+        };
         let losses: Vec<String> = p.losses.iter().map(|l| format!("{l:.4}")).collect();
         let phase = if p.phases > 1 { format!("phase {}/{} ", p.phase + 1, p.phases) } else { String::new() };
-        let message = format!("{phase}epoch {}/{} losses [{}]", p.epoch + 1, p.epochs, losses.join(" "));
+        let message =
+            format!("{speed}{phase}epoch {}/{} losses [{}]", p.epoch + 1, p.epochs, losses.join(" "));
         if let Some(bar) = &self.bar {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
             bar.set_message(message);
         } else if self.lines && (self.last_line.elapsed().as_secs() >= LOG_LINE_SECONDS || done == total) {
-            self.last_line = std::time::Instant::now();
+            self.last_line = Instant::now();
             eprintln!(
-                "progress: {done}/{total} steps ({:.0}%) after {:.0}s, {message}",
+                "progress: {done}/{total} steps ({:.0}%) after {}, {message}",
                 100.0 * done as f64 / total.max(1) as f64,
-                self.start.elapsed().as_secs_f64()
+                duration_text(self.start.elapsed().as_secs_f64())
             );
         }
     }
@@ -398,5 +423,72 @@ impl ProgressView {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// The rate of a stretch of steps, measured from the first step it saw (a
+/// resumed run starts part-way; the stitched pass counts again from one).
+#[derive(Debug, Default)]
+struct StepRate {
+    /// The first step seen of this stretch, and when.
+    origin: Option<(usize, Instant)>,
+    total: usize,
+}
+
+impl StepRate {
+    /// Records that `done` of `total` steps are done at `now`; returns the
+    /// steps per second and the seconds left, once a step has passed since
+    /// the first one seen.
+    fn update(&mut self, done: usize, total: usize, now: Instant) -> Option<(f64, f64)> {
+        let continues = matches!(self.origin, Some((first, _)) if total == self.total && done >= first);
+        if !continues {
+            self.origin = Some((done, now));
+            self.total = total;
+        }
+        let (first, since) = self.origin?;
+        let seconds = now.saturating_duration_since(since).as_secs_f64();
+        if done <= first || seconds <= 0.0 {
+            return None;
+        }
+        let steps_per_second = (done - first) as f64 / seconds;
+        Some((steps_per_second, total.saturating_sub(done) as f64 / steps_per_second))
+    }
+}
+
+/// Seconds as `45s`, `3m05s` or `2h07m`.
+fn duration_text(seconds: f64) -> String {
+    let whole = seconds.max(0.0).round() as u64;
+    match whole {
+        0..=59 => format!("{whole}s"),
+        60..=3599 => format!("{}m{:02}s", whole / 60, whole % 60),
+        _ => format!("{}h{:02}m", whole / 3600, whole % 3600 / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{duration_text, StepRate};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_rate_counts_from_the_first_step_seen_and_restarts_with_a_new_stretch() {
+        let t0 = Instant::now();
+        let mut rate = StepRate::default();
+        // A resumed run: first seen at step 40 of 100.
+        assert_eq!(rate.update(40, 100, t0), None, "no rate from one step");
+        let (per_second, left) = rate.update(50, 100, t0 + Duration::from_secs(5)).unwrap();
+        assert!((per_second - 2.0).abs() < 1e-9 && (left - 25.0).abs() < 1e-9, "{per_second} {left}");
+        // The stitched pass: a new total, counted again from its first step.
+        assert_eq!(rate.update(1, 10, t0 + Duration::from_secs(6)), None);
+        let (per_second, left) = rate.update(5, 10, t0 + Duration::from_secs(8)).unwrap();
+        assert!((per_second - 2.0).abs() < 1e-9 && (left - 2.5).abs() < 1e-9, "{per_second} {left}");
+    }
+
+    #[test]
+    fn durations_read_as_time() {
+        assert_eq!(duration_text(44.6), "45s");
+        assert_eq!(duration_text(185.0), "3m05s");
+        assert_eq!(duration_text(7620.0), "2h07m");
+        assert_eq!(duration_text(-1.0), "0s");
     }
 }

@@ -300,3 +300,9 @@ pub(super) fn print_bench_progress(row: &pipebd_kernels::bench::BenchRow) {
         row.train_speedup()
     );
 }
+
+/// The pictures drawn, one line.
+pub(super) fn print_pictures(written: &[std::path::PathBuf]) {
+    let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+    println!("drew {}", names.join(", "));
+}

@@ -15,18 +15,19 @@ use crate::device::{dispatch, BackendJob};
 use crate::error::{Error, Result};
 use crate::fsio::write_atomic;
 use crate::jobs::check::{plan_for, preflight};
+use crate::jobs::plot::timeline::{draw_timelines, Timeline, TimelineGroup};
 use crate::jobs::profile::plan_from_candidate;
 use crate::jobs::profile::{reset_peak_resident, resident_bytes};
 use crate::plan::{Plan, Schedule};
 use crate::planning::planner::CostTable;
 use crate::planning::simulate::simulate_shared;
 use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeSettings};
-use crate::trace::Span;
+use crate::trace::{Span, WorkerSummary};
 use crate::train::{detached_copy, steps_per_epoch};
 use crate::zoo::{Workload, Zoo};
 
-/// One schedule's timing: seconds, spans, per-worker busy fractions, peak memory.
-type Timed = (f64, Vec<Span>, Vec<f64>, Option<u64>);
+/// One schedule's timing: seconds, spans, workers, peak memory.
+type Timed = (f64, Vec<Span>, Vec<WorkerSummary>, Option<u64>);
 
 /// Single-replica cost of one block at the full batch, from the profile.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -97,7 +98,8 @@ pub struct BenchReport {
 }
 
 /// Runs `schedules` on the config's workload and device slots; writes
-/// `bench.json` and `bench.csv` into `out_dir`. `say` receives progress lines.
+/// `bench.json`, `bench.csv` and `bench.png` (each schedule's workers over
+/// a few steady steps) into `out_dir`. `say` receives progress lines.
 pub fn bench<Z: Zoo>(
     zoo: &Z,
     config: &RunConfig,
@@ -121,11 +123,16 @@ pub fn bench<Z: Zoo>(
     say("profiling every block at the batch share of 1..W replicas");
     let profile = crate::jobs::profile::measure(zoo, config, devices.len(), say)?;
     let costs = profile.cost_table(devices.len());
-    let report = dispatch(&devices, BenchJob { zoo, config, schedules, say, costs })?;
+    let (report, timelines) = dispatch(&devices, BenchJob { zoo, config, schedules, say: &mut *say, costs })?;
     let json = serde_json::to_string_pretty(&report)
         .map_err(|e| Error::Data { path: out_dir.join("bench.json"), message: e.to_string() })?;
     write_atomic(&out_dir.join("bench.json"), json.as_bytes())?;
     write_atomic(&out_dir.join("bench.csv"), bench_csv(&report).as_bytes())?;
+    // The figures are written; a picture that cannot be drawn (no font) is
+    // said, not an error.
+    if let Err(e) = draw_timelines(&out_dir.join("bench.png"), &timelines) {
+        say(&format!("bench.png not drawn: {e}"));
+    }
     Ok(report)
 }
 
@@ -184,9 +191,10 @@ struct BenchJob<'a, Z> {
 }
 
 impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
-    type Output = BenchReport;
+    /// The report and each schedule's timeline.
+    type Output = (BenchReport, Vec<TimelineGroup>);
 
-    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<BenchReport> {
+    fn run<B: DistillBackend>(self, devices: &[B::Device]) -> Result<Self::Output> {
         let config = self.config;
         let say = self.say;
         let device = &devices[0];
@@ -218,8 +226,7 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
             }
             let out = distillation.run(plan)?;
             let seconds = start.elapsed().as_secs_f64();
-            let idle = out.workers.iter().map(|w| w.idle_fraction).collect();
-            Ok((seconds, out.spans, idle, resident_bytes("VmHWM:")))
+            Ok((seconds, out.spans, out.workers, resident_bytes("VmHWM:")))
         };
 
         // The single-device reference: teacher once, every block on one slot.
@@ -243,9 +250,21 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
         let cost_model: Vec<f64> = plans.iter().map(|p| cost_model_step_seconds(p, &block_costs)).collect();
 
         let mut rows = Vec::new();
+        let mut timelines = Vec::new();
         for ((plan, predicted), modelled) in plans.iter().zip(&predictions).zip(&cost_model) {
-            let (seconds, _, idle_fractions, peak_rss_bytes) = time(plan, say)?;
+            let (seconds, spans, workers, peak_rss_bytes) = time(plan, say)?;
             let measured_step_seconds = seconds / steps as f64;
+            timelines.push(TimelineGroup {
+                title: format!(
+                    "{} {}: measured {:.1} ms per step, simulated {:.1}",
+                    plan.name,
+                    plan.describe(),
+                    1e3 * measured_step_seconds,
+                    1e3 * predicted.step_seconds
+                ),
+                timeline: Timeline::new(&spans, &workers),
+            });
+            let idle_fractions = workers.iter().map(|w| w.idle_fraction).collect();
             rows.push(BenchRow {
                 schedule: plan.name.clone(),
                 plan: plan.describe(),
@@ -270,7 +289,7 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
                 row.speedup_over_dp = Some(dp_seconds / row.seconds);
             }
         }
-        Ok(BenchReport {
+        let report = BenchReport {
             name: config.name.clone(),
             devices: config.device_slots(),
             threads_per_worker: threads,
@@ -280,7 +299,8 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
             data_load,
             ideal_seconds,
             rows,
-        })
+        };
+        Ok((report, timelines))
     }
 }
 

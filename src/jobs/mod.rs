@@ -8,6 +8,7 @@ pub mod check;
 pub mod eval;
 pub mod kernels;
 pub mod link;
+pub mod plot;
 pub mod profile;
 pub mod run;
 pub mod search;

@@ -266,8 +266,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         }
         write_metrics(self.out_dir, &log.rows)?;
         if self.flags.trace {
-            let roles: Vec<String> = output.workers.iter().map(|w| w.role.clone()).collect();
-            write_chrome_trace(&self.out_dir.join("trace.json"), &output.spans, &roles)?;
+            write_chrome_trace(&self.out_dir.join("trace.json"), &output.spans, &output.workers)?;
         }
         let blocks = block_reports(&teacher.specs, &students.specs, &log, stitched.as_ref());
 
@@ -485,6 +484,7 @@ fn block_report(k: usize, teacher: &BlockSpec, student: &BlockSpec, final_loss: 
         flops_reduction: (teacher.flops > 0 && student.flops > 0)
             .then(|| teacher.flops as f64 / student.flops as f64),
         final_loss,
+        loss: Some(teacher.loss),
     }
 }
 

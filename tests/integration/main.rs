@@ -26,6 +26,7 @@ mod layers;
 mod library;
 mod minilm;
 mod mpi;
+mod pictures;
 mod reference;
 mod resilience;
 mod schedules;

@@ -31,7 +31,7 @@ struct Event {
 /// What `trace.json` holds.
 struct Trace {
     events: Vec<Event>,
-    /// Thread names (`worker N: <role>`), by worker.
+    /// Thread names (`worker N: <role> (slot S)`), by worker.
     names: HashMap<u64, String>,
 }
 
@@ -157,7 +157,7 @@ fn check_spans(report: &RunReport, trace: &Trace) {
         let (stage, replica) = stage_and_replica(&w.role);
         let stage = &stages[stage - 1];
         assert!(replica < stage.replicas, "{} in plan {}", w.role, report.plan);
-        assert_eq!(trace.names[&id], format!("worker {id}: {}", w.role));
+        assert_eq!(trace.names[&id], format!("worker {id}: {} (slot {})", w.role, w.slot));
 
         // One span after another, all inside the training time.
         let mut spans: Vec<&Event> = trace.events.iter().filter(|e| e.worker == id).collect();

@@ -5,52 +5,34 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::jobs::plot::{picture_error, register_font, series_color, short_number};
 use crate::jobs::sweep::Row;
 
-/// Font files tried, in order, for the plot's text.
-const FONTS: [&str; 3] = [
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/TTF/DejaVuSans.ttf",
-];
-
-fn register_font() -> std::result::Result<(), String> {
-    static REGISTERED: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
-    REGISTERED
-        .get_or_init(|| {
-            let bytes = FONTS.iter().find_map(|f| std::fs::read(f).ok()).ok_or_else(|| {
-                format!(
-                    "no font for the plot: install Debian's fonts-dejavu-core (looked for {})",
-                    FONTS.join(", ")
-                )
-            })?;
-            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-            plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
-                .map_err(|_| "the DejaVu font file could not be read".to_string())
-        })
-        .clone()
+/// What one panel shows and how.
+struct Panel<'p> {
+    caption: &'p str,
+    x_desc: &'p str,
+    y_desc: &'p str,
+    /// Around the data (else from zero).
+    zoom: bool,
+    legend: SeriesLabelPosition,
+    /// The x values that were run, when x positions are their indices:
+    /// each tick is labelled with its value.
+    x_values: Option<&'p [String]>,
 }
 
 /// Draws `sweep.png`: left, samples per second against `x` (one line per
 /// combination of the other swept fields); right, speedup over the `dp`
 /// point with the same other values (when the sweep has `schedule = dp`).
 pub fn draw_sweep(path: &Path, rows: &[Row], keys: &[String], x: &str) -> Result<()> {
-    let fail = |message: String| Error::Data { path: path.to_path_buf(), message };
-    register_font().map_err(fail)?;
+    let fail = picture_error(path);
+    register_font().map_err(&fail)?;
     let xi =
         keys.iter().position(|k| k == x).ok_or_else(|| fail(format!("`x = {x}` is not a swept field")))?;
     let schedule = keys.iter().position(|k| k == "schedule");
-    // x positions: numbers as they are, anything else by order of appearance.
-    let mut categories: Vec<String> = Vec::new();
-    let position = |value: &str, categories: &mut Vec<String>| -> f64 {
-        value.parse::<f64>().unwrap_or_else(|_| {
-            if !categories.iter().any(|c| c == value) {
-                categories.push(value.to_string());
-            }
-            categories.iter().position(|c| c == value).unwrap_or(0) as f64
-        })
-    };
+    let x_values = run_values(rows.iter().map(|r| r.values[xi].as_str()));
+    let position = |value: &str| x_values.iter().position(|v| v == value).unwrap_or(0) as f64;
     // Fields with one value across the sweep say nothing in a legend.
     let varies: Vec<bool> = (0..keys.len())
         .map(|i| rows.iter().any(|r| rows.first().is_some_and(|f| f.values[i] != r.values[i])))
@@ -67,7 +49,7 @@ pub fn draw_sweep(path: &Path, rows: &[Row], keys: &[String], x: &str) -> Result
     let mut throughput: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     let mut speedup: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for row in rows {
-        let px = position(&row.values[xi], &mut categories);
+        let px = position(&row.values[xi]);
         throughput.entry(label(row)).or_default().push((px, row.samples_per_second));
         if let Some(si) = schedule {
             let baseline = rows.iter().find(|r| {
@@ -88,36 +70,59 @@ pub fn draw_sweep(path: &Path, rows: &[Row], keys: &[String], x: &str) -> Result
     let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
     let (left, right) = root.split_horizontally(640);
-    panel(&left, &throughput, x, "samples / s", "throughput", false, SeriesLabelPosition::LowerRight)
-        .map_err(fail)?;
+    let spec = |caption, y_desc| Panel {
+        caption,
+        x_desc: x,
+        y_desc,
+        zoom: false,
+        legend: SeriesLabelPosition::LowerRight,
+        x_values: Some(&x_values),
+    };
+    panel(&left, &throughput, &spec("throughput", "samples / s")).map_err(&fail)?;
     if speedup.is_empty() {
         right
             .titled("(no dp points: no speedup panel)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
     } else {
-        panel(
-            &right,
-            &speedup,
-            x,
-            "speedup over dp",
-            "speedup over dp",
-            false,
-            SeriesLabelPosition::LowerRight,
-        )
-        .map_err(fail)?;
+        panel(&right, &speedup, &spec("speedup over dp", "speedup over dp")).map_err(&fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
+}
+
+/// The distinct values of the swept field in axis order: numerically when
+/// they are all numbers, else as they first appear.
+fn run_values<'v>(values: impl Iterator<Item = &'v str>) -> Vec<String> {
+    let mut distinct: Vec<String> = Vec::new();
+    for value in values {
+        if !distinct.iter().any(|d| d == value) {
+            distinct.push(value.to_string());
+        }
+    }
+    let numbers: Option<Vec<f64>> = distinct.iter().map(|v| v.parse::<f64>().ok()).collect();
+    if let Some(numbers) = numbers {
+        let mut paired: Vec<(f64, String)> = numbers.into_iter().zip(distinct).collect();
+        paired.sort_by(|a, b| a.0.total_cmp(&b.0));
+        distinct = paired.into_iter().map(|p| p.1).collect();
+    }
+    distinct
+}
+
+/// The label of the tick at `position` on an axis of `values` (positions
+/// are indices; none between them).
+fn value_tick(values: &[String], position: f64) -> String {
+    let index = position.round();
+    if (position - index).abs() > 1e-6 || index < 0.0 {
+        return String::new();
+    }
+    values.get(index as usize).cloned().unwrap_or_default()
 }
 
 fn panel(
     area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
     series: &BTreeMap<String, Vec<(f64, f64)>>,
-    x: &str,
-    y: &str,
-    caption: &str,
-    zoom: bool,
-    legend: SeriesLabelPosition,
+    spec: &Panel,
 ) -> std::result::Result<(), String> {
+    let Panel { caption, x_desc, y_desc, zoom, x_values, .. } = *spec;
     let points = series.values().flatten();
     let (mut x0, mut x1, mut y0, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, 0.0f64);
     for &(px, py) in points {
@@ -141,9 +146,24 @@ fn panel(
         .y_label_area_size(70)
         .build_cartesian_2d((x0 - pad)..(x1 + pad), y0..y1)
         .map_err(|e| e.to_string())?;
-    chart.configure_mesh().x_desc(x).y_desc(y).draw().map_err(|e| e.to_string())?;
+    let ticks = |v: &f64| match x_values {
+        Some(values) => value_tick(values, *v),
+        None => short_number(*v),
+    };
+    // Twice as many ticks as values allows a tick at every value and none
+    // closer (the labels between values are empty).
+    let x_ticks = x_values.map_or(8, |values| 2 * values.len().max(1));
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_labels(x_ticks)
+        .x_label_formatter(&ticks)
+        .y_label_formatter(&|v| short_number(*v))
+        .draw()
+        .map_err(|e| e.to_string())?;
     for (i, (name, points)) in series.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+        let color = series_color(i);
         chart
             .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
             .map_err(|e| e.to_string())?
@@ -162,7 +182,7 @@ fn panel(
     }
     chart
         .configure_series_labels()
-        .position(legend)
+        .position(spec.legend.clone())
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
@@ -179,8 +199,8 @@ pub fn draw_pareto(
     front: &[(f64, f64, Option<f64>)],
     reference: Option<(f64, f64, Option<f64>)>,
 ) -> Result<()> {
-    let fail = |message: String| Error::Data { path: path.to_path_buf(), message };
-    register_font().map_err(fail)?;
+    let fail = picture_error(path);
+    register_font().map_err(&fail)?;
     let mut loss: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     let mut accuracy: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     let front_name = "optimum of each budget".to_string();
@@ -199,31 +219,34 @@ pub fn draw_pareto(
     let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
     let (left, right) = root.split_horizontally(640);
-    panel(
-        &left,
-        &loss,
-        cost,
-        "summed normalised loss",
-        "held-out block losses",
-        true,
-        SeriesLabelPosition::UpperRight,
-    )
-    .map_err(fail)?;
+    let spec =
+        |caption, y_desc, legend| Panel { caption, x_desc: cost, y_desc, zoom: true, legend, x_values: None };
+    let loss_panel = spec("held-out block losses", "summed normalised loss", SeriesLabelPosition::UpperRight);
+    panel(&left, &loss, &loss_panel).map_err(&fail)?;
     if accuracy.is_empty() {
         right
             .titled("(not evaluated: pipebd search --evaluate)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
     } else {
-        panel(
-            &right,
-            &accuracy,
-            cost,
-            "stitched accuracy (%)",
-            "stitched, not finetuned",
-            true,
-            SeriesLabelPosition::LowerRight,
-        )
-        .map_err(fail)?;
+        let accuracy_panel =
+            spec("stitched, not finetuned", "stitched accuracy (%)", SeriesLabelPosition::LowerRight);
+        panel(&right, &accuracy, &accuracy_panel).map_err(&fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{run_values, value_tick};
+
+    #[test]
+    fn the_axis_shows_the_values_that_were_run() {
+        let values = run_values(["256", "128", "512", "128"].into_iter());
+        assert_eq!(values, ["128", "256", "512"], "numbers in numeric order, each once");
+        assert_eq!(value_tick(&values, 1.0), "256");
+        assert_eq!(value_tick(&values, 1.5), "", "no label between two values");
+        assert_eq!(value_tick(&values, 3.0), "");
+        let names = run_values(["tr", "dp", "tr"].into_iter());
+        assert_eq!(names, ["tr", "dp"], "names in the order they were run");
+    }
 }
