@@ -254,16 +254,13 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
         for ((plan, predicted), modelled) in plans.iter().zip(&predictions).zip(&cost_model) {
             let (seconds, spans, workers, peak_rss_bytes) = time(plan, say)?;
             let measured_step_seconds = seconds / steps as f64;
-            timelines.push(TimelineGroup {
-                title: format!(
-                    "{} {}: measured {:.1} ms per step, simulated {:.1}",
-                    plan.name,
-                    plan.describe(),
-                    1e3 * measured_step_seconds,
-                    1e3 * predicted.step_seconds
-                ),
-                timeline: Timeline::new(&spans, &workers),
-            });
+            timelines.push(timeline_group(
+                plan,
+                measured_step_seconds,
+                predicted.step_seconds,
+                &spans,
+                &workers,
+            ));
             let idle_fractions = workers.iter().map(|w| w.idle_fraction).collect();
             rows.push(BenchRow {
                 schedule: plan.name.clone(),
@@ -283,12 +280,7 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
                 peak_rss_bytes,
             });
         }
-        if let Some(i) = dp_index {
-            let dp_seconds = rows[i].seconds;
-            for row in &mut rows {
-                row.speedup_over_dp = Some(dp_seconds / row.seconds);
-            }
-        }
+        set_speedups_over_dp(&mut rows, dp_index);
         let report = BenchReport {
             name: config.name.clone(),
             devices: config.device_slots(),
@@ -301,6 +293,37 @@ impl<Z: Zoo> BackendJob for BenchJob<'_, Z> {
             rows,
         };
         Ok((report, timelines))
+    }
+}
+
+/// A schedule's row group of `bench.png`, titled with its measured and
+/// simulated seconds per step.
+fn timeline_group(
+    plan: &Plan,
+    measured_step_seconds: f64,
+    simulated_step_seconds: f64,
+    spans: &[Span],
+    workers: &[WorkerSummary],
+) -> TimelineGroup {
+    TimelineGroup {
+        title: format!(
+            "{} {}: measured {:.1} ms per step, simulated {:.1}",
+            plan.name,
+            plan.describe(),
+            1e3 * measured_step_seconds,
+            1e3 * simulated_step_seconds
+        ),
+        timeline: Timeline::new(spans, workers),
+    }
+}
+
+/// Every row's measured speedup over the `dp` row (`dp_index`), if benched.
+fn set_speedups_over_dp(rows: &mut [BenchRow], dp_index: Option<usize>) {
+    if let Some(i) = dp_index {
+        let dp_seconds = rows[i].seconds;
+        for row in rows {
+            row.speedup_over_dp = Some(dp_seconds / row.seconds);
+        }
     }
 }
 

@@ -237,16 +237,8 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             return Ok(None);
         }
         let mut log = output.log;
-        let (students, stitched) = match config.train.stitched_epochs {
-            0 => (output.students, None),
-            _ => {
-                let run = (&teacher, &trained_on as &dyn Dataset<B::InnerBackend>, &settings, device);
-                let (students, rows, report) =
-                    stitch(config, output.students, log.steps, run, self.observer)?;
-                log.rows.extend(rows);
-                (students, Some(report))
-            }
-        };
+        let run = (&teacher, &trained_on as &dyn Dataset<B::InnerBackend>, &settings, device);
+        let (students, stitched) = stitch(config, output.students, &mut log, run, self.observer)?;
         let predicted_step_seconds = self
             .costs
             .and_then(|costs| predicted_step_seconds(config, self.plan, costs, log.steps, devices.len()));
@@ -302,14 +294,16 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
     }
 }
 
-/// The stitched pass after the blockwise epochs: its learning rate (the
-/// config's, else a third of the blockwise one), its run, and its report.
-/// `run` is the teacher, the training samples, the settings and the device.
+/// The stitched pass after the blockwise epochs, when the config asks for
+/// one (`train.stitched_epochs`): its learning rate (the config's, else a
+/// third of the blockwise one), its run, its rows appended to `log`'s, and
+/// its report. `run` is the teacher, the training samples, the settings and
+/// the device.
 #[allow(clippy::type_complexity)]
 fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
     config: &RunConfig,
     students: Students<B, S>,
-    first_step: usize,
+    log: &mut crate::train::TrainLog,
     run: (
         &pipebd_core::Teacher<B::InnerBackend, T>,
         &dyn Dataset<B::InnerBackend>,
@@ -317,8 +311,12 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
         &B::Device,
     ),
     observer: &mut dyn FnMut(&Progress),
-) -> Result<(Students<B, S>, Vec<crate::train::MetricRow>, StitchedReport)> {
+) -> Result<(Students<B, S>, Option<StitchedReport>)> {
+    if config.train.stitched_epochs == 0 {
+        return Ok((students, None));
+    }
     let (teacher, data, settings, device) = run;
+    let first_step = log.steps;
     let epochs = config.train.stitched_epochs;
     let mut optimizer = config.optimizer.clone();
     optimizer.lr = config.train.stitched_lr.unwrap_or(config.optimizer.lr / 3.0);
@@ -346,7 +344,8 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
         output_weight: config.train.stitched_output_loss.map(|_| config.train.stitched_output_weight),
         final_output_loss: pass.final_output_loss,
     };
-    Ok((students, pass.rows, report))
+    log.rows.extend(pass.rows);
+    Ok((students, Some(report)))
 }
 
 /// What the simulator predicts per step for `plan` on the measured `costs`

@@ -107,3 +107,95 @@ fn the_check_sees_a_zoo_name_in_code_and_not_in_comments_or_tests() {
     assert!(below_the_job_layer(Path::new("runtime/worker.rs")) && below_the_job_layer(Path::new("rng.rs")));
     assert!(!below_the_job_layer(Path::new("jobs/run.rs")) && !below_the_job_layer(Path::new("config.rs")));
 }
+
+/// The most lines a function may have (ARCHITECTURE.md: "no function over
+/// 100 lines", tests included).
+const MAX_FUNCTION_LINES: usize = 100;
+
+/// A line with its string and character literals emptied and its comment
+/// cut, so that only the code's own braces remain.
+fn braces_of(line: &str) -> String {
+    let mut code = String::new();
+    let mut chars = line.chars().peekable();
+    let mut in_string = false;
+    while let Some(c) = chars.next() {
+        match (in_string, c) {
+            (true, '\\') => {
+                chars.next();
+            }
+            (true, '"') => in_string = false,
+            (true, _) => {}
+            (false, '"') => in_string = true,
+            (false, '/') if chars.peek() == Some(&'/') => break,
+            // A brace as a character literal ('{'): not a block.
+            (false, '\'') if matches!(chars.peek(), Some('{' | '}')) => {
+                chars.next();
+            }
+            (false, '{' | '}') => code.push(c),
+            _ => {}
+        }
+    }
+    code
+}
+
+/// Each function of `text` longer than `limit` lines, as `line: name (N lines)`.
+fn long_functions(text: &str, limit: usize) -> Vec<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = Vec::new();
+    for (start, line) in lines.iter().enumerate() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let Some(at) = words.iter().position(|w| *w == "fn") else { continue };
+        let name = words.get(at + 1).map_or("", |w| w.split(['(', '<']).next().unwrap_or(""));
+        if words[..at].iter().any(|w| w.starts_with("//")) || name.is_empty() {
+            continue;
+        }
+        let mut depth = 0i64;
+        let mut opened = false;
+        for (end, body) in lines.iter().enumerate().skip(start) {
+            for brace in braces_of(body).chars() {
+                depth += if brace == '{' { 1 } else { -1 };
+                opened = true;
+            }
+            // A declaration without a body (a trait's) ends at its `;`.
+            if !opened && body.trim_end().ends_with(';') {
+                break;
+            }
+            if opened && depth <= 0 {
+                let length = end - start + 1;
+                if length > limit {
+                    found.push(format!("{}: {name} ({length} lines)", start + 1));
+                }
+                break;
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn no_function_is_longer_than_a_hundred_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src", "zoo", "core", "kernels", "teachers", "students", "tests", "examples", "benches"] {
+        if root.join(dir).is_dir() {
+            rust_files(&root.join(dir), &mut files);
+        }
+    }
+    assert!(files.len() > 100, "the workspace's files are found: {}", files.len());
+    let mut long = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for place in long_functions(&text, MAX_FUNCTION_LINES) {
+            long.push(format!("{}:{place}", file.strip_prefix(root).unwrap().display()));
+        }
+    }
+    assert!(long.is_empty(), "functions over {MAX_FUNCTION_LINES} lines:\n{}", long.join("\n"));
+}
+
+#[test]
+fn the_length_check_counts_a_function_by_its_braces() {
+    let text = "fn short() {\n    let s = \"}\";\n    let c = '{';\n}\n\npub(crate) fn long<T>(x: T) {\n    if true {\n        // }\n    }\n}\n";
+    assert_eq!(long_functions(text, 4), ["6: long (5 lines)"], "strings, chars and comments hold no braces");
+    assert!(long_functions(text, 5).is_empty());
+    assert_eq!(braces_of("let s = \"a\\\"{\"; { // }"), "{");
+}
