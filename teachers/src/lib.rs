@@ -10,11 +10,15 @@
 //! - [`minilm`]: the sentence encoder all-MiniLM-L6-v2 (safetensors, with its
 //!   WordPiece tokenizer), cut into its 6 encoder layers.
 //!
+//! Weight formats besides PyTorch's and safetensors: [`gguf`] (llama.cpp's,
+//! with the F32, F16, Q8_0, Q4_0 and Q4_1 tensors of small published LLMs).
+//!
 //! # Feature flags
 //! None.
 #![warn(missing_docs)]
 
 pub mod blocks;
+pub mod gguf;
 pub mod minilm;
 pub mod mnist_cnn;
 
