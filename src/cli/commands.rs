@@ -36,7 +36,7 @@ pub(super) fn run<Z: Zoo>(
     print::print_run(&report, &out, trace);
     // The run's files are written; pictures that cannot be drawn (no font)
     // are a warning, and `pipebd plot` draws them later.
-    match crate::jobs::plot::plot_run(&out) {
+    match crate::jobs::plot::draw_run(&out, Some(&report)) {
         Ok(written) => print::print_pictures(&written),
         Err(e) => eprintln!("warning: {e}"),
     }

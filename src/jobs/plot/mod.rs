@@ -88,6 +88,14 @@ pub(crate) fn picture_error(path: &Path) -> impl Fn(String) -> Error + '_ {
 /// for each block's loss kind and the stitched pass) and, when the run was
 /// traced, `timeline.png` from `trace.json`. Returns the files written.
 pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>> {
+    let report = run_dir.join("report.json").is_file().then(|| RunReport::read(run_dir)).transpose()?;
+    draw_run(run_dir, report.as_ref())
+}
+
+/// [`plot_run`] with the run's report already in hand (`pipebd run` right
+/// after writing it), or none (an older or a foreign run: every block is
+/// drawn as MSE).
+pub fn draw_run(run_dir: &Path, report: Option<&RunReport>) -> Result<Vec<PathBuf>> {
     let metrics = run_dir.join("metrics.csv");
     if !metrics.is_file() {
         return Err(Error::Data {
@@ -96,10 +104,8 @@ pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>> {
         });
     }
     let rows = losses::read_metrics(&metrics)?;
-    // The report tells the loss kinds and where the stitched pass begins;
-    // without one (an older or a foreign run) every block is drawn as MSE.
-    let report = run_dir.join("report.json").is_file().then(|| RunReport::read(run_dir)).transpose()?;
-    let (kinds, blockwise_steps) = match &report {
+    // The report tells the loss kinds and where the stitched pass begins.
+    let (kinds, blockwise_steps) = match report {
         Some(report) => (
             report.blocks.iter().map(|b| b.loss).collect(),
             report.stitched.is_some().then_some(report.steps),
@@ -109,7 +115,7 @@ pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>> {
     let curves = losses::LossCurves::from_rows(&rows, &kinds, blockwise_steps);
     let mut written = Vec::new();
     let losses_png = run_dir.join("losses.png");
-    let title = report.as_ref().map_or_else(
+    let title = report.map_or_else(
         || "training losses".to_string(),
         |r| format!("{}: {} on {}", r.name, r.schedule, r.device),
     );
@@ -118,7 +124,7 @@ pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>> {
     let trace = run_dir.join("trace.json");
     if trace.is_file() {
         let timeline = timeline::Timeline::read(&trace)?;
-        let title = report.as_ref().map_or_else(
+        let title = report.map_or_else(
             || "pipeline timeline".to_string(),
             |r| format!("{} {}: {:.1} ms per step", r.schedule, r.plan, 1e3 * r.measured_step_seconds),
         );
