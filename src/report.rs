@@ -97,6 +97,10 @@ pub struct RunReport {
     /// Text teachers: embedding cosine to the teacher, probe, size ratios.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<crate::data::text::TextReport>,
+    /// Language models: held-out perplexity of teacher and student,
+    /// next-token agreement and KL to the teacher, size ratios.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub language: Option<crate::data::text::LanguageReport>,
     /// Training samples available.
     pub train_samples: usize,
     /// Optimizer steps per block.

@@ -15,6 +15,10 @@
 //! - **the encoder layer's ops** ([`transformer`]): masked multi-head
 //!   attention on the projections' own layout, and the residual add with its
 //!   layer norm, each one pass forward and one backward on the CPU,
+//! - **layers built on these ops**: the post-LN encoder layer of BERT
+//!   ([`encoder`]) and the pre-norm Llama decoder layer ([`decoder`]:
+//!   RMSNorm, rotary positions, grouped-query causal attention, SwiGLU),
+//!   shared by teachers and students,
 //! - **convolutions** with their epilogue and 2x2 max-pool, and **one
 //!   optimizer update over a whole block** (Adam, SGD).
 //!
@@ -37,6 +41,7 @@ pub mod bench;
 pub mod check;
 #[cfg(feature = "cubecl")]
 mod cube;
+pub mod decoder;
 pub mod encoder;
 mod flex;
 mod flex_encoder;

@@ -142,6 +142,10 @@ pub(super) fn sweep<Z: Zoo>(zoo: &Z, sweep: &Path) -> Result<(), Error> {
 /// `pipebd eval`.
 pub(super) fn eval<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<(), Error> {
     let result = crate::jobs::eval::eval_run(zoo, run_dir)?;
+    if let Some(language) = &result.language {
+        print::print_language_report(language);
+        return Ok(());
+    }
     if let Some(text) = &result.text {
         print::print_text_report(text);
         return Ok(());

@@ -29,6 +29,27 @@ pub(super) fn print_resilience(log: &crate::runtime::recovery::ResilienceLog) {
     }
 }
 
+/// The language-model part of a run report, as printed after `run` and `eval`.
+pub(super) fn print_language_report(language: &crate::data::text::LanguageReport) {
+    println!(
+        "perplexity: teacher {:.2}  student {:.2} ({:+.1}%)  on {} held-out sequences ({} predicted tokens)",
+        language.teacher_perplexity,
+        language.student_perplexity,
+        100.0 * (language.student_perplexity / language.teacher_perplexity - 1.0),
+        language.heldout_sequences,
+        language.predicted_tokens
+    );
+    println!(
+        "next token: student agrees with the teacher's top-1 on {:.2}%, mean KL(teacher || student) {:.4} nats",
+        100.0 * language.top1_agreement,
+        language.mean_kl
+    );
+    println!(
+        "student/teacher: {:.2}x parameters, {:.2}x FLOPs (decoder layers, {} tokens per sequence)",
+        language.params_ratio, language.flops_ratio, language.max_tokens
+    );
+}
+
 /// The text part of a run report, as printed after `run` and `eval`.
 pub(super) fn print_text_report(text: &crate::data::text::TextReport) {
     println!(
@@ -192,7 +213,11 @@ pub(super) fn print_link(report: &crate::jobs::link::LinkReport) {
 /// the files went.
 pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path, trace: bool) {
     println!("run `{}`: schedule {} {} on {}", report.name, report.schedule, report.plan, report.device);
+    if let Some(language) = &report.language {
+        print_language_report(language);
+    }
     match &report.text {
+        None if report.language.is_some() => {}
         None => println!(
             "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
             100.0 * report.teacher_accuracy,

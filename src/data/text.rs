@@ -129,6 +129,33 @@ pub struct TextReport {
     pub cosine_by_length: Vec<LengthBucket>,
 }
 
+/// How a stitched decoder LLM predicts the next token next to its teacher,
+/// on held-out text (a zoo's language-model evaluation fills it in).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LanguageReport {
+    /// Held-out sequences scored.
+    pub heldout_sequences: usize,
+    /// Next-token predictions scored (every real token but each sequence's first).
+    pub predicted_tokens: usize,
+    /// Tokens per sequence (padding included).
+    pub max_tokens: usize,
+    /// The teacher's perplexity on the held-out text: `exp` of its mean
+    /// next-token negative log-likelihood.
+    pub teacher_perplexity: f64,
+    /// The stitched student's perplexity.
+    pub student_perplexity: f64,
+    /// Share of positions where the student's most likely next token is the
+    /// teacher's.
+    pub top1_agreement: f64,
+    /// Mean `KL(teacher || student)` of the next-token distributions, in
+    /// nats per token.
+    pub mean_kl: f64,
+    /// Student parameters over teacher parameters (decoder layers only).
+    pub params_ratio: f64,
+    /// Student forward FLOPs over teacher forward FLOPs (decoder layers only).
+    pub flops_ratio: f64,
+}
+
 /// Held-out sentences whose token count (special tokens included, cut at
 /// the sequence length) lies in `min_tokens..=max_tokens`, and their mean
 /// student/teacher embedding cosine.

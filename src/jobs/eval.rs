@@ -9,7 +9,7 @@ use pipebd_core::{forward_chain, Activation, Block, BlockSpec, StudentModule, St
 use pipebd_kernels::{DistillBackend, FusedBackend};
 
 use crate::config::RunConfig;
-use crate::data::text::TextReport;
+use crate::data::text::{LanguageReport, TextReport};
 use crate::data::ImageDataset;
 use crate::error::{Error, Result};
 use crate::report::RunReport;
@@ -29,6 +29,8 @@ pub struct Score {
     pub test_samples: usize,
     /// Text teachers: embedding cosine, probe, size ratios.
     pub text: Option<TextReport>,
+    /// Language models: perplexity, next-token agreement and KL to the teacher.
+    pub language: Option<LanguageReport>,
 }
 
 /// A network as an evaluation runs it: its blocks in turn, and their specs.
@@ -82,6 +84,7 @@ impl<B: FusedBackend> Evaluate<B> for TopOneAccuracy {
             student_accuracy: accuracy(student, &self.0, device, EVAL_CHUNK)?,
             test_samples: self.0.len(),
             text: None,
+            language: None,
         })
     }
 
@@ -128,7 +131,13 @@ where
     S: Block<B>,
 {
     let Some(evaluation) = evaluation else {
-        return Ok(Score { teacher_accuracy: 0.0, student_accuracy: 0.0, test_samples: 0, text: None });
+        return Ok(Score {
+            teacher_accuracy: 0.0,
+            student_accuracy: 0.0,
+            test_samples: 0,
+            text: None,
+            language: None,
+        });
     };
     let run_teacher = |x| forward_chain(teacher, x);
     let run_student = |x| forward_chain(student, x);
@@ -278,6 +287,8 @@ pub struct EvalResult {
     pub test_samples: usize,
     /// Text teachers: the embedding cosine and probe, re-measured.
     pub text: Option<TextReport>,
+    /// Language models: perplexity, agreement and KL, re-measured.
+    pub language: Option<LanguageReport>,
 }
 
 /// Reloads the student saved in `run_dir` (by `pipebd run` with `zoo`) and
@@ -298,6 +309,7 @@ pub fn eval_run<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<EvalResult> {
         recorded_accuracy: report.student_accuracy,
         test_samples: scored.test_samples,
         text: scored.text,
+        language: scored.language,
     })
 }
 

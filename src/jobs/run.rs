@@ -272,6 +272,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             student_accuracy: score.student_accuracy,
             test_samples: score.test_samples,
             text: score.text,
+            language: score.language,
             train_samples: trained_on.len(),
             steps: log.steps,
             steps_run: log.steps_run,

@@ -206,6 +206,11 @@ impl Gguf {
         })
     }
 
+    /// The file this was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// The metadata value under `key`, if any.
     pub fn get(&self, key: &str) -> Option<&MetaValue> {
         self.metadata.get(key)

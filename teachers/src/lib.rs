@@ -9,6 +9,9 @@
 //!   (PyTorch state dict), cut into 4 blocks.
 //! - [`minilm`]: the sentence encoder all-MiniLM-L6-v2 (safetensors, with its
 //!   WordPiece tokenizer), cut into its 6 encoder layers.
+//! - [`smollm2`]: the decoder LLM SmolLM2-135M-Instruct (GGUF, Llama
+//!   architecture, its byte-level BPE tokenizer rebuilt from the file), cut
+//!   into its 30 decoder layers.
 //!
 //! Weight formats besides PyTorch's and safetensors: [`gguf`] (llama.cpp's,
 //! with the F32, F16, Q8_0, Q4_0 and Q4_1 tensors of small published LLMs).
@@ -21,6 +24,7 @@ pub mod blocks;
 pub mod gguf;
 pub mod minilm;
 pub mod mnist_cnn;
+pub mod smollm2;
 
 pub use blocks::{EncoderStack, TeacherBlock};
 

@@ -31,6 +31,7 @@ mod reference;
 mod resilience;
 mod schedules;
 mod search;
+mod smollm2;
 mod stitch;
 mod sweep;
 mod teacher;

@@ -377,6 +377,7 @@ impl<B: FusedBackend> Evaluate<B> for SentenceEmbeddings<B> {
                 probe,
                 cosine_by_length,
             }),
+            language: None,
         })
     }
 

