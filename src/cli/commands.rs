@@ -289,30 +289,46 @@ pub(super) fn search<Z: Zoo>(
                 front.iter().map(|(s, _)| scores.chosen_config(run_dir, &s.choice)).collect();
             configs.push(scores.chosen_config(run_dir, &first));
             eprintln!("scoring {} stitched students on the test set...", configs.len());
-            let accuracies = crate::jobs::eval::score_configs(zoo, &configs)?;
-            for (point, accuracy) in points.iter_mut().chain([&mut reference]).zip(accuracies) {
-                point.accuracy = Some(accuracy);
+            let scored = crate::jobs::eval::score_configs(zoo, &configs)?;
+            for (point, score) in points.iter_mut().chain([&mut reference]).zip(scored) {
+                point.accuracy = Some(score.headline());
+                point.perplexity = score.language.as_ref().map(|l| l.student_perplexity);
+                point.kl = score.language.as_ref().map(|l| l.mean_kl);
             }
         }
-        println!(
-            "{:>14} {:>10} {:>12} {:>10} {:>12} {:>9}",
-            "choice", "loss", "flops", "params", "latency_ms", "accuracy"
-        );
-        for p in &points {
-            let accuracy = p.accuracy.map(|a| format!("{:.2}%", 100.0 * a)).unwrap_or_default();
-            println!(
-                "{:>14} {:>10.4} {:>12} {:>10} {:>12.3} {:>9}",
-                p.choice, p.loss, p.flops, p.params, p.latency_ms, accuracy
-            );
-        }
+        print::print_pareto(&points);
         let csv = search::write_pareto_csv(run_dir, &points)?;
         let png = run_dir.join("pareto.png");
-        let xy = |p: &search::ParetoPoint| (p.cost(kind), p.loss, p.accuracy);
-        let front_xy: Vec<_> = points.iter().map(xy).collect();
-        crate::jobs::sweep::plot::draw_pareto(&png, kind.name(), &front_xy, Some(xy(&reference)))?;
+        let metrics = pareto_metrics(&points, &reference);
+        let front: Vec<_> = points.iter().map(|p| (p.cost(kind), p.loss)).collect();
+        let reference_xy = (reference.cost(kind), reference.loss);
+        crate::jobs::sweep::plot::draw_pareto(&png, kind.name(), &front, Some(reference_xy), &metrics)?;
         println!("wrote {} and {}", csv.display(), png.display());
     }
     Ok(())
+}
+
+/// The evaluated figures of a Pareto front as panels of `pareto.png`: the
+/// stitched accuracy, or a language model's perplexity and KL.
+fn pareto_metrics(
+    points: &[crate::jobs::search::ParetoPoint],
+    reference: &crate::jobs::search::ParetoPoint,
+) -> Vec<crate::jobs::sweep::plot::Metric> {
+    use crate::jobs::sweep::plot::Metric;
+    let metric = |name: &'static str, percent: bool, of: fn(&crate::jobs::search::ParetoPoint) -> Option<f64>| Metric {
+        name,
+        percent,
+        front: points.iter().map(of).collect(),
+        reference: of(reference),
+    };
+    if points.iter().any(|p| p.perplexity.is_some()) {
+        vec![
+            metric("stitched perplexity", false, |p| p.perplexity),
+            metric("mean KL to the teacher (nats/token)", false, |p| p.kl),
+        ]
+    } else {
+        vec![metric("stitched accuracy (%)", true, |p| p.accuracy)]
+    }
 }
 
 /// The plan as a run config's `schedule = "hybrid"` and `[[stages]]`

@@ -331,3 +331,22 @@ pub(super) fn print_pictures(written: &[std::path::PathBuf]) {
     let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
     println!("drew {}", names.join(", "));
 }
+
+/// A search's Pareto front, one line per point.
+pub(super) fn print_pareto(points: &[crate::jobs::search::ParetoPoint]) {
+    let language = points.iter().any(|p| p.perplexity.is_some());
+    let last = if language { format!("{:>10} {:>9}", "perplexity", "KL") } else { format!("{:>9}", "accuracy") };
+    println!("{:>14} {:>10} {:>12} {:>10} {:>12} {last}", "choice", "loss", "flops", "params", "latency_ms");
+    for p in points {
+        let last = if language {
+            let cell = |v: Option<f64>, digits: usize| v.map(|v| format!("{v:.digits$}")).unwrap_or_default();
+            format!("{:>10} {:>9}", cell(p.perplexity, 2), cell(p.kl, 4))
+        } else {
+            format!("{:>9}", p.accuracy.map(|a| format!("{:.2}%", 100.0 * a)).unwrap_or_default())
+        };
+        println!(
+            "{:>14} {:>10.4} {:>12} {:>10} {:>12.3} {last}",
+            p.choice, p.loss, p.flops, p.params, p.latency_ms
+        );
+    }
+}

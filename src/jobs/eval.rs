@@ -352,10 +352,9 @@ pub fn export_initial_weights<Z: Zoo>(zoo: &Z, config: &RunConfig, out_dir: &Pat
 
 /// Scores the stitched student of each config (built by `zoo`, starting
 /// from the `weights` its blocks name) on the evaluation data of the first
-/// config, loaded once (on the CPU): the accuracy, or for text the probe's
-/// (the mean embedding cosine without a probe). The configs must share
-/// data and teacher (the choices of one search run do).
-pub fn score_configs<Z: Zoo>(zoo: &Z, configs: &[RunConfig]) -> Result<Vec<f64>> {
+/// config, loaded once (on the CPU). The configs must share data and
+/// teacher (the choices of one search run do).
+pub fn score_configs<Z: Zoo>(zoo: &Z, configs: &[RunConfig]) -> Result<Vec<Score>> {
     type B = burn::backend::Flex;
     let Some(first) = configs.first() else { return Ok(Vec::new()) };
     let device = Default::default();
@@ -370,10 +369,18 @@ pub fn score_configs<Z: Zoo>(zoo: &Z, configs: &[RunConfig]) -> Result<Vec<f64>>
         let evaluation = workload.evaluation.as_deref();
         let scored =
             score(evaluation, (&workload.teacher.blocks, teacher), (&blocks, &students.specs), &device)?;
-        scores.push(match (&scored.text, scored.test_samples) {
-            (Some(text), 0) => text.embedding_cosine,
-            _ => scored.student_accuracy,
-        });
+        scores.push(scored);
     }
     Ok(scores)
+}
+
+impl Score {
+    /// The one accuracy a search's Pareto front shows: the student's
+    /// accuracy, or for text without a probe the mean embedding cosine.
+    pub fn headline(&self) -> f64 {
+        match (&self.text, self.test_samples) {
+            (Some(text), 0) => text.embedding_cosine,
+            _ => self.student_accuracy,
+        }
+    }
 }

@@ -214,6 +214,8 @@ impl SearchScores {
             params: 0,
             latency_ms: 0.0,
             accuracy: None,
+            perplexity: None,
+            kl: None,
         };
         for (block, &c) in self.blocks.iter().zip(choice) {
             let candidate = &block.candidates[c];
@@ -351,8 +353,17 @@ pub struct ParetoPoint {
     /// Summed forward latency per batch (ms).
     pub latency_ms: f64,
     /// Stitched accuracy of the trained candidates, not finetuned (when
-    /// evaluated; text: the probe's).
+    /// evaluated; text: the probe's; language models: top-1 agreement
+    /// with the teacher).
     pub accuracy: Option<f64>,
+    /// Language models, when evaluated: the stitched student's held-out
+    /// perplexity.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perplexity: Option<f64>,
+    /// Language models, when evaluated: its mean `KL(teacher || student)`
+    /// per next token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl: Option<f64>,
 }
 
 impl ParetoPoint {
@@ -384,12 +395,19 @@ pub fn pareto(
 
 /// Writes `pareto.csv` into `dir`.
 pub fn write_pareto_csv(dir: &Path, points: &[ParetoPoint]) -> Result<PathBuf> {
-    let mut csv = String::from("choice,loss,flops,params,latency_ms,accuracy\n");
+    let mut csv = String::from("choice,loss,flops,params,latency_ms,accuracy,perplexity,kl\n");
+    let cell = |v: Option<f64>| v.map(|a| a.to_string()).unwrap_or_default();
     for p in points {
-        let accuracy = p.accuracy.map(|a| a.to_string()).unwrap_or_default();
         csv.push_str(&format!(
-            "{},{},{},{},{},{}\n",
-            p.choice, p.loss, p.flops, p.params, p.latency_ms, accuracy
+            "{},{},{},{},{},{},{},{}\n",
+            p.choice,
+            p.loss,
+            p.flops,
+            p.params,
+            p.latency_ms,
+            cell(p.accuracy),
+            cell(p.perplexity),
+            cell(p.kl)
         ));
     }
     let path = dir.join("pareto.csv");

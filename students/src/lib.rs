@@ -17,6 +17,10 @@
 //! - `encoder`: a post-LN transformer encoder layer of configurable width
 //!   (heads, head width, feed-forward width) for `[tokens, hidden]` inputs;
 //!   one such block may replace several teacher layers;
+//! - `decoder`: a pre-norm Llama decoder layer for `[tokens, hidden]` inputs
+//!   (Puzzle's per-layer library: fewer query/key-value heads, a narrower
+//!   SwiGLU, attention replaced by a linear map or removed, the feed-forward
+//!   removed);
 //! - `skip`: the identity, no parameters and no FLOPs (Puzzle's no-op: a
 //!   candidate that drops the teacher block);
 //! - `candidates`: several blocks of the kinds above for one teacher block,
@@ -37,6 +41,7 @@ pub use head::HeadBlock;
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use pipebd_core::{Activation, Block, Error as CoreError, FusedBackend};
+use pipebd_kernels::decoder::{DecoderLayer, DecoderLayerConfig, MixerKind};
 use pipebd_kernels::encoder::{EncoderLayer, EncoderLayerConfig};
 use serde::{Deserialize, Serialize};
 
@@ -145,6 +150,40 @@ pub enum StudentBlockConfig {
         /// The candidates, in order: ordinary student tables (not `candidates`).
         candidates: Vec<StudentBlockConfig>,
     },
+    /// A pre-norm Llama decoder layer: grouped-query causal attention with
+    /// rotary positions (or a per-token linear map, or nothing), then a
+    /// SwiGLU feed-forward (or nothing), each with a residual. Input and
+    /// output are `[tokens, hidden]`. Defaults are SmolLM2-135M's layer.
+    Decoder {
+        /// What mixes the tokens: `attention` (default), `linear` (a
+        /// `[hidden, hidden]` map of each token, no mixing) or `none`.
+        #[serde(default)]
+        mixer: DecoderMixer,
+        /// Query heads (default 9).
+        #[serde(default = "default_decoder_heads")]
+        heads: usize,
+        /// Key/value heads (default 3); `heads` must be a multiple.
+        #[serde(default = "default_kv_heads")]
+        kv_heads: usize,
+        /// Width of each head (default 64).
+        #[serde(default = "default_decoder_head_dim")]
+        head_dim: usize,
+        /// Feed-forward width (default 1536; 0 removes the feed-forward).
+        #[serde(default = "default_decoder_ffn")]
+        ffn: usize,
+        /// Base of the rotary angles (default 100000).
+        #[serde(default = "default_rope_base")]
+        rope_base: f64,
+        /// RMSNorm epsilon (default 1e-5).
+        #[serde(default = "default_rms_eps")]
+        eps: f64,
+        /// Initial weights: `teacher` (default): the first teacher layer of
+        /// the block, pruned to the student's size (the strongest key/value
+        /// groups and query heads, the feed-forward neurons that move the
+        /// residual stream most; a linear mixer starts at zero); or `random`.
+        #[serde(default)]
+        init: EncoderInit,
+    },
     /// A post-LN transformer encoder layer: multi-head attention over the
     /// real tokens, then `GELU` feed-forward, each with a residual and a
     /// layer norm. Input and output are `[tokens, hidden]`.
@@ -175,6 +214,49 @@ pub enum EncoderInit {
     Teacher,
     /// burn's default random initialisation.
     Random,
+}
+
+/// The token mixer of a `decoder` student block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DecoderMixer {
+    /// Grouped-query causal self-attention.
+    #[default]
+    Attention,
+    /// A per-token linear map (no mixing across tokens).
+    Linear,
+    /// No attention sublayer.
+    None,
+}
+
+impl DecoderMixer {
+    fn kind(self) -> MixerKind {
+        match self {
+            Self::Attention => MixerKind::Attention,
+            Self::Linear => MixerKind::Linear,
+            Self::None => MixerKind::None,
+        }
+    }
+}
+
+fn default_decoder_heads() -> usize {
+    9
+}
+fn default_kv_heads() -> usize {
+    3
+}
+fn default_decoder_head_dim() -> usize {
+    64
+}
+fn default_decoder_ffn() -> usize {
+    1536
+}
+fn default_rope_base() -> f64 {
+    100_000.0
+}
+fn default_rms_eps() -> f64 {
+    // SmolLM2's, as its GGUF file stores it (an f32).
+    1e-5_f32 as f64
 }
 
 fn default_heads() -> usize {
@@ -313,6 +395,18 @@ impl<B: FusedBackend> ZooForward<B> for EncoderLayer<B> {
     }
 }
 
+impl<B: FusedBackend> ZooForward<B> for DecoderLayer<B> {
+    /// Token states to token states; the mask travels on.
+    fn forward_activation(&self, input: Activation<B>) -> Result<Activation<B>, Activation<B>> {
+        match input {
+            Activation::Tokens { hidden, mask } => {
+                Ok(Activation::Tokens { hidden: self.forward(hidden, mask.clone()), mask })
+            }
+            other => Err(other),
+        }
+    }
+}
+
 impl<B: FusedBackend> ZooForward<B> for SkipBlock<B> {
     fn forward_activation(&self, input: Activation<B>) -> Result<Activation<B>, Activation<B>> {
         Ok(input)
@@ -411,6 +505,8 @@ student_kinds! {
     Head(HeadBlock<B>) = "head",
     /// See [`StudentBlockConfig::Encoder`].
     Encoder(EncoderLayer<B>) = "encoder",
+    /// See [`StudentBlockConfig::Decoder`].
+    Decoder(DecoderLayer<B>) = "decoder",
     /// See [`StudentBlockConfig::Skip`].
     Skip(SkipBlock<B>) = "skip",
 }
@@ -502,6 +598,7 @@ impl StudentBlockConfig {
             Self::Inverted { .. } => "inverted",
             Self::Head { .. } => "head",
             Self::Encoder { .. } => "encoder",
+            Self::Decoder { .. } => "decoder",
             Self::Skip => "skip",
             Self::Candidates { .. } => "candidates",
         }
@@ -542,6 +639,22 @@ impl StudentBlockConfig {
                     flops: config.flops(tokens),
                 })
             }
+            Self::Decoder { .. } => {
+                let [tokens, hidden] = match input_shape {
+                    [t, h] => [*t, *h],
+                    _ => {
+                        return Err(invalid(format!(
+                            "expects token states [tokens, hidden], got {input_shape:?}"
+                        )))
+                    }
+                };
+                let config = self.decoder_config(hidden).unwrap_or_else(|| unreachable!("a decoder block"));
+                Ok(BuiltStudent {
+                    module: StudentBlock::Decoder(config.init(device)),
+                    output_shape: vec![tokens, hidden],
+                    flops: config.flops(tokens),
+                })
+            }
             Self::Skip => Ok(BuiltStudent {
                 module: StudentBlock::Skip(SkipBlock::new()),
                 output_shape: input_shape.to_vec(),
@@ -561,9 +674,35 @@ impl StudentBlockConfig {
         }
     }
 
+    /// The layer sizes of a `decoder` block on a residual stream of width
+    /// `hidden`; `None` for any other kind.
+    pub fn decoder_config(&self, hidden: usize) -> Option<DecoderLayerConfig> {
+        let Self::Decoder { mixer, heads, kv_heads, head_dim, ffn, rope_base, eps, .. } = *self else {
+            return None;
+        };
+        let attention = mixer == DecoderMixer::Attention;
+        Some(DecoderLayerConfig {
+            hidden,
+            mixer: mixer.kind(),
+            heads: if attention { heads } else { 0 },
+            kv_heads: if attention { kv_heads } else { 0 },
+            head_dim,
+            ffn,
+            rope_base,
+            eps,
+        })
+    }
+
     /// Checks that every size of the block is at least 1 (and the kernel
     /// side one the zoo has).
     fn check_sizes(&self) -> Result<(), String> {
+        if let Self::Decoder { rope_base, eps, .. } = *self {
+            if !(rope_base > 0.0 && eps > 0.0) {
+                return Err(format!("`rope_base` and `eps` must be positive, got {rope_base} and {eps}"));
+            }
+            // The width does not matter to these checks.
+            return self.decoder_config(1).map_or(Ok(()), |config| config.validate());
+        }
         let sizes: &[(&str, usize)] = match *self {
             Self::Conv { width, out_channels, .. } => &[("width", width), ("out_channels", out_channels)],
             Self::Separable { out_channels, depth_multiplier, .. } => {
@@ -580,7 +719,7 @@ impl StudentBlockConfig {
             Self::Encoder { heads, head_dim, ffn, .. } => {
                 &[("heads", heads), ("head_dim", head_dim), ("ffn", ffn)]
             }
-            Self::Skip | Self::Candidates { .. } => &[],
+            Self::Decoder { .. } | Self::Skip | Self::Candidates { .. } => &[],
         };
         match sizes.iter().find(|(_, value)| *value == 0) {
             Some((name, _)) => Err(format!("`{name}` must be at least 1")),
@@ -627,7 +766,7 @@ impl StudentBlockConfig {
                 let (module, flops) = HeadBlock::new(c * h * w, hidden, classes, device);
                 BuiltStudent { module: StudentBlock::Head(module), output_shape: vec![classes], flops }
             }
-            Self::Encoder { .. } | Self::Skip | Self::Candidates { .. } => {
+            Self::Encoder { .. } | Self::Decoder { .. } | Self::Skip | Self::Candidates { .. } => {
                 unreachable!("`init` builds {} blocks itself", self.kind())
             }
         }

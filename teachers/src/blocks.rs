@@ -3,10 +3,12 @@
 
 use burn::module::Module;
 use pipebd_core::{Activation, Block, BlockSpec, FusedBackend, LossKind, Result};
+use pipebd_kernels::decoder::DecoderLayer;
 use pipebd_kernels::encoder::EncoderLayer;
 
 use crate::minilm;
 use crate::mnist_cnn::{self, MnistBlock};
+use crate::smollm2::LlamaSizes;
 
 impl<B: FusedBackend> Block<B> for MnistBlock<B> {
     /// Feature maps in; feature maps out of a conv stage, logits out of the head.
@@ -36,6 +38,23 @@ impl<B: FusedBackend> Block<B> for EncoderStack<B> {
     }
 }
 
+/// Consecutive decoder layers run as one block (the mask rides along).
+#[derive(Module, Debug)]
+pub struct DecoderStack<B: FusedBackend> {
+    /// The layers, in order.
+    pub layers: Vec<DecoderLayer<B>>,
+}
+
+impl<B: FusedBackend> Block<B> for DecoderStack<B> {
+    fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
+        let (mut hidden, mask) = input.into_tokens(0)?;
+        for layer in &self.layers {
+            hidden = layer.forward(hidden, mask.clone());
+        }
+        Ok(Activation::Tokens { hidden, mask })
+    }
+}
+
 /// One block of a built-in teacher.
 // Built once per run and moved rarely: boxing a variant would buy nothing
 // and burn's `Module` derive wants the variants by value.
@@ -46,6 +65,8 @@ pub enum TeacherBlock<B: FusedBackend> {
     Mnist(MnistBlock<B>),
     /// One or more consecutive MiniLM encoder layers.
     Encoder(EncoderStack<B>),
+    /// One or more consecutive decoder layers of a Llama LLM.
+    Decoder(DecoderStack<B>),
 }
 
 impl<B: FusedBackend> Block<B> for TeacherBlock<B> {
@@ -53,6 +74,7 @@ impl<B: FusedBackend> Block<B> for TeacherBlock<B> {
         match self {
             TeacherBlock::Mnist(block) => block.forward(input),
             TeacherBlock::Encoder(stack) => stack.forward(input),
+            TeacherBlock::Decoder(stack) => stack.forward(input),
         }
     }
 }
@@ -111,5 +133,37 @@ pub fn minilm_blocks<B: FusedBackend>(
     groups
         .iter()
         .map(|&n| TeacherBlock::Encoder(EncoderStack { layers: layers.by_ref().take(n).collect() }))
+        .collect()
+}
+
+/// Block specs of a Llama teacher of `sizes` cut into `groups` of
+/// consecutive decoder layers, for sequences of `tokens` tokens.
+pub fn decoder_specs(sizes: &LlamaSizes, groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
+    let layer = &sizes.layer;
+    let mut first = 1;
+    groups
+        .iter()
+        .map(|&n| {
+            let name =
+                if n == 1 { format!("layer{first}") } else { format!("layers{first}-{}", first + n - 1) };
+            first += n;
+            BlockSpec {
+                name,
+                input_shape: vec![tokens, layer.hidden],
+                output_shape: vec![tokens, layer.hidden],
+                flops: n as u64 * layer.flops(tokens),
+                params: n * layer.params(),
+                loss: LossKind::Mse,
+            }
+        })
+        .collect()
+}
+
+/// A Llama teacher's decoder layers cut into blocks of `groups` consecutive layers.
+pub fn decoder_blocks<B: FusedBackend>(layers: Vec<DecoderLayer<B>>, groups: &[usize]) -> Vec<TeacherBlock<B>> {
+    let mut layers = layers.into_iter();
+    groups
+        .iter()
+        .map(|&n| TeacherBlock::Decoder(DecoderStack { layers: layers.by_ref().take(n).collect() }))
         .collect()
 }

@@ -26,7 +26,7 @@ pub mod minilm;
 pub mod mnist_cnn;
 pub mod smollm2;
 
-pub use blocks::{EncoderStack, TeacherBlock};
+pub use blocks::{DecoderStack, EncoderStack, TeacherBlock};
 
 use std::path::PathBuf;
 

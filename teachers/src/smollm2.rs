@@ -55,7 +55,8 @@ pub const SMOLLM2_135M: LlamaSizes = LlamaSizes {
         head_dim: 64,
         ffn: 1536,
         rope_base: 100_000.0,
-        eps: 1e-5,
+        // Stored as an f32 in the file.
+        eps: 1e-5_f32 as f64,
     },
 };
 

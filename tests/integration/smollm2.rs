@@ -135,3 +135,108 @@ fn brown_perplexity_matches_the_reference() {
     );
     assert!(gap < 0.01, "perplexity {ours:.3} vs the reference's {:.3}", reference.perplexity);
 }
+
+/// A SmolLM2 run config cut into three blocks of ten layers, with
+/// `students` (TOML `[[students]]` tables) after it.
+fn tiny_config(dir: &std::path::Path, students: &str) -> std::path::PathBuf {
+    let root = common::repo().join("data");
+    let text = format!(
+        r#"name = "smollm2-test"
+seed = 5
+# Two pipeline stages with teacher relaying and decoupled updates.
+devices = ["cpu", "cpu"]
+schedule = "tr-dpu"
+
+[data]
+dataset = "brown"
+dir = "{brown}"
+train_limit = 16
+test_limit = 8
+max_tokens = 8
+
+[teacher]
+kind = "smollm2-135m"
+weights = "{weights}"
+layers_per_block = [10, 10, 10]
+
+[train]
+epochs = 1
+batch_size = 8
+log_every = 1
+
+[optimizer]
+kind = "adam"
+lr = 0.00005
+{students}"#,
+        brown = root.join("brown").display(),
+        weights = model_path().display(),
+    );
+    let path = dir.join("smollm2-test.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_decoder_run_reports_perplexity_and_eval_reloads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let students = r#"
+[[students]]
+kind = "decoder"
+ffn = 512
+
+[[students]]
+kind = "skip"
+
+[[students]]
+kind = "decoder"
+mixer = "none"
+"#;
+    let config = tiny_config(dir.path(), students);
+    let out = dir.path().join("run");
+    let (code, stdout, stderr) =
+        common::pipebd(&["run", config.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("perplexity: teacher"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let language = &report["language"];
+    let teacher = language["teacher_perplexity"].as_f64().unwrap();
+    let student = language["student_perplexity"].as_f64().unwrap();
+    assert!(teacher.is_finite() && teacher > 1.0 && student.is_finite() && student > 1.0, "{language}");
+    let kl = language["mean_kl"].as_f64().unwrap();
+    let agreement = language["top1_agreement"].as_f64().unwrap();
+    assert!(kl > 0.0 && (0.0..1.0).contains(&agreement), "{language}");
+    // One layer pruned to FFN 512, nothing, and one FFN-only layer, for 30.
+    let layer = pipebd_teachers::smollm2::SMOLLM2_135M.layer;
+    let student_flops = pipebd_kernels::decoder::DecoderLayerConfig { ffn: 512, ..layer }.flops(8)
+        + pipebd_kernels::decoder::DecoderLayerConfig {
+            mixer: pipebd_kernels::decoder::MixerKind::None,
+            ..layer
+        }
+        .flops(8);
+    let expected = student_flops as f64 / (30 * layer.flops(8)) as f64;
+    assert!((language["flops_ratio"].as_f64().unwrap() - expected).abs() < 1e-9, "{language}");
+    // The saved student scores the same when reloaded.
+    let (code, stdout, stderr) = common::pipebd(&["eval", out.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    let printed = format!("student {student:.2}");
+    assert!(stdout.contains(&printed), "`{printed}` not in:\n{stdout}");
+}
+
+#[test]
+fn configs_refuse_students_that_cannot_replace_a_decoder_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("[[students]]\nkind = \"encoder\"\nffn = 64\n", "`encoder` students attend both ways"),
+        ("[[students]]\nkind = \"decoder\"\nheads = 6\nkv_heads = 4\n", "multiple of kv_heads"),
+        ("[[students]]\nkind = \"decoder\"\nffn = 2048\n", "ffn <= 1536"),
+        ("[[students]]\nkind = \"decoder\"\nmixer = \"none\"\nffn = 0\n", "use `skip`"),
+    ];
+    for (first, expected) in cases {
+        let students = format!("{first}\n[[students]]\nkind = \"skip\"\n\n[[students]]\nkind = \"skip\"\n");
+        let config = tiny_config(dir.path(), &students);
+        let (code, stdout, stderr) = common::pipebd(&["check", config.to_str().unwrap()]);
+        assert_ne!(code, 0, "{first} was accepted:\n{stdout}");
+        assert!(stderr.contains(expected) && stderr.contains("block 1"), "{first}: {stderr}");
+    }
+}

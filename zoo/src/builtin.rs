@@ -13,7 +13,9 @@ use pipebd_kernels::encoder::EncoderLayer;
 use pipebd_kernels::encoder::{top_indices, NeuronStatistics};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_students::{Candidate, EncoderInit, StudentBlock, StudentBlockConfig};
-use pipebd_teachers::blocks::{minilm_blocks, minilm_specs, mnist_specs};
+use pipebd_kernels::decoder::{DecoderLayer, MixerKind};
+use pipebd_teachers::blocks::{decoder_blocks, decoder_specs, minilm_blocks, minilm_specs, mnist_specs};
+use pipebd_teachers::smollm2::{LlamaSizes, LmHead, SmolLm2, SmolTokenizer, TokenEmbeddings, SMOLLM2_135M};
 use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
 use pipebd_teachers::TeacherBlock;
@@ -25,6 +27,7 @@ use pipe_bd::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::mnist::{self, Split};
+use crate::lm::{ffn_importance, prune_decoder, tokenize_lm, NextTokenScores};
 use crate::text::{brown_splits, tokenize, ProbeConfig, ProbeData, SentenceEmbeddings, TextDataset};
 use crate::Lift;
 
@@ -32,6 +35,23 @@ use crate::Lift;
 /// every other dataset is MNIST-format images.
 fn is_text(config: &RunConfig) -> bool {
     config.data.dataset == "brown"
+}
+
+/// `teacher.kind` of the decoder LLM SmolLM2-135M-Instruct.
+pub const SMOLLM2: &str = "smollm2-135m";
+
+/// True for the decoder LLM teacher (on text).
+fn is_decoder(config: &RunConfig) -> bool {
+    config.teacher.kind == SMOLLM2
+}
+
+/// Layers of the configured text teacher.
+fn teacher_layers(config: &RunConfig) -> usize {
+    if is_decoder(config) {
+        SMOLLM2_135M.layers
+    } else {
+        minilm::LAYERS
+    }
 }
 
 /// [`pipe_bd::jobs::run::run`] with the built-in zoo, compiled once in this
@@ -117,9 +137,37 @@ pub fn tokenizer_path(config: &RunConfig) -> Result<PathBuf> {
         .unwrap_or_else(|| weights.parent().unwrap_or(Path::new(".")).join("tokenizer.json")))
 }
 
-/// MiniLM layers per block: `teacher.layers_per_block`, or one each.
+/// Text teacher layers per block: `teacher.layers_per_block`, or one each.
 pub fn layers_per_block(config: &RunConfig) -> Result<Vec<usize>> {
-    Ok(TeacherOptions::of(config)?.layers_per_block.unwrap_or_else(|| vec![1; minilm::LAYERS]))
+    Ok(TeacherOptions::of(config)?.layers_per_block.unwrap_or_else(|| vec![1; teacher_layers(config)]))
+}
+
+/// Loads SmolLM2 and cuts it into the configured blocks; returns the frozen
+/// token embeddings (input preparation) and LM head with the teacher.
+pub fn build_smollm2<B: FusedBackend>(
+    config: &RunConfig,
+    device: &B::Device,
+) -> Result<(TokenEmbeddings<B>, LmHead<B>, BuiltinTeacher<B>)> {
+    let model = SmolLm2::<B>::load(&config.teacher.weights, device).lift()?;
+    check_smollm2_sizes(&model.sizes, &config.teacher.weights)?;
+    let groups = layers_per_block(config)?;
+    let specs = decoder_specs(&model.sizes, &groups, max_tokens(config)?);
+    let blocks = decoder_blocks(model.layers, &groups);
+    Ok((model.embeddings, model.head, Teacher::new(blocks, specs)?))
+}
+
+/// Fails unless `sizes` (read from `path`) are SmolLM2-135M's, which the
+/// specs and the student defaults assume.
+fn check_smollm2_sizes(sizes: &LlamaSizes, path: &Path) -> Result<()> {
+    if *sizes != SMOLLM2_135M {
+        return Err(Error::teacher(pipebd_teachers::TeacherError::BadWeights {
+            path: path.to_path_buf(),
+            message: format!(
+                "a Llama of other sizes ({sizes:?}); teacher `{SMOLLM2}` is SmolLM2-135M ({SMOLLM2_135M:?})"
+            ),
+        }));
+    }
+    Ok(())
 }
 
 /// Tokens per sequence of the text data of `config` (`data.max_tokens`).
@@ -149,6 +197,9 @@ pub fn build_teacher<B: FusedBackend>(
     config: &RunConfig,
     device: &B::Device,
 ) -> Result<Teacher<B, TeacherBlock<B>>> {
+    if is_decoder(config) {
+        return Ok(build_smollm2(config, device)?.2);
+    }
     if is_text(config) {
         return Ok(build_minilm(config, device)?.1);
     }
@@ -188,6 +239,9 @@ fn load_workload<B: FusedBackend>(
         let evaluation = Some(Box::new(TopOneAccuracy(test)) as _);
         return Ok(Workload { teacher, train: Box::new(train), evaluation });
     }
+    if is_decoder(config) {
+        return load_decoder_workload(config, device, with_evaluation);
+    }
     let tokenizer = MiniLmTokenizer::load(&tokenizer_path(config)?).lift()?;
     let options = DataOptions::of(config)?;
     let max_tokens = options.max_tokens();
@@ -211,6 +265,27 @@ fn load_workload<B: FusedBackend>(
             probe,
             mean_tokens,
         })),
+    })
+}
+
+/// The decoder LLM's workload: Brown sentences by SmolLM2's tokenizer, its
+/// token embeddings in front of the first block, next-token scores.
+fn load_decoder_workload<B: FusedBackend>(
+    config: &RunConfig,
+    device: &B::Device,
+    with_evaluation: bool,
+) -> Result<Workload<B, TeacherBlock<B>>> {
+    let data = &config.data;
+    let tokenizer = SmolTokenizer::load(&config.teacher.weights).lift()?;
+    let max_tokens = max_tokens(config)?;
+    let (train, heldout) = brown_splits(&data.dir, data.train_limit, data.test_limit)?;
+    let train = tokenize_lm(&tokenizer, &train, max_tokens)?;
+    let heldout = if with_evaluation { tokenize_lm(&tokenizer, &heldout, max_tokens)? } else { Vec::new() };
+    let (embeddings, head, teacher) = build_smollm2::<B>(config, device)?;
+    Ok(Workload {
+        teacher,
+        train: Box::new(TextDataset::new(train, max_tokens, embeddings.clone())),
+        evaluation: Some(Box::new(NextTokenScores { embeddings, head, heldout, max_tokens })),
     })
 }
 
@@ -251,6 +326,9 @@ fn init_student_blocks<B: FusedBackend>(
 /// Fails unless student `k` (zero-based), if it is an `encoder` with
 /// `init = "teacher"`, fits inside the teacher layer it is pruned from.
 fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
+    if let StudentBlockConfig::Decoder { init: EncoderInit::Teacher, .. } = student {
+        return check_decoder_init(k, student);
+    }
     let StudentBlockConfig::Encoder { heads, head_dim, ffn, init: EncoderInit::Teacher } = *student else {
         return Ok(());
     };
@@ -264,6 +342,97 @@ fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
                 size.heads, size.head_dim, size.ffn
             ),
         ));
+    }
+    Ok(())
+}
+
+/// Fails unless the `decoder` student `student` of block `k` (zero-based)
+/// fits inside the SmolLM2 layer it is pruned from: no more key/value heads
+/// or query heads per key/value head, the same head width, no wider a
+/// feed-forward.
+fn check_decoder_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
+    let teacher = SMOLLM2_135M.layer;
+    let Some(size) = student.decoder_config(teacher.hidden) else { return Ok(()) };
+    let group = teacher.heads / teacher.kv_heads;
+    let attention_fits = size.mixer != MixerKind::Attention
+        || (size.kv_heads <= teacher.kv_heads
+            && size.heads / size.kv_heads.max(1) <= group
+            && size.head_dim == teacher.head_dim);
+    if !attention_fits || size.ffn > teacher.ffn {
+        return Err(Error::block(
+            k + 1,
+            format!(
+                "init = \"teacher\" needs kv_heads <= {}, heads / kv_heads <= {group}, head_dim = {} and \
+                 ffn <= {} (the teacher layer's), got heads {}, kv_heads {}, head_dim {}, ffn {}; use init = \"random\" otherwise",
+                teacher.kv_heads, teacher.head_dim, teacher.ffn, size.heads, size.kv_heads, size.head_dim, size.ffn
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Calibration sentences of the decoder's pruning (about 1.5k tokens at 64).
+const DECODER_CALIBRATION_SENTENCES: usize = 64;
+
+/// Replaces the `decoder` students with `init = "teacher"` by the first
+/// SmolLM2 layer of their block, pruned to their size
+/// ([`crate::lm::prune_decoder`]); the feed-forward neurons are ranked on
+/// the first training sentences.
+fn init_decoders_from_teacher(
+    config: &RunConfig,
+    students: &[StudentBlockConfig],
+    blocks: &mut [StudentBlock<burn::backend::Flex>],
+) -> Result<()> {
+    type Cpu = burn::backend::Flex;
+    let wanted =
+        |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Decoder { init: EncoderInit::Teacher, .. });
+    let groups = layers_per_block(config)?;
+    let first_layer = |k: usize| groups[..k.min(groups.len())].iter().sum::<usize>();
+    let needed: Vec<usize> = (0..students.len())
+        .filter(|&k| wanted(&students[k]) || students[k].candidates().iter().any(wanted))
+        .map(first_layer)
+        .collect();
+    let Some(&deepest) = needed.iter().max() else { return Ok(()) };
+    let device = Default::default();
+    let model = SmolLm2::<Cpu>::load(&config.teacher.weights, &device).lift()?;
+    let tokenizer = SmolTokenizer::load(&config.teacher.weights).lift()?;
+    let (sentences, _) = brown_splits(&config.data.dir, Some(DECODER_CALIBRATION_SENTENCES), Some(0))?;
+    let max_tokens = max_tokens(config)?;
+    let ids = tokenize_lm(&tokenizer, &sentences, max_tokens)?;
+    let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+    let (mut hidden, mask) =
+        crate::text::embed_batch(&model.embeddings, &refs, max_tokens, &device).into_tokens(0)?;
+    let mut neurons: Vec<Option<Vec<f32>>> = vec![None; deepest + 1];
+    for (n, layer) in model.layers.iter().enumerate().take(deepest + 1) {
+        if needed.contains(&n) {
+            neurons[n] = ffn_importance(layer, hidden.clone(), mask.clone());
+        }
+        hidden = layer.forward(hidden, mask.clone());
+    }
+    for (k, student) in students.iter().enumerate() {
+        let first = first_layer(k);
+        let prune = |c: &StudentBlockConfig| -> Result<Option<DecoderLayer<Cpu>>> {
+            if !wanted(c) {
+                return Ok(None);
+            }
+            check_decoder_init(k, c)?;
+            let teacher = model
+                .layers
+                .get(first)
+                .ok_or_else(|| Error::block(k + 1, "no teacher layer to initialise this student from"))?;
+            let size = c.decoder_config(model.sizes.layer.hidden).ok_or_else(|| Error::block(k + 1, "not a decoder"))?;
+            Ok(Some(prune_decoder(teacher, &size, neurons[first].as_deref(), &device)))
+        };
+        if let Some(pruned) = prune(student)? {
+            blocks[k] = StudentBlock::Decoder(pruned);
+        }
+        if let StudentBlock::Candidates(set) = &mut blocks[k] {
+            for (c, candidate) in student.candidates().iter().enumerate() {
+                if let Some(pruned) = prune(candidate)? {
+                    set.candidates[c] = Candidate::Decoder(pruned);
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -284,6 +453,9 @@ fn init_from_teacher(
     students: &[StudentBlockConfig],
     blocks: &mut [StudentBlock<burn::backend::Flex>],
 ) -> Result<()> {
+    if is_decoder(config) {
+        return init_decoders_from_teacher(config, students, blocks);
+    }
     let wanted =
         |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Encoder { init: EncoderInit::Teacher, .. });
     if !students.iter().any(|s| wanted(s) || s.candidates().iter().any(wanted)) {
@@ -421,6 +593,13 @@ fn check_builtin_inputs(config: &RunConfig) -> Result<()> {
         return Ok(());
     }
     crate::text::brown_files(&data.dir)?;
+    if is_decoder(config) {
+        // The header, metadata and tensor table (the tensors are not read).
+        let file = pipebd_teachers::gguf::Gguf::open(&config.teacher.weights).lift()?;
+        check_smollm2_sizes(&LlamaSizes::of(&file).lift()?, &config.teacher.weights)?;
+        SmolTokenizer::from_gguf(&file).lift()?;
+        return Ok(());
+    }
     if let Some(probe) = &DataOptions::of(config)?.probe {
         if !probe.dir.is_dir() {
             return Err(pipe_bd::data::data_error(
@@ -517,8 +696,8 @@ impl Zoo for Builtin {
                 format!("unknown dataset `{}`: expected `mnist` or `brown`", data.dataset),
             ));
         }
-        let expected_teacher = if is_text(config) { "minilm-l6" } else { "mnist-cnn" };
-        if config.teacher.kind != expected_teacher {
+        let expected_teacher = if is_text(config) { "minilm-l6` or `smollm2-135m" } else { "mnist-cnn" };
+        if !expected_teacher.split("` or `").any(|kind| kind == config.teacher.kind) {
             return Err(ConfigIssue::new(
                 "teacher",
                 "kind",
@@ -556,6 +735,13 @@ impl Zoo for Builtin {
                 ));
             }
         }
+        if options.probe.is_some() && is_decoder(config) {
+            return Err(ConfigIssue::new(
+                "data",
+                "probe",
+                format!("the spam probe scores sentence embeddings of `minilm-l6`, not of `{SMOLLM2}`"),
+            ));
+        }
         if let Some(probe) = &options.probe {
             if !positions.contains(&probe.max_tokens) {
                 let message = format!("must be in 2..=512, got {}", probe.max_tokens);
@@ -571,7 +757,7 @@ impl Zoo for Builtin {
             }
         }
         if let Some(groups) = &teacher_options.layers_per_block {
-            let layers = minilm::LAYERS;
+            let layers = teacher_layers(config);
             if groups.contains(&0) || groups.iter().sum::<usize>() != layers {
                 return Err(ConfigIssue::new(
                     "teacher",
@@ -581,8 +767,9 @@ impl Zoo for Builtin {
             }
         }
         let students: Vec<StudentBlockConfig> = parse_students(config)?;
+        check_student_kinds(config, &students)?;
         let teacher_blocks = if is_text(config) {
-            teacher_options.layers_per_block.as_ref().map_or(minilm::LAYERS, Vec::len)
+            teacher_options.layers_per_block.as_ref().map_or(teacher_layers(config), Vec::len)
         } else {
             pipebd_teachers::mnist_cnn::block_output_shapes().len()
         };
@@ -602,6 +789,9 @@ impl Zoo for Builtin {
     }
 
     fn teacher_specs(&self, config: &RunConfig) -> Result<Vec<BlockSpec>> {
+        if is_decoder(config) {
+            return Ok(decoder_specs(&SMOLLM2_135M, &layers_per_block(config)?, max_tokens(config)?));
+        }
         if is_text(config) {
             return Ok(minilm_specs(&layers_per_block(config)?, max_tokens(config)?));
         }
@@ -684,6 +874,32 @@ impl Zoo for Builtin {
     ) -> Result<Students<B, StudentBlock<B>>> {
         build_students(config, teacher, device)
     }
+}
+
+/// Refuses student kinds that cannot stand in for the teacher's layers: a
+/// bidirectional `encoder` for a decoder LLM (it would see the tokens it
+/// predicts), a `decoder` for MiniLM.
+fn check_student_kinds(config: &RunConfig, students: &[StudentBlockConfig]) -> std::result::Result<(), ConfigIssue> {
+    let decoder = is_decoder(config);
+    for (k, student) in students.iter().enumerate() {
+        for kind in std::iter::once(student).chain(student.candidates()).map(StudentBlockConfig::kind) {
+            let message = match kind {
+                "encoder" if decoder => format!(
+                    "block {}: `encoder` students attend both ways and would see the tokens a decoder LLM \
+                     predicts: use `decoder` (or `skip`) for teacher `{SMOLLM2}`",
+                    k + 1
+                ),
+                "decoder" if !decoder => format!(
+                    "block {}: `decoder` students are causal Llama layers for teacher `{SMOLLM2}`; use `encoder` for `{}`",
+                    k + 1,
+                    config.teacher.kind
+                ),
+                _ => continue,
+            };
+            return Err(ConfigIssue::in_entry("students", k, message));
+        }
+    }
+    Ok(())
 }
 
 /// The config's `[[students]]` tables as the built-in student configs.

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use pipebd_core::{Activation, BlockSpec, Dataset, Samples};
 use pipebd_kernels::encoder::mean_pool_normalized;
 use pipebd_kernels::FusedBackend;
+use burn::tensor::{Int, Tensor};
 use pipebd_teachers::minilm::{Embeddings, MiniLmTokenizer, PaddedIds};
+use pipebd_teachers::smollm2::TokenEmbeddings;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -190,18 +192,39 @@ pub fn tokenize(tokenizer: &MiniLmTokenizer, texts: &[String], max_tokens: usize
     texts.iter().map(|t| tokenizer.encode(t, max_tokens).lift()).collect()
 }
 
-/// Tokenised sentences whose batches are the teacher's embeddings: the
-/// frozen input preparation in front of the first encoder block.
-pub struct TextDataset<B: FusedBackend> {
-    sequences: Vec<Vec<u32>>,
-    max_tokens: usize,
-    embeddings: Embeddings<B>,
+/// A text teacher's frozen input preparation: token ids to the first
+/// block's token states (MiniLM's embeddings with positions and layer norm,
+/// or a decoder LLM's token embeddings).
+pub trait EmbedTokens<B: FusedBackend>: Send + Sync {
+    /// `[batch, tokens]` ids to `[batch, tokens, hidden]`.
+    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3>;
 }
 
-impl<B: FusedBackend> TextDataset<B> {
+impl<B: FusedBackend> EmbedTokens<B> for Embeddings<B> {
+    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.forward(ids)
+    }
+}
+
+impl<B: FusedBackend> EmbedTokens<B> for TokenEmbeddings<B> {
+    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.forward(ids)
+    }
+}
+
+/// Tokenised sentences whose batches are the teacher's embeddings: the
+/// frozen input preparation in front of the first block.
+pub struct TextDataset<B: FusedBackend, E: EmbedTokens<B> = Embeddings<B>> {
+    sequences: Vec<Vec<u32>>,
+    max_tokens: usize,
+    embeddings: E,
+    backend: std::marker::PhantomData<fn() -> B>,
+}
+
+impl<B: FusedBackend, E: EmbedTokens<B>> TextDataset<B, E> {
     /// Sentences `sequences` (token ids), padded to `max_tokens`, embedded by `embeddings`.
-    pub fn new(sequences: Vec<Vec<u32>>, max_tokens: usize, embeddings: Embeddings<B>) -> Self {
-        Self { sequences, max_tokens, embeddings }
+    pub fn new(sequences: Vec<Vec<u32>>, max_tokens: usize, embeddings: E) -> Self {
+        Self { sequences, max_tokens, embeddings, backend: std::marker::PhantomData }
     }
 
     /// Mean real tokens per sequence (how much of each padded batch is text).
@@ -213,23 +236,23 @@ impl<B: FusedBackend> TextDataset<B> {
 
 /// The embedded, padded batch of `sequences` (on `embeddings`' device).
 pub fn embed_batch<B: FusedBackend>(
-    embeddings: &Embeddings<B>,
+    embeddings: &impl EmbedTokens<B>,
     sequences: &[&[u32]],
     max_tokens: usize,
     device: &B::Device,
 ) -> Activation<B> {
     let padded = PaddedIds::new(sequences.iter().copied(), max_tokens);
     let (ids, mask) = padded.tensors::<B>(device);
-    Activation::Tokens { hidden: embeddings.forward(ids), mask }
+    Activation::Tokens { hidden: embeddings.embed(ids), mask }
 }
 
-impl<B: FusedBackend> Samples for TextDataset<B> {
+impl<B: FusedBackend, E: EmbedTokens<B>> Samples for TextDataset<B, E> {
     fn len(&self) -> usize {
         self.sequences.len()
     }
 }
 
-impl<B: FusedBackend> Dataset<B> for TextDataset<B> {
+impl<B: FusedBackend, E: EmbedTokens<B>> Dataset<B> for TextDataset<B, E> {
     fn batch(&self, indices: &[usize], device: &B::Device) -> pipebd_core::Result<Activation<B>> {
         let sequences = indices
             .iter()

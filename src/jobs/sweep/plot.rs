@@ -193,46 +193,64 @@ fn panel(
 /// loss of every budget's optimum against its cost; right, the stitched
 /// accuracy of those students (when scored). `reference` is a student drawn
 /// as its own series (the first candidates: the hand-written config).
+///
+/// `front` and `reference` are (cost, summed loss) points; each of
+/// `metrics` (what `--evaluate` measured of the same points) gets a panel of
+/// its own to the right, or one panel says nothing was evaluated.
 pub fn draw_pareto(
     path: &Path,
     cost: &str,
-    front: &[(f64, f64, Option<f64>)],
-    reference: Option<(f64, f64, Option<f64>)>,
+    front: &[(f64, f64)],
+    reference: Option<(f64, f64)>,
+    metrics: &[Metric],
 ) -> Result<()> {
     let fail = picture_error(path);
     register_font().map_err(&fail)?;
-    let mut loss: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    let mut accuracy: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     let front_name = "optimum of each budget".to_string();
-    loss.insert(front_name.clone(), front.iter().map(|p| (p.0, p.1)).collect());
-    let scored: Vec<(f64, f64)> = front.iter().filter_map(|p| Some((p.0, 100.0 * p.2?))).collect();
-    if !scored.is_empty() {
-        accuracy.insert(front_name, scored);
+    let reference_name = "first candidates (the hand-written student)".to_string();
+    let mut loss: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    loss.insert(front_name.clone(), front.to_vec());
+    if let Some(point) = reference {
+        loss.insert(reference_name.clone(), vec![point]);
     }
-    if let Some((c, l, a)) = reference {
-        let name = "first candidates (the hand-written student)".to_string();
-        loss.insert(name.clone(), vec![(c, l)]);
-        if let Some(a) = a {
-            accuracy.insert(name, vec![(c, 100.0 * a)]);
-        }
-    }
-    let root = BitMapBackend::new(path, (1280, 520)).into_drawing_area();
+    let evaluated: Vec<&Metric> = metrics.iter().filter(|m| m.front.iter().any(Option::is_some)).collect();
+    let panels = 1 + evaluated.len().max(1);
+    let root = BitMapBackend::new(path, (640 * panels as u32, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
-    let (left, right) = root.split_horizontally(640);
+    let areas = root.split_evenly((1, panels));
     let spec =
         |caption, y_desc, legend| Panel { caption, x_desc: cost, y_desc, zoom: true, legend, x_values: None };
     let loss_panel = spec("held-out block losses", "summed normalised loss", SeriesLabelPosition::UpperRight);
-    panel(&left, &loss, &loss_panel).map_err(&fail)?;
-    if accuracy.is_empty() {
-        right
+    panel(&areas[0], &loss, &loss_panel).map_err(&fail)?;
+    if evaluated.is_empty() {
+        areas[1]
             .titled("(not evaluated: pipebd search --evaluate)", ("sans-serif", 18))
             .map_err(|e| fail(e.to_string()))?;
-    } else {
-        let accuracy_panel =
-            spec("stitched, not finetuned", "stitched accuracy (%)", SeriesLabelPosition::LowerRight);
-        panel(&right, &accuracy, &accuracy_panel).map_err(&fail)?;
+    }
+    for (metric, area) in evaluated.iter().zip(&areas[1..]) {
+        let scale = if metric.percent { 100.0 } else { 1.0 };
+        let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        let scored = front.iter().zip(&metric.front).filter_map(|(p, v)| Some((p.0, scale * (*v)?))).collect();
+        series.insert(front_name.clone(), scored);
+        if let (Some(point), Some(value)) = (reference, metric.reference) {
+            series.insert(reference_name.clone(), vec![(point.0, scale * value)]);
+        }
+        let legend = if metric.percent { SeriesLabelPosition::LowerRight } else { SeriesLabelPosition::UpperRight };
+        panel(area, &series, &spec("stitched, not finetuned", metric.name, legend)).map_err(&fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
+}
+
+/// One figure `pipebd search --evaluate` measured of each Pareto point.
+pub struct Metric {
+    /// The axis label.
+    pub name: &'static str,
+    /// A share, drawn in percent.
+    pub percent: bool,
+    /// Its value at each point of the front (`None`: not measured).
+    pub front: Vec<Option<f64>>,
+    /// Its value for the reference point.
+    pub reference: Option<f64>,
 }
 
 #[cfg(test)]
