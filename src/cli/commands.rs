@@ -235,8 +235,7 @@ pub(super) fn search<Z: Zoo>(
     run_dir: &std::path::Path,
     choice: Option<Choice>,
     out: Option<PathBuf>,
-    pareto: Option<&str>,
-    evaluate: bool,
+    pareto: Option<ParetoRequest>,
     objective: crate::jobs::search::Objective,
 ) -> crate::error::Result<()> {
     use crate::jobs::search::{self, Budget, CostKind, Objective, SearchScores};
@@ -278,9 +277,12 @@ pub(super) fn search<Z: Zoo>(
         );
         println!("wrote {} (finetune and evaluate it with `pipebd run {}`)", path.display(), path.display());
     }
-    if let Some(kind) = pareto {
-        let kind = CostKind::parse(kind)?;
-        let front = search::pareto(&scores, kind, objective)?;
+    if let Some(ParetoRequest { cost, evaluate, points }) = pareto {
+        let kind = CostKind::parse(&cost)?;
+        let mut front = search::pareto(&scores, kind, objective)?;
+        if let Some(points) = points {
+            front = search::thin_front(front, kind, points);
+        }
         let first = vec![0; scores.blocks.len()];
         let mut reference = scores.point(&first, objective);
         let mut points: Vec<search::ParetoPoint> = front.iter().map(|(_, p)| p.clone()).collect();
@@ -308,6 +310,16 @@ pub(super) fn search<Z: Zoo>(
     Ok(())
 }
 
+/// What `pipebd search --pareto` was asked for.
+pub(super) struct ParetoRequest {
+    /// The cost: flops, params or latency.
+    pub cost: String,
+    /// Score each point's stitched student.
+    pub evaluate: bool,
+    /// Keep at most this many points.
+    pub points: Option<usize>,
+}
+
 /// The evaluated figures of a Pareto front as panels of `pareto.png`: the
 /// stitched accuracy, or a language model's perplexity and KL.
 fn pareto_metrics(
@@ -315,12 +327,10 @@ fn pareto_metrics(
     reference: &crate::jobs::search::ParetoPoint,
 ) -> Vec<crate::jobs::sweep::plot::Metric> {
     use crate::jobs::sweep::plot::Metric;
-    let metric = |name: &'static str, percent: bool, of: fn(&crate::jobs::search::ParetoPoint) -> Option<f64>| Metric {
-        name,
-        percent,
-        front: points.iter().map(of).collect(),
-        reference: of(reference),
-    };
+    let metric =
+        |name: &'static str, percent: bool, of: fn(&crate::jobs::search::ParetoPoint) -> Option<f64>| {
+            Metric { name, percent, front: points.iter().map(of).collect(), reference: of(reference) }
+        };
     if points.iter().any(|p| p.perplexity.is_some()) {
         vec![
             metric("stitched perplexity", false, |p| p.perplexity),

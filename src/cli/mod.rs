@@ -154,6 +154,12 @@ enum Command {
         /// candidates, not finetuned) on the test set.
         #[arg(long)]
         evaluate: bool,
+        /// With --pareto: keep at most this many points of the front, spread
+        /// evenly over its cost range (the cheapest and the dearest always
+        /// kept): a front of many blocks has hundreds, and --evaluate scores
+        /// each.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(2..))]
+        points: Option<u64>,
         /// Choose each block's candidate with the largest architecture
         /// weight (a single-path search's result) into chosen.toml.
         #[arg(long, conflicts_with = "budget")]
@@ -311,14 +317,19 @@ fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             commands::plan(&profile, devices, memory_per_device, top, &out)
         }
         Command::Sweep { sweep } => commands::sweep(zoo, &sweep),
-        Command::Search { run_dir, budget, out, pareto, evaluate, argmax, objective } => {
+        Command::Search { run_dir, budget, out, pareto, evaluate, points, argmax, objective } => {
             let choice = match (budget, argmax) {
                 (Some(budget), _) => Some(commands::Choice::Budget(budget)),
                 (None, true) => Some(commands::Choice::Argmax),
                 (None, false) => None,
             };
             let objective = crate::jobs::search::Objective::parse(&objective)?;
-            commands::search(zoo, &run_dir, choice, out, pareto.as_deref(), evaluate, objective)
+            let pareto = pareto.map(|cost| commands::ParetoRequest {
+                cost,
+                evaluate,
+                points: points.map(|n| n as usize),
+            });
+            commands::search(zoo, &run_dir, choice, out, pareto, objective)
         }
         Command::Plot { run_dir } => commands::plot(&run_dir),
         Command::Eval { run_dir } => commands::eval(zoo, &run_dir),

@@ -335,7 +335,8 @@ pub(super) fn print_pictures(written: &[std::path::PathBuf]) {
 /// A search's Pareto front, one line per point.
 pub(super) fn print_pareto(points: &[crate::jobs::search::ParetoPoint]) {
     let language = points.iter().any(|p| p.perplexity.is_some());
-    let last = if language { format!("{:>10} {:>9}", "perplexity", "KL") } else { format!("{:>9}", "accuracy") };
+    let last =
+        if language { format!("{:>10} {:>9}", "perplexity", "KL") } else { format!("{:>9}", "accuracy") };
     println!("{:>14} {:>10} {:>12} {:>10} {:>12} {last}", "choice", "loss", "flops", "params", "latency_ms");
     for p in points {
         let last = if language {

@@ -393,6 +393,35 @@ pub fn pareto(
         .collect())
 }
 
+/// At most `points` (at least 2) of `front` (cheapest first), spread
+/// evenly over its range of cost `kind`: for each of `points` evenly spaced
+/// costs, the dearest point that costs no more (the cheapest and the
+/// dearest point always kept, none twice).
+pub fn thin_front(
+    front: Vec<(Selection, ParetoPoint)>,
+    kind: CostKind,
+    points: usize,
+) -> Vec<(Selection, ParetoPoint)> {
+    let points = points.max(2);
+    if front.len() <= points {
+        return front;
+    }
+    let cost = |i: usize| front[i].1.cost(kind);
+    let (low, high) = (cost(0), cost(front.len() - 1));
+    let mut kept: Vec<usize> = (0..points)
+        .map(|j| {
+            let target = low + (high - low) * j as f64 / (points - 1) as f64;
+            (0..front.len()).rev().find(|&i| cost(i) <= target + 1e-9 * high.abs()).unwrap_or(0)
+        })
+        .collect();
+    kept.dedup();
+    let mut taken = vec![false; front.len()];
+    for &i in &kept {
+        taken[i] = true;
+    }
+    front.into_iter().zip(taken).filter(|(_, keep)| *keep).map(|(point, _)| point).collect()
+}
+
 /// Writes `pareto.csv` into `dir`.
 pub fn write_pareto_csv(dir: &Path, points: &[ParetoPoint]) -> Result<PathBuf> {
     let mut csv = String::from("choice,loss,flops,params,latency_ms,accuracy,perplexity,kl\n");
@@ -446,4 +475,48 @@ pub fn write_chosen(
 /// the TOML table it was configured as.
 fn toml_table(object: &serde_json::Map<String, serde_json::Value>) -> toml::Table {
     object.iter().filter_map(|(key, value)| Some((key.clone(), toml::Value::try_from(value).ok()?))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn front(costs: &[u64]) -> Vec<(Selection, ParetoPoint)> {
+        costs
+            .iter()
+            .enumerate()
+            .map(|(i, &flops)| {
+                let selection = Selection { choice: vec![i], loss: 0.0, cost: flops as f64 };
+                let point = ParetoPoint {
+                    choice: i.to_string(),
+                    loss: (costs.len() - i) as f64,
+                    flops,
+                    params: 0,
+                    latency_ms: 0.0,
+                    accuracy: None,
+                    perplexity: None,
+                    kl: None,
+                };
+                (selection, point)
+            })
+            .collect()
+    }
+
+    fn kept(points: &[(Selection, ParetoPoint)]) -> Vec<u64> {
+        points.iter().map(|(_, p)| p.flops).collect()
+    }
+
+    #[test]
+    fn a_thinned_front_spreads_over_the_costs() {
+        let costs = [10, 11, 12, 13, 20, 30, 31, 40, 50];
+        // Targets 10, 30, 50: the dearest point at or under each.
+        assert_eq!(kept(&thin_front(front(&costs), CostKind::Flops, 3)), [10, 30, 50]);
+        // Targets 10, 20, 30, 40, 50.
+        assert_eq!(kept(&thin_front(front(&costs), CostKind::Flops, 5)), [10, 20, 30, 40, 50]);
+        // A short front stays whole.
+        assert_eq!(kept(&thin_front(front(&[10, 50]), CostKind::Flops, 3)), [10, 50]);
+        assert_eq!(kept(&thin_front(front(&[10, 11, 50]), CostKind::Flops, 2)), [10, 50]);
+        // Targets 10, 30, 50 over 10, 11, 12, 50: 30 falls back to 12.
+        assert_eq!(kept(&thin_front(front(&[10, 11, 12, 50]), CostKind::Flops, 3)), [10, 12, 50]);
+    }
 }

@@ -160,7 +160,10 @@ pub fn decoder_specs(sizes: &LlamaSizes, groups: &[usize], tokens: usize) -> Vec
 }
 
 /// A Llama teacher's decoder layers cut into blocks of `groups` consecutive layers.
-pub fn decoder_blocks<B: FusedBackend>(layers: Vec<DecoderLayer<B>>, groups: &[usize]) -> Vec<TeacherBlock<B>> {
+pub fn decoder_blocks<B: FusedBackend>(
+    layers: Vec<DecoderLayer<B>>,
+    groups: &[usize],
+) -> Vec<TeacherBlock<B>> {
     let mut layers = layers.into_iter();
     groups
         .iter()

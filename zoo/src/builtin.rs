@@ -9,15 +9,15 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Students, Teacher};
+use pipebd_kernels::decoder::{DecoderLayer, MixerKind};
 use pipebd_kernels::encoder::EncoderLayer;
 use pipebd_kernels::encoder::{top_indices, NeuronStatistics};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_students::{Candidate, EncoderInit, StudentBlock, StudentBlockConfig};
-use pipebd_kernels::decoder::{DecoderLayer, MixerKind};
 use pipebd_teachers::blocks::{decoder_blocks, decoder_specs, minilm_blocks, minilm_specs, mnist_specs};
-use pipebd_teachers::smollm2::{LlamaSizes, LmHead, SmolLm2, SmolTokenizer, TokenEmbeddings, SMOLLM2_135M};
 use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::mnist_cnn::MnistCnn;
+use pipebd_teachers::smollm2::{LlamaSizes, LmHead, SmolLm2, SmolTokenizer, TokenEmbeddings, SMOLLM2_135M};
 use pipebd_teachers::TeacherBlock;
 
 use pipe_bd::config::{ConfigIssue, RunConfig};
@@ -26,8 +26,8 @@ use pipe_bd::zoo::{parse_options, parse_students, Workload, Zoo};
 use pipe_bd::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::mnist::{self, Split};
 use crate::lm::{ffn_importance, prune_decoder, tokenize_lm, NextTokenScores};
+use crate::mnist::{self, Split};
 use crate::text::{brown_splits, tokenize, ProbeConfig, ProbeData, SentenceEmbeddings, TextDataset};
 use crate::Lift;
 
@@ -388,10 +388,14 @@ fn init_decoders_from_teacher(
         |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Decoder { init: EncoderInit::Teacher, .. });
     let groups = layers_per_block(config)?;
     let first_layer = |k: usize| groups[..k.min(groups.len())].iter().sum::<usize>();
-    let needed: Vec<usize> = (0..students.len())
-        .filter(|&k| wanted(&students[k]) || students[k].candidates().iter().any(wanted))
-        .map(first_layer)
-        .collect();
+    // A block that starts from saved `weights` gets them after this: no
+    // need to prune it (nor to load the teacher for it).
+    let saved = config.student_weights();
+    let pruned = |k: usize| {
+        saved.get(k).is_none_or(Option::is_none)
+            && (wanted(&students[k]) || students[k].candidates().iter().any(wanted))
+    };
+    let needed: Vec<usize> = (0..students.len()).filter(|&k| pruned(k)).map(first_layer).collect();
     let Some(&deepest) = needed.iter().max() else { return Ok(()) };
     let device = Default::default();
     let model = SmolLm2::<Cpu>::load(&config.teacher.weights, &device).lift()?;
@@ -409,7 +413,7 @@ fn init_decoders_from_teacher(
         }
         hidden = layer.forward(hidden, mask.clone());
     }
-    for (k, student) in students.iter().enumerate() {
+    for (k, student) in students.iter().enumerate().filter(|(k, _)| pruned(*k)) {
         let first = first_layer(k);
         let prune = |c: &StudentBlockConfig| -> Result<Option<DecoderLayer<Cpu>>> {
             if !wanted(c) {
@@ -420,7 +424,9 @@ fn init_decoders_from_teacher(
                 .layers
                 .get(first)
                 .ok_or_else(|| Error::block(k + 1, "no teacher layer to initialise this student from"))?;
-            let size = c.decoder_config(model.sizes.layer.hidden).ok_or_else(|| Error::block(k + 1, "not a decoder"))?;
+            let size = c
+                .decoder_config(model.sizes.layer.hidden)
+                .ok_or_else(|| Error::block(k + 1, "not a decoder"))?;
             Ok(Some(prune_decoder(teacher, &size, neurons[first].as_deref(), &device)))
         };
         if let Some(pruned) = prune(student)? {
@@ -735,26 +741,8 @@ impl Zoo for Builtin {
                 ));
             }
         }
-        if options.probe.is_some() && is_decoder(config) {
-            return Err(ConfigIssue::new(
-                "data",
-                "probe",
-                format!("the spam probe scores sentence embeddings of `minilm-l6`, not of `{SMOLLM2}`"),
-            ));
-        }
         if let Some(probe) = &options.probe {
-            if !positions.contains(&probe.max_tokens) {
-                let message = format!("must be in 2..=512, got {}", probe.max_tokens);
-                return Err(ConfigIssue::new("data.probe", "max_tokens", message));
-            }
-            if !(probe.test_fraction > 0.0 && probe.test_fraction < 1.0) {
-                let message = format!("must be in (0, 1), got {}", probe.test_fraction);
-                return Err(ConfigIssue::new("data.probe", "test_fraction", message));
-            }
-            if probe.limit == Some(0) {
-                let message = "must be at least 1 (leave it out to use every email)".to_string();
-                return Err(ConfigIssue::new("data.probe", "limit", message));
-            }
+            check_probe(config, probe)?;
         }
         if let Some(groups) = &teacher_options.layers_per_block {
             let layers = teacher_layers(config);
@@ -876,10 +864,37 @@ impl Zoo for Builtin {
     }
 }
 
+/// Checks the `[data.probe]` table of `config`.
+fn check_probe(config: &RunConfig, probe: &ProbeConfig) -> std::result::Result<(), ConfigIssue> {
+    if is_decoder(config) {
+        return Err(ConfigIssue::new(
+            "data",
+            "probe",
+            format!("the spam probe scores sentence embeddings of `minilm-l6`, not of `{SMOLLM2}`"),
+        ));
+    }
+    if !(2..=minilm::MAX_POSITIONS).contains(&probe.max_tokens) {
+        let message = format!("must be in 2..=512, got {}", probe.max_tokens);
+        return Err(ConfigIssue::new("data.probe", "max_tokens", message));
+    }
+    if !(probe.test_fraction > 0.0 && probe.test_fraction < 1.0) {
+        let message = format!("must be in (0, 1), got {}", probe.test_fraction);
+        return Err(ConfigIssue::new("data.probe", "test_fraction", message));
+    }
+    if probe.limit == Some(0) {
+        let message = "must be at least 1 (leave it out to use every email)".to_string();
+        return Err(ConfigIssue::new("data.probe", "limit", message));
+    }
+    Ok(())
+}
+
 /// Refuses student kinds that cannot stand in for the teacher's layers: a
 /// bidirectional `encoder` for a decoder LLM (it would see the tokens it
 /// predicts), a `decoder` for MiniLM.
-fn check_student_kinds(config: &RunConfig, students: &[StudentBlockConfig]) -> std::result::Result<(), ConfigIssue> {
+fn check_student_kinds(
+    config: &RunConfig,
+    students: &[StudentBlockConfig],
+) -> std::result::Result<(), ConfigIssue> {
     let decoder = is_decoder(config);
     for (k, student) in students.iter().enumerate() {
         for kind in std::iter::once(student).chain(student.candidates()).map(StudentBlockConfig::kind) {

@@ -223,7 +223,12 @@ fn weight_of<B: FusedBackend>(layer: &Linear<B>) -> (Vec<f32>, [usize; 2]) {
 }
 
 /// `layer` with the weight `values` `[inputs, outputs]`.
-fn with_weight<B: FusedBackend>(mut layer: Linear<B>, values: Vec<f32>, shape: [usize; 2], device: &B::Device) -> Linear<B> {
+fn with_weight<B: FusedBackend>(
+    mut layer: Linear<B>,
+    values: Vec<f32>,
+    shape: [usize; 2],
+    device: &B::Device,
+) -> Linear<B> {
     layer.weight = Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device));
     layer
 }
@@ -245,7 +250,11 @@ fn head_columns(heads: &[usize], head_dim: usize) -> Vec<usize> {
 
 /// Euclidean norm of column block `head` of a row-major `[_, width]` matrix.
 fn head_norm(values: &[f32], width: usize, columns: std::ops::Range<usize>) -> f32 {
-    values.chunks_exact(width).map(|row| row[columns.clone()].iter().map(|v| v * v).sum::<f32>()).sum::<f32>().sqrt()
+    values
+        .chunks_exact(width)
+        .map(|row| row[columns.clone()].iter().map(|v| v * v).sum::<f32>())
+        .sum::<f32>()
+        .sqrt()
 }
 
 /// The query heads a pruned attention keeps, grouped by the key/value head
@@ -253,14 +262,19 @@ fn head_norm(values: &[f32], width: usize, columns: std::ops::Range<usize>) -> f
 /// largest summed head importance, and in each the `heads / kv_heads`
 /// strongest query heads (importance: the norm of a head's query columns
 /// times that of its output rows).
-fn kept_heads(teacher: &CausalAttention<impl FusedBackend>, heads: usize, kv_heads: usize) -> (Vec<usize>, Vec<usize>) {
+fn kept_heads(
+    teacher: &CausalAttention<impl FusedBackend>,
+    heads: usize,
+    kv_heads: usize,
+) -> (Vec<usize>, Vec<usize>) {
     let d = teacher.head_dim;
     let group = teacher.heads / teacher.kv_heads;
     let (query, [_, q_width]) = weight_of(&teacher.query);
     let (output, [_, hidden]) = weight_of(&teacher.output);
     let importance: Vec<f32> = (0..teacher.heads)
         .map(|h| {
-            let out_rows: f32 = output[h * d * hidden..(h + 1) * d * hidden].iter().map(|v| v * v).sum::<f32>().sqrt();
+            let out_rows: f32 =
+                output[h * d * hidden..(h + 1) * d * hidden].iter().map(|v| v * v).sum::<f32>().sqrt();
             head_norm(&query, q_width, h * d..(h + 1) * d) * out_rows
         })
         .collect();
@@ -271,7 +285,9 @@ fn kept_heads(teacher: &CausalAttention<impl FusedBackend>, heads: usize, kv_hea
     let queries = groups
         .iter()
         .flat_map(|&g| {
-            top_indices(&importance[g * group..(g + 1) * group], per_group).into_iter().map(move |h| g * group + h)
+            top_indices(&importance[g * group..(g + 1) * group], per_group)
+                .into_iter()
+                .map(move |h| g * group + h)
         })
         .collect();
     (queries, groups)
@@ -296,7 +312,12 @@ fn prune_attention<B: FusedBackend>(
         query: cut_columns(&teacher.query, &q_cols),
         key: cut_columns(&teacher.key, &kv_cols),
         value: cut_columns(&teacher.value, &kv_cols),
-        output: with_weight(teacher.output.clone(), take_rows(&output, hidden, &q_cols), [q_cols.len(), hidden], device),
+        output: with_weight(
+            teacher.output.clone(),
+            take_rows(&output, hidden, &q_cols),
+            [q_cols.len(), hidden],
+            device,
+        ),
         heads: queries.len(),
         kv_heads: groups.len(),
         head_dim: d,
@@ -324,7 +345,11 @@ fn prune_ffn<B: FusedBackend>(teacher: &SwiGlu<B>, kept: &[usize], device: &B::D
 /// over the real tokens times the norm of the neuron's down-projection row.
 /// (A square mean, not `|x|`'s: the few neurons that write an LLM's massive
 /// activations fire on a handful of tokens, and must not be pruned.)
-pub fn ffn_importance<B: FusedBackend>(layer: &DecoderLayer<B>, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Option<Vec<f32>> {
+pub fn ffn_importance<B: FusedBackend>(
+    layer: &DecoderLayer<B>,
+    x: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+) -> Option<Vec<f32>> {
     let ffn = layer.ffn.as_ref()?;
     let [batch, tokens] = mask.dims();
     let activations = layer.ffn_activations(x, mask.clone())?;
@@ -438,8 +463,18 @@ mod tests {
     fn a_linear_mixer_starts_as_no_attention() {
         let device = Default::default();
         let teacher = teacher_size().init::<Flex>(&device);
-        let linear = prune_decoder(&teacher, &DecoderLayerConfig { mixer: MixerKind::Linear, ..teacher_size() }, None, &device);
-        let none = prune_decoder(&teacher, &DecoderLayerConfig { mixer: MixerKind::None, ..teacher_size() }, None, &device);
+        let linear = prune_decoder(
+            &teacher,
+            &DecoderLayerConfig { mixer: MixerKind::Linear, ..teacher_size() },
+            None,
+            &device,
+        );
+        let none = prune_decoder(
+            &teacher,
+            &DecoderLayerConfig { mixer: MixerKind::None, ..teacher_size() },
+            None,
+            &device,
+        );
         let x = Tensor::<Flex, 3>::random([1, 4, 16], Distribution::Normal(0.0, 1.0), &device);
         let mask = Tensor::<Flex, 2>::ones([1, 4], &device);
         assert!(none.attention.is_none());

@@ -6,10 +6,10 @@
 
 use std::path::{Path, PathBuf};
 
+use burn::tensor::{Int, Tensor};
 use pipebd_core::{Activation, BlockSpec, Dataset, Samples};
 use pipebd_kernels::encoder::mean_pool_normalized;
 use pipebd_kernels::FusedBackend;
-use burn::tensor::{Int, Tensor};
 use pipebd_teachers::minilm::{Embeddings, MiniLmTokenizer, PaddedIds};
 use pipebd_teachers::smollm2::TokenEmbeddings;
 use rand::rngs::StdRng;

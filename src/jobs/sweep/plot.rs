@@ -209,7 +209,9 @@ pub fn draw_pareto(
     let front_name = "optimum of each budget".to_string();
     let reference_name = "first candidates (the hand-written student)".to_string();
     let mut loss: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    loss.insert(front_name.clone(), front.to_vec());
+    let losses: Vec<f64> = front.iter().map(|p| p.1).collect();
+    let (loss_limit, losses_left_out) = on_scale(&losses);
+    loss.insert(front_name.clone(), front.iter().copied().filter(|p| p.1 <= loss_limit).collect());
     if let Some(point) = reference {
         loss.insert(reference_name.clone(), vec![point]);
     }
@@ -220,7 +222,8 @@ pub fn draw_pareto(
     let areas = root.split_evenly((1, panels));
     let spec =
         |caption, y_desc, legend| Panel { caption, x_desc: cost, y_desc, zoom: true, legend, x_values: None };
-    let loss_panel = spec("held-out block losses", "summed normalised loss", SeriesLabelPosition::UpperRight);
+    let loss_caption = format!("held-out block losses{}", left_out(losses_left_out));
+    let loss_panel = spec(loss_caption.as_str(), "summed normalised loss", SeriesLabelPosition::UpperRight);
     panel(&areas[0], &loss, &loss_panel).map_err(&fail)?;
     if evaluated.is_empty() {
         areas[1]
@@ -230,15 +233,53 @@ pub fn draw_pareto(
     for (metric, area) in evaluated.iter().zip(&areas[1..]) {
         let scale = if metric.percent { 100.0 } else { 1.0 };
         let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-        let scored = front.iter().zip(&metric.front).filter_map(|(p, v)| Some((p.0, scale * (*v)?))).collect();
-        series.insert(front_name.clone(), scored);
+        let scored: Vec<(f64, f64)> =
+            front.iter().zip(&metric.front).filter_map(|(p, v)| Some((p.0, scale * (*v)?))).collect();
+        // A share stays whole; a figure that grows without bound (a
+        // perplexity of every layer skipped) would flatten the rest.
+        let (limit, dropped) = if metric.percent {
+            (f64::INFINITY, 0)
+        } else {
+            on_scale(&scored.iter().map(|p| p.1).collect::<Vec<_>>())
+        };
+        series.insert(front_name.clone(), scored.into_iter().filter(|p| p.1 <= limit).collect());
         if let (Some(point), Some(value)) = (reference, metric.reference) {
             series.insert(reference_name.clone(), vec![(point.0, scale * value)]);
         }
-        let legend = if metric.percent { SeriesLabelPosition::LowerRight } else { SeriesLabelPosition::UpperRight };
-        panel(area, &series, &spec("stitched, not finetuned", metric.name, legend)).map_err(&fail)?;
+        let legend =
+            if metric.percent { SeriesLabelPosition::LowerRight } else { SeriesLabelPosition::UpperRight };
+        let caption = format!("stitched, not finetuned{}", left_out(dropped));
+        let metric_panel = Panel {
+            caption: &caption,
+            x_desc: cost,
+            y_desc: metric.name,
+            zoom: true,
+            legend,
+            x_values: None,
+        };
+        panel(area, &series, &metric_panel).map_err(&fail)?;
     }
     root.present().map_err(|e| fail(e.to_string()))
+}
+
+/// The largest value a Pareto panel draws, four times the median of
+/// `values` (so that the degenerate cheapest points, every block skipped,
+/// do not flatten the rest), and how many values lie above it.
+fn on_scale(values: &[f64]) -> (f64, usize) {
+    let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    sorted.sort_by(f64::total_cmp);
+    let Some(&median) = sorted.get(sorted.len() / 2) else { return (f64::INFINITY, 0) };
+    let limit = if median > 0.0 { 4.0 * median } else { f64::INFINITY };
+    (limit, values.iter().filter(|&&v| !(v <= limit)).count())
+}
+
+/// A caption's note of the points left off the scale.
+fn left_out(count: usize) -> String {
+    match count {
+        0 => String::new(),
+        1 => " (1 point off the scale)".into(),
+        n => format!(" ({n} points off the scale)"),
+    }
 }
 
 /// One figure `pipebd search --evaluate` measured of each Pareto point.
@@ -255,7 +296,15 @@ pub struct Metric {
 
 #[cfg(test)]
 mod tests {
-    use super::{run_values, value_tick};
+    use super::{on_scale, run_values, value_tick};
+
+    #[test]
+    fn pareto_panels_leave_out_the_runaway_points() {
+        // Median 3: the limit is 12, and 1e48 and 50 lie above it.
+        assert_eq!(on_scale(&[1e48, 50.0, 4.0, 3.0, 2.0, 1.0]), (12.0, 2));
+        assert_eq!(on_scale(&[f64::INFINITY, 2.0, 1.0]), (8.0, 1));
+        assert_eq!(on_scale(&[]), (f64::INFINITY, 0));
+    }
 
     #[test]
     fn the_axis_shows_the_values_that_were_run() {
