@@ -101,10 +101,16 @@ pub fn mnist_specs<B: FusedBackend>(blocks: &[MnistBlock<B>]) -> Vec<BlockSpec> 
     specs
 }
 
-/// Block specs of the MiniLM teacher cut into `groups` of consecutive
-/// layers, for sequences of `tokens` tokens.
-pub fn minilm_specs(groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
-    let layer = minilm::layer_config();
+/// Block specs of a teacher of layers (each `[tokens, hidden]` to the same,
+/// costing `flops` at `tokens` tokens and holding `params`) cut into
+/// `groups` of consecutive layers: `layer3`, or `layers4-5` for a group.
+fn layer_group_specs(
+    groups: &[usize],
+    tokens: usize,
+    hidden: usize,
+    flops: u64,
+    params: usize,
+) -> Vec<BlockSpec> {
     let mut first = 1;
     groups
         .iter()
@@ -114,14 +120,32 @@ pub fn minilm_specs(groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
             first += n;
             BlockSpec {
                 name,
-                input_shape: vec![tokens, minilm::HIDDEN],
-                output_shape: vec![tokens, minilm::HIDDEN],
-                flops: n as u64 * layer.flops(tokens),
-                params: n * layer.params(),
+                input_shape: vec![tokens, hidden],
+                output_shape: vec![tokens, hidden],
+                flops: n as u64 * flops,
+                params: n * params,
                 loss: LossKind::Mse,
             }
         })
         .collect()
+}
+
+/// `layers` cut into blocks of `groups` consecutive layers, each made a
+/// teacher block by `block`.
+fn group_layers<L, B: FusedBackend>(
+    layers: Vec<L>,
+    groups: &[usize],
+    block: impl Fn(Vec<L>) -> TeacherBlock<B>,
+) -> Vec<TeacherBlock<B>> {
+    let mut layers = layers.into_iter();
+    groups.iter().map(|&n| block(layers.by_ref().take(n).collect())).collect()
+}
+
+/// Block specs of the MiniLM teacher cut into `groups` of consecutive
+/// layers, for sequences of `tokens` tokens.
+pub fn minilm_specs(groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
+    let layer = minilm::layer_config();
+    layer_group_specs(groups, tokens, minilm::HIDDEN, layer.flops(tokens), layer.params())
 }
 
 /// MiniLM's encoder layers cut into blocks of `groups` consecutive layers.
@@ -129,34 +153,14 @@ pub fn minilm_blocks<B: FusedBackend>(
     layers: Vec<EncoderLayer<B>>,
     groups: &[usize],
 ) -> Vec<TeacherBlock<B>> {
-    let mut layers = layers.into_iter();
-    groups
-        .iter()
-        .map(|&n| TeacherBlock::Encoder(EncoderStack { layers: layers.by_ref().take(n).collect() }))
-        .collect()
+    group_layers(layers, groups, |layers| TeacherBlock::Encoder(EncoderStack { layers }))
 }
 
 /// Block specs of a Llama teacher of `sizes` cut into `groups` of
 /// consecutive decoder layers, for sequences of `tokens` tokens.
 pub fn decoder_specs(sizes: &LlamaSizes, groups: &[usize], tokens: usize) -> Vec<BlockSpec> {
     let layer = &sizes.layer;
-    let mut first = 1;
-    groups
-        .iter()
-        .map(|&n| {
-            let name =
-                if n == 1 { format!("layer{first}") } else { format!("layers{first}-{}", first + n - 1) };
-            first += n;
-            BlockSpec {
-                name,
-                input_shape: vec![tokens, layer.hidden],
-                output_shape: vec![tokens, layer.hidden],
-                flops: n as u64 * layer.flops(tokens),
-                params: n * layer.params(),
-                loss: LossKind::Mse,
-            }
-        })
-        .collect()
+    layer_group_specs(groups, tokens, layer.hidden, layer.flops(tokens), layer.params())
 }
 
 /// A Llama teacher's decoder layers cut into blocks of `groups` consecutive layers.
@@ -164,9 +168,5 @@ pub fn decoder_blocks<B: FusedBackend>(
     layers: Vec<DecoderLayer<B>>,
     groups: &[usize],
 ) -> Vec<TeacherBlock<B>> {
-    let mut layers = layers.into_iter();
-    groups
-        .iter()
-        .map(|&n| TeacherBlock::Decoder(DecoderStack { layers: layers.by_ref().take(n).collect() }))
-        .collect()
+    group_layers(layers, groups, |layers| TeacherBlock::Decoder(DecoderStack { layers }))
 }

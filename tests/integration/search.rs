@@ -399,6 +399,14 @@ fn budgets_refused_and_the_pareto_front(run_dir: &Path, cheapest: u64) {
         assert!(pair[1].1 > pair[0].1 && pair[1].0 < pair[0].0, "{pair:?}");
     }
     assert!(run_dir.join("pareto.png").is_file());
+    // Thinned to two points: the cheapest and the dearest of the front.
+    let args = ["search", "--pareto", "flops", "--points", "2"].map(std::ffi::OsStr::new);
+    run_ok(&[args[0], run_dir.as_os_str(), args[1], args[2], args[3], args[4]]);
+    let thinned = std::fs::read_to_string(run_dir.join("pareto.csv")).unwrap();
+    let flops: Vec<u64> =
+        thinned.lines().skip(1).map(|l| l.split(',').nth(2).unwrap().parse().unwrap()).collect();
+    let ends = if rows.len() == 1 { vec![rows[0].1] } else { vec![rows[0].1, rows[rows.len() - 1].1] };
+    assert_eq!(flops, ends, "{thinned}");
 }
 
 /// Every float parameter of every saved student block (candidate sets whole).

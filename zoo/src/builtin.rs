@@ -353,6 +353,8 @@ fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
 fn check_decoder_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
     let teacher = SMOLLM2_135M.layer;
     let Some(size) = student.decoder_config(teacher.hidden) else { return Ok(()) };
+    // A layer that cannot exist is the clearer error.
+    size.validate().map_err(|message| Error::block(k + 1, message))?;
     let group = teacher.heads / teacher.kv_heads;
     let attention_fits = size.mixer != MixerKind::Attention
         || (size.kv_heads <= teacher.kv_heads

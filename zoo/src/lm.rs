@@ -409,6 +409,7 @@ pub fn prune_decoder<B: FusedBackend>(
 mod tests {
     use super::*;
     use burn::backend::Flex;
+    use burn::module::Module;
     use burn::tensor::Distribution;
 
     fn teacher_size() -> DecoderLayerConfig {
