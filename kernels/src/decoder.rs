@@ -227,10 +227,7 @@ impl<B: FusedBackend> DecoderLayer<B> {
     /// tokens, 0 for padding) to `[batch, tokens, hidden]`. Each token
     /// attends to the real tokens up to itself.
     pub fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
-        let h = match &self.attention {
-            Some(sublayer) => x.clone() + sublayer.forward(x, mask),
-            None => x,
-        };
+        let h = self.after_attention(x, mask);
         match &self.ffn {
             Some(ffn) => h.clone() + ffn.forward(h),
             None => h,
@@ -243,13 +240,15 @@ impl<B: FusedBackend> DecoderLayer<B> {
     /// its neurons. `None` without a feed-forward.
     pub fn ffn_activations(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
         let ffn = self.ffn.as_ref()?;
-        let h = match &self.attention {
+        Some(ffn.activations(self.after_attention(x, mask)))
+    }
+
+    /// The residual stream after the attention half (`x` without one).
+    fn after_attention(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
+        match &self.attention {
             Some(sublayer) => x.clone() + sublayer.forward(x, mask),
             None => x,
-        };
-        let [batch, tokens, hidden] = h.dims();
-        let n = ffn.norm.forward(h).reshape([batch * tokens, hidden]);
-        Some(silu(project(&ffn.gate, n.clone())) * project(&ffn.up, n))
+        }
     }
 }
 
@@ -268,9 +267,14 @@ impl<B: FusedBackend> AttentionSublayer<B> {
 impl<B: FusedBackend> SwiGlu<B> {
     fn forward(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, tokens, hidden] = h.dims();
+        project(&self.down, self.activations(h)).reshape([batch, tokens, hidden])
+    }
+
+    /// `SiLU(gate · n2(h)) * up · n2(h)`, `[batch * tokens, ffn]`.
+    fn activations(&self, h: Tensor<B, 3>) -> Tensor<B, 2> {
+        let [batch, tokens, hidden] = h.dims();
         let n = self.norm.forward(h).reshape([batch * tokens, hidden]);
-        let inner = silu(project(&self.gate, n.clone())) * project(&self.up, n);
-        project(&self.down, inner).reshape([batch, tokens, hidden])
+        silu(project(&self.gate, n.clone())) * project(&self.up, n)
     }
 }
 

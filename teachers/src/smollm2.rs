@@ -135,6 +135,8 @@ pub struct SmolLm2<B: FusedBackend> {
     pub layers: Vec<DecoderLayer<B>>,
     /// Frozen output: final norm and LM head.
     pub head: LmHead<B>,
+    /// The tokenizer, from the same file.
+    pub tokenizer: SmolTokenizer,
 }
 
 impl<B: FusedBackend> SmolLm2<B> {
@@ -155,12 +157,9 @@ impl<B: FusedBackend> SmolLm2<B> {
             norm: norm(&file, "output_norm.weight", &sizes.layer, device)?,
             weight: Param::from_tensor(head_weight.transpose()),
         };
-        Ok(Self {
-            sizes,
-            embeddings: TokenEmbeddings { weight: Param::from_tensor(embedding) },
-            layers,
-            head,
-        })
+        let tokenizer = SmolTokenizer::from_gguf(&file)?;
+        let embeddings = TokenEmbeddings { weight: Param::from_tensor(embedding) };
+        Ok(Self { sizes, embeddings, layers, head, tokenizer })
     }
 
     /// Runs the whole model: `[batch, tokens]` ids with their mask to

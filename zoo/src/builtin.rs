@@ -142,18 +142,31 @@ pub fn layers_per_block(config: &RunConfig) -> Result<Vec<usize>> {
     Ok(TeacherOptions::of(config)?.layers_per_block.unwrap_or_else(|| vec![1; teacher_layers(config)]))
 }
 
-/// Loads SmolLM2 and cuts it into the configured blocks; returns the frozen
-/// token embeddings (input preparation) and LM head with the teacher.
-pub fn build_smollm2<B: FusedBackend>(
-    config: &RunConfig,
-    device: &B::Device,
-) -> Result<(TokenEmbeddings<B>, LmHead<B>, BuiltinTeacher<B>)> {
+/// SmolLM2 as a run uses it: cut into blocks, with what stays frozen around them.
+pub struct Smollm2Parts<B: FusedBackend> {
+    /// The tokenizer (from the same file).
+    pub tokenizer: SmolTokenizer,
+    /// Token embeddings: the input preparation.
+    pub embeddings: TokenEmbeddings<B>,
+    /// Final norm and LM head: what scores the last block's states.
+    pub head: LmHead<B>,
+    /// The decoder layers, cut into the configured blocks.
+    pub teacher: BuiltinTeacher<B>,
+}
+
+/// Loads SmolLM2 (one read of the file) and cuts it into the configured blocks.
+pub fn build_smollm2<B: FusedBackend>(config: &RunConfig, device: &B::Device) -> Result<Smollm2Parts<B>> {
     let model = SmolLm2::<B>::load(&config.teacher.weights, device).lift()?;
     check_smollm2_sizes(&model.sizes, &config.teacher.weights)?;
     let groups = layers_per_block(config)?;
     let specs = decoder_specs(&model.sizes, &groups, max_tokens(config)?);
     let blocks = decoder_blocks(model.layers, &groups);
-    Ok((model.embeddings, model.head, Teacher::new(blocks, specs)?))
+    Ok(Smollm2Parts {
+        tokenizer: model.tokenizer,
+        embeddings: model.embeddings,
+        head: model.head,
+        teacher: Teacher::new(blocks, specs)?,
+    })
 }
 
 /// Fails unless `sizes` (read from `path`) are SmolLM2-135M's, which the
@@ -198,7 +211,7 @@ pub fn build_teacher<B: FusedBackend>(
     device: &B::Device,
 ) -> Result<Teacher<B, TeacherBlock<B>>> {
     if is_decoder(config) {
-        return Ok(build_smollm2(config, device)?.2);
+        return Ok(build_smollm2(config, device)?.teacher);
     }
     if is_text(config) {
         return Ok(build_minilm(config, device)?.1);
@@ -276,12 +289,11 @@ fn load_decoder_workload<B: FusedBackend>(
     with_evaluation: bool,
 ) -> Result<Workload<B, TeacherBlock<B>>> {
     let data = &config.data;
-    let tokenizer = SmolTokenizer::load(&config.teacher.weights).lift()?;
     let max_tokens = max_tokens(config)?;
     let (train, heldout) = brown_splits(&data.dir, data.train_limit, data.test_limit)?;
+    let Smollm2Parts { tokenizer, embeddings, head, teacher } = build_smollm2::<B>(config, device)?;
     let train = tokenize_lm(&tokenizer, &train, max_tokens)?;
     let heldout = if with_evaluation { tokenize_lm(&tokenizer, &heldout, max_tokens)? } else { Vec::new() };
-    let (embeddings, head, teacher) = build_smollm2::<B>(config, device)?;
     Ok(Workload {
         teacher,
         train: Box::new(TextDataset::new(train, max_tokens, embeddings.clone())),
@@ -401,10 +413,9 @@ fn init_decoders_from_teacher(
     let Some(&deepest) = needed.iter().max() else { return Ok(()) };
     let device = Default::default();
     let model = SmolLm2::<Cpu>::load(&config.teacher.weights, &device).lift()?;
-    let tokenizer = SmolTokenizer::load(&config.teacher.weights).lift()?;
     let (sentences, _) = brown_splits(&config.data.dir, Some(DECODER_CALIBRATION_SENTENCES), Some(0))?;
     let max_tokens = max_tokens(config)?;
-    let ids = tokenize_lm(&tokenizer, &sentences, max_tokens)?;
+    let ids = tokenize_lm(&model.tokenizer, &sentences, max_tokens)?;
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
     let (mut hidden, mask) =
         crate::text::embed_batch(&model.embeddings, &refs, max_tokens, &device).into_tokens(0)?;
@@ -704,8 +715,9 @@ impl Zoo for Builtin {
                 format!("unknown dataset `{}`: expected `mnist` or `brown`", data.dataset),
             ));
         }
-        let expected_teacher = if is_text(config) { "minilm-l6` or `smollm2-135m" } else { "mnist-cnn" };
-        if !expected_teacher.split("` or `").any(|kind| kind == config.teacher.kind) {
+        let expected: &[&str] = if is_text(config) { &["minilm-l6", SMOLLM2] } else { &["mnist-cnn"] };
+        if !expected.contains(&config.teacher.kind.as_str()) {
+            let expected_teacher = expected.join("` or `");
             return Err(ConfigIssue::new(
                 "teacher",
                 "kind",
