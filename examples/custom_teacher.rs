@@ -200,7 +200,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..Default::default()
     };
     let (students, log) =
-        stitched_pass(&teacher, output.students, &train, &settings, &pass, &device, &mut |_| {})?;
+        stitched_pass(&teacher, output.students, &train, &settings, &pass, None, &device, &mut |_| {})?;
     println!("stitched pass: {} steps, final losses {:?}", log.steps, log.final_losses);
 
     // Save the students, reload them into fresh modules, score the reloaded ones.

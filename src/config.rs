@@ -11,12 +11,12 @@
 
 use std::path::{Path, PathBuf};
 
-use pipebd_core::{LossKind, Schedule};
+use pipebd_core::Schedule;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::train::optim::OptimizerConfig;
-use crate::train::stitch::StitchedGradients;
+use crate::train::stitch::{OutputLossKind, StitchedGradients};
 
 /// A whole run: data, teacher, students, training and where to run it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -431,10 +431,12 @@ pub struct TrainConfig {
     /// teacher's, added to the sum of the block losses of an `end-to-end`
     /// stitched pass (default none): `pooled-cosine` (one minus the cosine of
     /// the mean-pooled sentence embeddings, for sentence encoders: the
-    /// embedding cosine a text student is scored on), `mse` or
-    /// `soft-target-cross-entropy` (logits).
+    /// embedding cosine a text student is scored on), `mse`,
+    /// `soft-target-cross-entropy` (logits) or `head-kl` (the KL of the
+    /// next-token distributions through the teacher's frozen output head,
+    /// for teachers whose zoo gives one: a language model's LM head).
     #[serde(default)]
-    pub stitched_output_loss: Option<LossKind>,
+    pub stitched_output_loss: Option<OutputLossKind>,
     /// Weight of `stitched_output_loss` in the summed loss (default 1).
     #[serde(default = "default_output_weight")]
     pub stitched_output_weight: f64,

@@ -58,9 +58,9 @@ pub mod zoo;
 
 pub use error::{Error, Result};
 pub use pipebd_core::{
-    flat_parameters, forward_chain, parameter_tensors, Activation, Block, BlockSpec, Dataset, DistillBackend,
-    FusedBackend, Loss, LossKind, Phase, Plan, Samples, Schedule, Stage, StageSpec, StudentModule, Students,
-    Teacher,
+    flat_parameters, forward_chain, head_kl, parameter_tensors, Activation, Block, BlockSpec, Dataset,
+    DistillBackend, FusedBackend, HeadScores, Loss, LossKind, OutputHead, Phase, Plan, Samples, Schedule,
+    Stage, StageSpec, StudentModule, Students, Teacher,
 };
 pub use pipebd_core::{Error as BlockError, Result as BlockResult};
 /// serde, which a [`zoo::Zoo`] parses its config sections with: derive with

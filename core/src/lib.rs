@@ -14,6 +14,8 @@
 //! - [`Teacher`] / [`Students`]: blocks with their specs, checked against
 //!   each other;
 //! - [`Dataset`]: the training samples, as the first block's input;
+//! - [`OutputHead`]: a frozen head after the last block (an LM head) that
+//!   the stitched pass can distil through ([`head_kl`]);
 //! - [`plan`]: schedules as data ([`Plan`]), the only place that knows
 //!   schedule names.
 //!
@@ -28,6 +30,7 @@ mod activation;
 mod block;
 mod dataset;
 mod error;
+mod head;
 mod loss;
 pub mod plan;
 
@@ -38,6 +41,7 @@ pub use block::{
 };
 pub use dataset::{Dataset, Samples};
 pub use error::{panic_message, Error, Result};
+pub use head::{head_kl, HeadScores, OutputHead};
 pub use loss::{Loss, LossKind};
 pub use pipebd_kernels::{DistillBackend, FusedBackend};
 pub use plan::{Phase, Plan, PlanError, Schedule, Stage, StageSpec};

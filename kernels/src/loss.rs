@@ -70,6 +70,29 @@ pub fn pooled_cosine_distance<B: burn::tensor::backend::Backend>(
     cosines.neg().add_scalar(1.0).mean()
 }
 
+/// Weighted mean over rows of `KL(softmax(teacher / T) || softmax(student /
+/// T))`, times `T²` (Hinton et al.'s scaling, so that gradient sizes do not
+/// shrink with the temperature): `student` and `teacher` are `[rows,
+/// classes]` scores, `weights` is `[rows]` (0 for rows that must not count,
+/// such as padding). The teacher side carries no gradient. Plain burn ops
+/// (autodiff), no fused kernel: it scores a network's final output once per
+/// step. Rows with zero total weight give 0.
+pub fn weighted_kl<B: burn::tensor::backend::Backend>(
+    student: Tensor<B, 2>,
+    teacher: Tensor<B, 2>,
+    weights: Tensor<B, 1>,
+    temperature: f64,
+) -> Tensor<B, 1> {
+    use burn::tensor::activation::log_softmax;
+    let [rows, _] = student.dims();
+    let scale = 1.0 / temperature;
+    let student = log_softmax(student.mul_scalar(scale), 1);
+    let teacher = log_softmax(teacher.mul_scalar(scale), 1).detach();
+    let per_row = (teacher.clone().exp() * (teacher - student)).sum_dim(1).reshape([rows]);
+    let total = weights.clone().sum().clamp_min(1e-12);
+    (per_row * weights).sum().div(total).mul_scalar(temperature * temperature)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,5 +150,33 @@ mod tests {
         // cos([1,1],[2,0]) = 1/sqrt(2); cos([0,3],[0,1]) = 1.
         let expected = ((1.0 - 1.0 / 2f32.sqrt()) + 0.0) / 2.0;
         assert!((loss - expected).abs() < 1e-6, "{loss} vs {expected}");
+    }
+
+    #[test]
+    fn weighted_kl_matches_a_hand_computation_and_skips_zero_weight_rows() {
+        let device = Default::default();
+        // Row 1: teacher (0.5, 0.5), student (0.8, 0.2) as log-probabilities;
+        // row 2 has weight 0 and wildly different scores.
+        let teacher = Tensor::<Flex, 2>::from_floats([[0.0, 0.0], [9.0, -9.0]], &device);
+        let student = Tensor::<Flex, 2>::from_floats([[0.8f32.ln(), 0.2f32.ln()], [-9.0, 9.0]], &device);
+        let weights = Tensor::<Flex, 1>::from_floats([1.0, 0.0], &device);
+        let kl = weighted_kl(student.clone(), teacher.clone(), weights, 1.0).into_scalar();
+        let expected = 0.5 * (0.5f32 / 0.8).ln() + 0.5 * (0.5f32 / 0.2).ln();
+        assert!((kl - expected).abs() < 1e-6, "{kl} vs {expected}");
+        // Equal weights average the rows; a distribution against itself is 0.
+        let same = weighted_kl(teacher.clone(), teacher, Tensor::ones([2], &device), 2.0).into_scalar();
+        assert!(same.abs() < 1e-6, "{same}");
+        // At temperature 2 the scores are halved and the KL multiplied by 4.
+        let hot = weighted_kl(
+            student.narrow(0, 0, 1),
+            Tensor::<Flex, 2>::from_floats([[0.0, 0.0]], &device),
+            Tensor::ones([1], &device),
+            2.0,
+        )
+        .into_scalar();
+        let (a, b) = (0.8f32.sqrt(), 0.2f32.sqrt());
+        let (p, q) = (a / (a + b), b / (a + b));
+        let expected = 4.0 * (0.5 * (0.5 / p).ln() + 0.5 * (0.5 / q).ln());
+        assert!((hot - expected).abs() < 1e-5, "{hot} vs {expected}");
     }
 }

@@ -414,8 +414,9 @@ impl ProgressView {
         };
         let losses: Vec<String> = p.losses.iter().map(|l| format!("{l:.4}")).collect();
         let phase = if p.phases > 1 { format!("phase {}/{} ", p.phase + 1, p.phases) } else { String::new() };
+        let output = p.output_loss.map(|l| format!(" output {l:.4}")).unwrap_or_default();
         let message =
-            format!("{speed}{phase}epoch {}/{} losses [{}]", p.epoch + 1, p.epochs, losses.join(" "));
+            format!("{speed}{phase}epoch {}/{} losses [{}]{output}", p.epoch + 1, p.epochs, losses.join(" "));
         if let Some(bar) = &self.bar {
             bar.set_length(total as u64);
             bar.set_position(done as u64);

@@ -26,7 +26,7 @@ pub fn preflight<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(Vec<DeviceSpec>
     }
     let teacher = zoo.teacher_specs(config)?;
     let students = zoo.student_specs(config, &teacher)?;
-    check_output_loss(config, &teacher)?;
+    check_output_loss(zoo, config, &teacher)?;
     let plan = match config.schedule()? {
         Schedule::Auto => None,
         _ => Some(plan_for(config, &teacher, &students, devices.len())?),
@@ -78,25 +78,36 @@ fn check_batch_fits<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<()> {
 }
 
 /// Fails unless the stitched pass's output loss, if any, can compare the
-/// teacher's final output (a pooled cosine needs token states).
-fn check_output_loss(config: &RunConfig, teacher: &[BlockSpec]) -> Result<()> {
-    let (Some(kind), Some(last)) = (config.train.stitched_output_loss, teacher.last()) else {
+/// teacher's final output (a pooled cosine needs token states, `head-kl`
+/// the zoo's output head).
+fn check_output_loss<Z: Zoo>(zoo: &Z, config: &RunConfig, teacher: &[BlockSpec]) -> Result<()> {
+    let Some(output_loss) = config.train.stitched_output_loss else {
         return Ok(());
+    };
+    let refuse = |message: String| Error::Config {
+        path: format!("config `{}`", config.name).into(),
+        line: None,
+        field: Some("train.stitched_output_loss".into()),
+        message,
+    };
+    let (Some(kind), Some(last)) = (output_loss.block_loss(), teacher.last()) else {
+        if zoo.has_output_head(config) {
+            return Ok(());
+        }
+        return Err(refuse(format!(
+            "`head-kl` scores the final outputs through the teacher's frozen output head (an LM head), and teacher `{}` has none: use a block loss (`mse`, `soft-target-cross-entropy`, `pooled-cosine`)",
+            config.teacher.kind
+        )));
     };
     if kind.accepts(&last.output_shape) {
         return Ok(());
     }
-    Err(Error::Config {
-        path: format!("config `{}`", config.name).into(),
-        line: None,
-        field: Some("train.stitched_output_loss".into()),
-        message: format!(
-            "`{}` cannot compare the teacher's final output (per-sample shape {:?}, block `{}`): `pooled-cosine` needs token states, `soft-target-cross-entropy` logits",
-            kind.name(),
-            last.output_shape,
-            last.name
-        ),
-    })
+    Err(refuse(format!(
+        "`{}` cannot compare the teacher's final output (per-sample shape {:?}, block `{}`): `pooled-cosine` needs token states, `soft-target-cross-entropy` logits",
+        kind.name(),
+        last.output_shape,
+        last.name
+    )))
 }
 
 /// Fails, before any work, when the output folder of a run (`--out`), or a

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pipebd_core::{Block, BlockSpec, Dataset, Loss, Samples, StudentModule, Students};
+use pipebd_core::{Block, BlockSpec, Dataset, Loss, OutputHead, Samples, StudentModule, Students};
 use pipebd_kernels::DistillBackend;
 
 use crate::config::RunConfig;
@@ -30,7 +30,7 @@ use crate::runtime::transport::{rank_mismatch, Tag, Transport};
 use crate::runtime::{concurrent_workers, cores, threads_per_worker, Distillation};
 use crate::search::score::{block_scores, measure_candidates};
 use crate::trace::write_chrome_trace;
-use crate::train::stitch::{OutputLoss, StitchedPass};
+use crate::train::stitch::{OutputLoss, OutputLossKind, StitchedPass};
 use crate::train::{inference_blocks, Progress};
 use crate::zoo::{Workload, Zoo};
 
@@ -220,6 +220,22 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             self.transport.as_ref(),
         )?;
         let rank = self.transport.as_ref().map_or(0, |t| t.rank());
+        // The head a `head-kl` stitched pass scores through, loaded before
+        // training so that a missing one fails at once.
+        let head = match config.train.stitched_output_loss {
+            Some(OutputLossKind::HeadKl) if rank == 0 && config.train.stitched_epochs > 0 => {
+                Some(self.zoo.output_head::<B>(config, device)?.ok_or_else(|| Error::Config {
+                    path: format!("config `{}`", config.name).into(),
+                    line: None,
+                    field: Some("train.stitched_output_loss".into()),
+                    message: format!(
+                        "`head-kl`: the zoo gives no output head for teacher `{}`",
+                        config.teacher.kind
+                    ),
+                })?)
+            }
+            _ => None,
+        };
         let settings = config.train_settings();
         let mut distillation = Distillation::new(&teacher, students, &trained_on)
             .settings(settings.clone())
@@ -237,7 +253,8 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             return Ok(None);
         }
         let mut log = output.log;
-        let run = (&teacher, &trained_on as &dyn Dataset<B::InnerBackend>, &settings, device);
+        let run =
+            (&teacher, &trained_on as &dyn Dataset<B::InnerBackend>, &settings, head.as_deref(), device);
         let (students, stitched) = stitch(config, output.students, &mut log, run, self.observer)?;
         let predicted_step_seconds = self
             .costs
@@ -298,8 +315,8 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
 /// The stitched pass after the blockwise epochs, when the config asks for
 /// one (`train.stitched_epochs`): its learning rate (the config's, else a
 /// third of the blockwise one), its run, its rows appended to `log`'s, and
-/// its report. `run` is the teacher, the training samples, the settings and
-/// the device.
+/// its report. `run` is the teacher, the training samples, the settings,
+/// the output head (for `head-kl`) and the device.
 #[allow(clippy::type_complexity)]
 fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
     config: &RunConfig,
@@ -309,6 +326,7 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
         &pipebd_core::Teacher<B::InnerBackend, T>,
         &dyn Dataset<B::InnerBackend>,
         &crate::train::TrainSettings,
+        Option<&dyn OutputHead<B>>,
         &B::Device,
     ),
     observer: &mut dyn FnMut(&Progress),
@@ -316,7 +334,7 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
     if config.train.stitched_epochs == 0 {
         return Ok((students, None));
     }
-    let (teacher, data, settings, device) = run;
+    let (teacher, data, settings, head, device) = run;
     let first_step = log.steps;
     let epochs = config.train.stitched_epochs;
     let mut optimizer = config.optimizer.clone();
@@ -332,8 +350,9 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
             .stitched_output_loss
             .map(|kind| OutputLoss { kind, weight: config.train.stitched_output_weight }),
     };
-    let (students, pass) =
-        crate::train::stitch::stitched_pass(teacher, students, data, settings, &pass, device, observer)?;
+    let (students, pass) = crate::train::stitch::stitched_pass(
+        teacher, students, data, settings, &pass, head, device, observer,
+    )?;
     let report = StitchedReport {
         epochs,
         gradients: config.train.stitched_gradients,
@@ -401,7 +420,12 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
         teacher.specs.iter().map(|t| Loss::new(t.loss).with_temperature(config.train.temperature)).collect();
     // The replace-one-block score uses the loss the stitched pass would put
     // on the output, else the last block's own.
-    let output_kind = config.train.stitched_output_loss.or(teacher.specs.last().map(|t| t.loss));
+    // (`head-kl` scores candidates by the last block's own loss.)
+    let output_kind = config
+        .train
+        .stitched_output_loss
+        .and_then(|kind| kind.block_loss())
+        .or(teacher.specs.last().map(|t| t.loss));
     let output_loss = output_kind.map(|kind| Loss::new(kind).with_temperature(config.train.temperature));
     let measured = measure_candidates(
         &teacher.blocks,

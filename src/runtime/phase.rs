@@ -353,6 +353,7 @@ impl Tally {
                 step_in_epoch: self.reported % context.per_epoch,
                 steps_per_epoch: context.per_epoch,
                 losses: self.losses.clone(),
+                output_loss: None,
             });
             self.reported += 1;
         }

@@ -799,6 +799,9 @@ pub struct Progress {
     pub steps_per_epoch: usize,
     /// Loss of each block on this step.
     pub losses: Vec<f32>,
+    /// The stitched pass's output loss on this step (unweighted), if it
+    /// has one.
+    pub output_loss: Option<f32>,
 }
 
 /// Optimizer steps per epoch for a dataset of `len` samples (a trailing

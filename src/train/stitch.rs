@@ -15,11 +15,18 @@
 //!   optimizer.
 //!
 //! Every block's loss is still against the teacher's output of that block.
-//! It is not part of Pipe-BD proper and runs on one device.
+//! An end-to-end pass can add a loss on the final output
+//! (`train.stitched_output_loss`): one of the block losses, or `head-kl`,
+//! the KL of the next-token (or class) distributions through a frozen head
+//! the zoo provides ([`OutputHead`]: a language model's LM head), as
+//! Puzzle's global distillation does. It is not part of Pipe-BD proper and
+//! runs on one device.
 
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor};
-use pipebd_core::{Activation, Block, Dataset, Loss, LossKind, StudentModule, Students, Teacher};
+use pipebd_core::{
+    head_kl, Activation, Block, Dataset, Loss, LossKind, OutputHead, StudentModule, Students, Teacher,
+};
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
@@ -87,9 +94,56 @@ pub struct StitchedPass {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OutputLoss {
     /// Which loss.
-    pub kind: LossKind,
+    pub kind: OutputLossKind,
     /// Its weight in the summed loss.
     pub weight: f64,
+}
+
+/// The losses `train.stitched_output_loss` names: a block loss applied to
+/// the final activations, or the KL through the zoo's frozen output head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OutputLossKind {
+    /// Mean squared error of the final activations.
+    Mse,
+    /// Soft-target cross-entropy (the final activations are logits).
+    SoftTargetCrossEntropy,
+    /// One minus the cosine of the mean-pooled sentence embeddings.
+    PooledCosine,
+    /// `KL(teacher || student)` of the distributions over the scores of the
+    /// zoo's frozen output head (a language model's next-token
+    /// distributions), averaged over real tokens.
+    HeadKl,
+}
+
+impl OutputLossKind {
+    /// The block loss this is, or `None` for the head's KL.
+    pub fn block_loss(self) -> Option<LossKind> {
+        match self {
+            Self::Mse => Some(LossKind::Mse),
+            Self::SoftTargetCrossEntropy => Some(LossKind::SoftTargetCrossEntropy),
+            Self::PooledCosine => Some(LossKind::PooledCosine),
+            Self::HeadKl => None,
+        }
+    }
+
+    /// The name used in configs.
+    pub fn name(self) -> &'static str {
+        match self.block_loss() {
+            Some(kind) => kind.name(),
+            None => "head-kl",
+        }
+    }
+}
+
+impl From<LossKind> for OutputLossKind {
+    fn from(kind: LossKind) -> Self {
+        match kind {
+            LossKind::Mse => Self::Mse,
+            LossKind::SoftTargetCrossEntropy => Self::SoftTargetCrossEntropy,
+            LossKind::PooledCosine => Self::PooledCosine,
+        }
+    }
 }
 
 impl Default for StitchedPass {
@@ -120,13 +174,16 @@ impl StitchedPass {
 
 /// Runs `pass` over `data` on `device`: every block learns from the stitched
 /// student's output of the blocks before it; batches, seed, logging and
-/// temperature come from `settings`.
+/// temperature come from `settings`. `head` is the frozen output head a
+/// `head-kl` output loss scores through (required by it, unused otherwise).
+#[allow(clippy::too_many_arguments)]
 pub fn stitched_pass<B, T, S>(
     teacher: &Teacher<B::InnerBackend, T>,
     students: Students<B, S>,
     data: &dyn Dataset<B::InnerBackend>,
     settings: &TrainSettings,
     pass: &StitchedPass,
+    head: Option<&dyn OutputHead<B>>,
     device: &B::Device,
     observer: &mut dyn FnMut(&Progress),
 ) -> Result<(Students<B, S>, StitchedLog)>
@@ -146,8 +203,26 @@ where
             message: "an output loss needs end-to-end stitched gradients".into(),
         });
     }
-    let output_loss =
-        pass.output_loss.map(|o| (Loss::new(o.kind).with_temperature(settings.temperature), o.weight));
+    let output_loss = match pass.output_loss {
+        None => None,
+        Some(OutputLoss { kind, weight }) => {
+            let loss =
+                match (kind.block_loss(), head) {
+                    (Some(block_loss), _) => {
+                        FinalLoss::Block(Loss::new(block_loss).with_temperature(settings.temperature))
+                    }
+                    (None, Some(head)) => FinalLoss::Head { head, temperature: settings.temperature },
+                    (None, None) => return Err(Error::Training {
+                        block: students.specs.len(),
+                        step: 0,
+                        message:
+                            "the `head-kl` output loss needs the teacher's output head, and none was given"
+                                .into(),
+                    }),
+                };
+            Some((loss, weight))
+        }
+    };
     let mut output_losses: Vec<f32> = Vec::new();
     let total = per_epoch * epochs;
     let Students { blocks, specs, .. } = students;
@@ -171,14 +246,14 @@ where
         let base = (step % per_epoch) * settings.batch_size;
         let input = data.batch(&order[base..base + settings.batch_size], device)?;
         let lrs: Vec<f64> = trainers.iter().map(|t| t.current_lr()).collect();
-        let losses = if through_blocks {
-            let (losses, output) = end_to_end_step(teacher, &mut trainers, input, output_loss)?;
+        let (losses, output) = if through_blocks {
+            let (losses, output) = end_to_end_step(teacher, &mut trainers, input, output_loss.as_ref())?;
             if epoch + 1 == epochs {
                 output_losses.extend(output);
             }
-            losses
+            (losses, output)
         } else {
-            local_step(teacher, &mut trainers, input)?
+            (local_step(teacher, &mut trainers, input)?, None)
         };
         if step % settings.log_every == 0 || step + 1 == total {
             for (k, (&loss, &lr)) in losses.iter().zip(&lrs).enumerate() {
@@ -193,6 +268,7 @@ where
             step_in_epoch: step % per_epoch,
             steps_per_epoch: per_epoch,
             losses,
+            output_loss: output,
         });
     }
     log.final_losses = trainers.iter().map(|t| t.recent_loss()).collect();
@@ -234,6 +310,23 @@ where
     Ok(losses)
 }
 
+/// The output loss of an end-to-end pass, ready to compute.
+enum FinalLoss<'a, B: DistillBackend> {
+    /// A block loss on the final activations.
+    Block(Loss),
+    /// The KL through the frozen output head.
+    Head { head: &'a dyn OutputHead<B>, temperature: f64 },
+}
+
+impl<B: DistillBackend> FinalLoss<'_, B> {
+    fn compute(&self, student: Activation<B>, teacher: Activation<B>) -> pipebd_core::Result<Tensor<B, 1>> {
+        match self {
+            Self::Block(loss) => loss.compute(student, teacher),
+            Self::Head { head, temperature } => head_kl(*head, student, teacher, *temperature),
+        }
+    }
+}
+
 /// One step with gradients through the stitched chain: the sum of every
 /// block's loss against the teacher (plus `output_loss`, weighted, on the
 /// last block's output), backpropagated through all blocks; each block
@@ -243,7 +336,7 @@ fn end_to_end_step<B, T, S>(
     teacher: &Teacher<B::InnerBackend, T>,
     trainers: &mut [BlockTrainer<B, S>],
     input: Activation<B::InnerBackend>,
-    output_loss: Option<(Loss, f64)>,
+    output_loss: Option<&(FinalLoss<'_, B>, f64)>,
 ) -> Result<(Vec<f32>, Option<f32>)>
 where
     B: DistillBackend,
@@ -280,6 +373,7 @@ where
     }
     let mut output_value = None;
     if let (Some((loss, weight)), Some(last)) = (output_loss, trainers.last()) {
+        let weight = *weight;
         let block = trainers.len();
         let extra =
             loss.compute(student_x, Activation::from_inner(teacher_x)).map_err(|e| relabel(e, block))?;

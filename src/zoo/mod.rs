@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use pipebd_core::{Block, BlockSpec, Dataset, Students};
+use pipebd_core::{Block, BlockSpec, Dataset, OutputHead, Students};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use serde::de::DeserializeOwned;
 
@@ -148,6 +148,28 @@ pub trait Zoo: Sync {
         teacher: &[BlockSpec],
         device: &B::Device,
     ) -> Result<Students<B, Self::Student<B>>>;
+
+    /// Whether the teacher of `config` has a frozen head after its last
+    /// block ([`Zoo::output_head`]: a language model's LM head), cheaply:
+    /// `train.stitched_output_loss = "head-kl"` is refused before anything
+    /// runs when it has none. None by default.
+    fn has_output_head(&self, config: &RunConfig) -> bool {
+        let _ = config;
+        false
+    }
+
+    /// The frozen head after the teacher's last block, on the training
+    /// backend `B` (parameters without gradients), that a `head-kl` stitched
+    /// output loss scores both final activations through; `None` when the
+    /// teacher has none (the default).
+    fn output_head<B: DistillBackend>(
+        &self,
+        config: &RunConfig,
+        device: &B::Device,
+    ) -> Result<Option<Box<dyn OutputHead<B>>>> {
+        let _ = (config, device);
+        Ok(None)
+    }
 
     /// Parses and validates config text: the engine's checks, then this
     /// zoo's ([`Zoo::check_config`]); `path` is only used in errors.

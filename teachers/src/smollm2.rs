@@ -118,6 +118,29 @@ pub struct LmHead<B: FusedBackend> {
 }
 
 impl<B: FusedBackend> LmHead<B> {
+    /// Reads only the final norm and the head (the embeddings where they
+    /// are tied) of the GGUF file at `path`.
+    pub fn load(path: &Path, device: &B::Device) -> Result<Self, TeacherError> {
+        let file = Gguf::open(path)?;
+        let sizes = LlamaSizes::of(&file)?;
+        let name = if file.info("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
+        let weight = tensor2::<B>(&file, name, [sizes.vocab, sizes.layer.hidden], device)?;
+        Self::from_parts(&file, &sizes, weight, device)
+    }
+
+    /// The head from the file's final norm and its `[vocab, hidden]` weight.
+    fn from_parts(
+        file: &Gguf,
+        sizes: &LlamaSizes,
+        weight: Tensor<B, 2>,
+        device: &B::Device,
+    ) -> Result<Self, TeacherError> {
+        Ok(Self {
+            norm: norm(file, "output_norm.weight", &sizes.layer, device)?,
+            weight: Param::from_tensor(weight.transpose()),
+        })
+    }
+
     /// `[rows, hidden]` states to `[rows, vocab]` next-token logits.
     pub fn forward(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
         self.norm.forward(hidden).matmul(self.weight.val())
@@ -153,10 +176,7 @@ impl<B: FusedBackend> SmolLm2<B> {
         let layers = (0..sizes.layers)
             .map(|n| load_layer(&file, &sizes.layer, n, device))
             .collect::<Result<_, _>>()?;
-        let head = LmHead {
-            norm: norm(&file, "output_norm.weight", &sizes.layer, device)?,
-            weight: Param::from_tensor(head_weight.transpose()),
-        };
+        let head = LmHead::from_parts(&file, &sizes, head_weight, device)?;
         let tokenizer = SmolTokenizer::from_gguf(&file)?;
         let embeddings = TokenEmbeddings { weight: Param::from_tensor(embedding) };
         Ok(Self { sizes, embeddings, layers, head, tokenizer })

@@ -268,4 +268,12 @@ fn a_pooled_cosine_output_loss_on_an_image_teacher_is_refused_before_training() 
         .replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"soft-target-cross-entropy\"");
     let config = parse(&logits).unwrap();
     assert!(pipe_bd::jobs::check::preflight(&Builtin, &config).is_ok(), "logits take a cross-entropy");
+    // The MNIST CNN has no head after its last block to score through.
+    let head = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"head-kl\"");
+    let err = pipe_bd::jobs::check::preflight(&Builtin, &parse(&head).unwrap()).unwrap_err();
+    assert!(
+        matches!(&err, Error::Config { field, .. } if field.as_deref() == Some("train.stitched_output_loss")),
+        "{err}"
+    );
+    assert!(err.to_string().contains("has none"), "{err}");
 }

@@ -192,6 +192,13 @@ kind = "decoder"
 mixer = "none"
 "#;
     let config = tiny_config(dir.path(), students);
+    // Then a stitched pass that also matches the next-token distributions
+    // through the frozen LM head.
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "log_every = 1",
+        "log_every = 1\nstitched_epochs = 1\nstitched_output_loss = \"head-kl\"\nstitched_output_weight = 10.0",
+    );
+    std::fs::write(&config, text).unwrap();
     let out = dir.path().join("run");
     let (code, stdout, stderr) =
         common::pipebd(&["run", config.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
@@ -206,6 +213,10 @@ mixer = "none"
     let kl = language["mean_kl"].as_f64().unwrap();
     let agreement = language["top1_agreement"].as_f64().unwrap();
     assert!(kl > 0.0 && (0.0..1.0).contains(&agreement), "{language}");
+    let stitched = &report["stitched"];
+    assert_eq!(stitched["output_loss"], "head-kl", "{stitched}");
+    let head_kl = stitched["final_output_loss"].as_f64().unwrap();
+    assert!(head_kl.is_finite() && head_kl > 0.0, "{stitched}");
     // One layer pruned to FFN 512, nothing, and one FFN-only layer, for 30.
     let layer = pipebd_teachers::smollm2::SMOLLM2_135M.layer;
     let student_flops = pipebd_kernels::decoder::DecoderLayerConfig { ffn: 512, ..layer }.flops(8)

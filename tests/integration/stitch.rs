@@ -10,10 +10,10 @@ use burn::module::AutodiffModule;
 use pipe_bd::config::RunConfig;
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
-use pipe_bd::train::stitch::{stitched_pass, OutputLoss, StitchedGradients, StitchedPass};
+use pipe_bd::train::stitch::{stitched_pass, OutputLoss, OutputLossKind, StitchedGradients, StitchedPass};
 use pipe_bd::train::TrainSettings;
 use pipe_bd::zoo::Zoo;
-use pipe_bd::{forward_chain, Activation, LossKind};
+use pipe_bd::{forward_chain, Activation};
 use pipebd_zoo::mnist::Split;
 use pipebd_zoo::{build_teacher, Builtin};
 
@@ -62,7 +62,8 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
         output_loss: None,
     };
     let (stitched, log) =
-        stitched_pass(&teacher, trained, &data, &settings, &local, &device, &mut |_| steps += 1).unwrap();
+        stitched_pass(&teacher, trained, &data, &settings, &local, None, &device, &mut |_| steps += 1)
+            .unwrap();
     assert_eq!((log.steps, steps), (40, 40));
     assert_eq!(log.rows.first().map(|r| r.step), Some(40), "rows are numbered after the blockwise steps");
     let after = gap(&stitched);
@@ -78,7 +79,7 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let again = blockwise(&settings, Builtin.students::<B>(&config, &teacher.specs, &device).unwrap());
     let end_to_end = StitchedPass { gradients: StitchedGradients::EndToEnd, ..local };
     let (chained, _) =
-        stitched_pass(&teacher, again, &data, &settings, &end_to_end, &device, &mut |_| {}).unwrap();
+        stitched_pass(&teacher, again, &data, &settings, &end_to_end, None, &device, &mut |_| {}).unwrap();
     let end_to_end = gap(&chained);
     eprintln!(
         "stitched gap: blockwise {before}, +local {after}, +end-to-end {end_to_end}, +blockwise {control}"
@@ -120,17 +121,98 @@ fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
     let plain =
         StitchedPass { epochs: 2, optimizer: config.optimizer.clone(), first_step: 10, ..Default::default() };
     let (without, log) =
-        stitched_pass(&teacher, trained(), &data, &settings, &plain, &device, &mut |_| {}).unwrap();
+        stitched_pass(&teacher, trained(), &data, &settings, &plain, None, &device, &mut |_| {}).unwrap();
     assert_eq!(log.final_output_loss, None);
     let pulled =
-        StitchedPass { output_loss: Some(OutputLoss { kind: LossKind::Mse, weight: 10.0 }), ..plain };
+        StitchedPass { output_loss: Some(OutputLoss { kind: OutputLossKind::Mse, weight: 10.0 }), ..plain };
     let (with, log) =
-        stitched_pass(&teacher, trained(), &data, &settings, &pulled, &device, &mut |_| {}).unwrap();
+        stitched_pass(&teacher, trained(), &data, &settings, &pulled, None, &device, &mut |_| {}).unwrap();
     let value = log.final_output_loss.expect("the output loss is reported");
     assert!(value.is_finite() && value > 0.0, "{value}");
     let (without, with) = (gap(&without), gap(&with));
     eprintln!("logit gap: block losses only {without}, plus the output MSE {with}");
     assert!(with < 0.9 * without, "the output loss should pull the logits closer: {without} -> {with}");
+}
+
+/// A fixed linear map of the logits, standing in for a zoo's frozen output
+/// head: 10 classes to 7 scores, every real row weighted 1 but the first.
+struct FixedHead {
+    weight: burn::tensor::Tensor<B, 2>,
+}
+
+impl pipe_bd::OutputHead<B> for FixedHead {
+    fn scores(&self, output: Activation<B>) -> pipe_bd::BlockResult<pipe_bd::HeadScores<B>> {
+        let Activation::Flat(logits) = output else { panic!("expected logits") };
+        let rows = logits.dims()[0];
+        // The first row does not count (a padding token's, say).
+        let weights: Vec<f32> = (0..rows).map(|row| if row == 0 { 0.0 } else { 1.0 }).collect();
+        let weights = burn::tensor::Tensor::<B, 1>::from_data(
+            burn::tensor::TensorData::new(weights, [rows]),
+            &logits.device(),
+        );
+        Ok(pipe_bd::HeadScores { scores: logits.matmul(self.weight.clone()), weights })
+    }
+}
+
+#[test]
+fn a_head_kl_output_loss_pulls_the_predictions_through_the_head_towards_the_teacher() {
+    let config = RunConfig::parse(&common::small_config(640, 200, 1), Path::new("stitch.toml")).unwrap();
+    let device = Default::default();
+    let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+    let test = pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
+    let teacher = build_teacher::<Flex>(&config, &device).unwrap();
+    let settings = config.train_settings();
+    let trained = || {
+        let students = Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
+        Distillation::new(&teacher, students, &data)
+            .settings(settings.clone())
+            .run(&Plan::ideal(4))
+            .unwrap()
+            .students
+    };
+    let weight =
+        burn::tensor::Tensor::<B, 2>::random([10, 7], burn::tensor::Distribution::Normal(0.0, 1.0), &device);
+    let head = FixedHead { weight };
+    // The KL through the head of the stitched student's test predictions.
+    let indices: Vec<usize> = (0..test.len()).collect();
+    let images =
+        Activation::<B>::Maps(burn::tensor::Tensor::from_inner(test.images::<Flex>(&indices, &device)));
+    let target =
+        forward_chain(&teacher.blocks, Activation::Maps(test.images::<Flex>(&indices, &device))).unwrap();
+    let kl = |students: &pipe_bd::Students<B, pipebd_students::StudentBlock<B>>| -> f32 {
+        let out = forward_chain(&students.blocks, images.clone()).unwrap();
+        let kl = pipe_bd::head_kl(&head, out, Activation::from_inner(target.clone()), 1.0).unwrap();
+        kl.into_scalar()
+    };
+    let plain =
+        StitchedPass { epochs: 2, optimizer: config.optimizer.clone(), first_step: 10, ..Default::default() };
+    let through_head = StitchedPass {
+        output_loss: Some(OutputLoss { kind: OutputLossKind::HeadKl, weight: 30.0 }),
+        ..plain.clone()
+    };
+    // Without the head the loss cannot be computed, and says so.
+    let err = stitched_pass(&teacher, trained(), &data, &settings, &through_head, None, &device, &mut |_| {})
+        .map(|_| ())
+        .unwrap_err();
+    assert!(err.to_string().contains("head-kl"), "{err}");
+    let (without, _) =
+        stitched_pass(&teacher, trained(), &data, &settings, &plain, None, &device, &mut |_| {}).unwrap();
+    let (with, log) = stitched_pass(
+        &teacher,
+        trained(),
+        &data,
+        &settings,
+        &through_head,
+        Some(&head),
+        &device,
+        &mut |_| {},
+    )
+    .unwrap();
+    let value = log.final_output_loss.expect("the output loss is reported");
+    assert!(value.is_finite() && value > 0.0, "{value}");
+    let (without, with) = (kl(&without), kl(&with));
+    eprintln!("KL through the head: block losses only {without}, plus the head's KL {with}");
+    assert!(with < 0.9 * without, "the head's KL should pull the predictions closer: {without} -> {with}");
 }
 
 /// `train.epochs = 0` with stitched epochs: no blockwise step, only the

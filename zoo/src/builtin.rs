@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, Students, Teacher};
+use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, OutputHead, Students, Teacher};
 use pipebd_kernels::decoder::{DecoderLayer, MixerKind};
 use pipebd_kernels::encoder::EncoderLayer;
 use pipebd_kernels::encoder::{top_indices, NeuronStatistics};
@@ -26,7 +26,7 @@ use pipe_bd::zoo::{parse_options, parse_students, Workload, Zoo};
 use pipe_bd::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::lm::{ffn_importance, prune_decoder, tokenize_lm, NextTokenScores};
+use crate::lm::{ffn_importance, prune_decoder, tokenize_lm, NextTokenHead, NextTokenScores};
 use crate::mnist::{self, Split};
 use crate::text::{brown_splits, tokenize, ProbeConfig, ProbeData, SentenceEmbeddings, TextDataset};
 use crate::Lift;
@@ -875,6 +875,22 @@ impl Zoo for Builtin {
         device: &B::Device,
     ) -> Result<Students<B, StudentBlock<B>>> {
         build_students(config, teacher, device)
+    }
+
+    fn has_output_head(&self, config: &RunConfig) -> bool {
+        is_decoder(config)
+    }
+
+    fn output_head<B: DistillBackend>(
+        &self,
+        config: &RunConfig,
+        device: &B::Device,
+    ) -> Result<Option<Box<dyn OutputHead<B>>>> {
+        if !is_decoder(config) {
+            return Ok(None);
+        }
+        let head = LmHead::<B>::load(&config.teacher.weights, device).lift()?;
+        Ok(Some(Box::new(NextTokenHead::new(head))))
     }
 }
 

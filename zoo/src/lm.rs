@@ -4,11 +4,11 @@
 //! next-token top-1 agreement and KL to the teacher, through the teacher's
 //! frozen final norm and LM head).
 
-use burn::module::Param;
+use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
-use pipebd_core::{Activation, BlockSpec};
+use pipebd_core::{Activation, BlockSpec, HeadScores, OutputHead};
 use pipebd_kernels::decoder::{
     AttentionSublayer, CausalAttention, DecoderLayer, DecoderLayerConfig, Mixer, MixerKind, SwiGlu,
 };
@@ -60,6 +60,40 @@ impl Tally {
     /// The student's perplexity.
     pub fn student_perplexity(&self) -> f64 {
         (self.student_nll / self.predicted.max(1) as f64).exp()
+    }
+}
+
+/// The frozen final norm and LM head as the stitched pass's output head
+/// (`stitched_output_loss = "head-kl"`): every real token's next-token
+/// logits but the last's (which would predict past the sentence), as the
+/// evaluation scores them.
+#[derive(Debug)]
+pub struct NextTokenHead<B: FusedBackend> {
+    head: LmHead<B>,
+}
+
+impl<B: FusedBackend> NextTokenHead<B> {
+    /// `head` with its parameters frozen: gradients flow through it to the
+    /// states, never into it.
+    pub fn new(head: LmHead<B>) -> Self {
+        Self { head: head.no_grad() }
+    }
+}
+
+impl<B: FusedBackend> OutputHead<B> for NextTokenHead<B> {
+    fn scores(&self, output: Activation<B>) -> pipebd_core::Result<HeadScores<B>> {
+        let (hidden, mask) = output.into_tokens(0)?;
+        let [batch, tokens, width] = hidden.dims();
+        let scores = self.head.forward(hidden.reshape([batch * tokens, width]));
+        // Position i counts when token i + 1 is real: it has a next token.
+        let next_is_real = match tokens {
+            0 | 1 => mask.zeros_like(),
+            _ => {
+                let last = mask.zeros_like().narrow(1, 0, 1);
+                Tensor::cat(vec![mask.narrow(1, 1, tokens - 1), last], 1)
+            }
+        };
+        Ok(HeadScores { scores, weights: next_is_real.reshape([batch * tokens]) })
     }
 }
 
@@ -503,5 +537,28 @@ mod tests {
         assert_eq!(alone.predicted, 1);
         assert!((alone.teacher_nll - expected).abs() < 1e-4, "{} vs {expected}", alone.teacher_nll);
         assert!((alone.teacher_perplexity() - expected.exp()).abs() < 1e-3 * expected.exp());
+    }
+
+    #[test]
+    fn the_next_token_head_weights_positions_with_a_real_next_token_and_stays_frozen() {
+        type Ad = burn::backend::Autodiff<Flex>;
+        let device = Default::default();
+        let head = LmHead::<Ad> {
+            norm: burn::nn::RmsNormConfig::new(4).init(&device),
+            weight: Param::from_tensor(Tensor::random([4, 5], Distribution::Normal(0.0, 1.0), &device)),
+        };
+        let head = NextTokenHead::new(head);
+        let hidden =
+            Tensor::<Ad, 3>::random([2, 4, 4], Distribution::Normal(0.0, 1.0), &device).require_grad();
+        let mask = Tensor::<Ad, 2>::from_floats([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]], &device);
+        let out = head.scores(Activation::Tokens { hidden: hidden.clone(), mask }).unwrap();
+        assert_eq!(out.scores.dims(), [8, 5]);
+        let weights: Vec<f32> = out.weights.into_data().iter::<f32>().collect();
+        assert_eq!(weights, [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]);
+        // Gradients reach the states, never the head's parameters.
+        let grads = out.scores.sum().backward();
+        assert!(hidden.grad(&grads).is_some());
+        assert!(head.head.weight.val().grad(&grads).is_none());
+        assert!(head.head.norm.gamma.val().grad(&grads).is_none());
     }
 }
