@@ -445,6 +445,9 @@ struct StepRate {
     /// The first step seen of this stretch, and when.
     origin: Option<(usize, Instant)>,
     total: usize,
+    /// The last step seen: a stretch that counts again from fewer steps
+    /// (the stitched pass after as many blockwise steps) is a new one.
+    last: usize,
 }
 
 impl StepRate {
@@ -452,11 +455,12 @@ impl StepRate {
     /// steps per second and the seconds left, once a step has passed since
     /// the first one seen.
     fn update(&mut self, done: usize, total: usize, now: Instant) -> Option<(f64, f64)> {
-        let continues = matches!(self.origin, Some((first, _)) if total == self.total && done >= first);
+        let continues = self.origin.is_some() && total == self.total && done >= self.last;
         if !continues {
             self.origin = Some((done, now));
             self.total = total;
         }
+        self.last = done;
         let (first, since) = self.origin?;
         let seconds = now.saturating_duration_since(since).as_secs_f64();
         if done <= first || seconds <= 0.0 {
@@ -494,6 +498,12 @@ mod tests {
         assert_eq!(rate.update(1, 10, t0 + Duration::from_secs(6)), None);
         let (per_second, left) = rate.update(5, 10, t0 + Duration::from_secs(8)).unwrap();
         assert!((per_second - 2.0).abs() < 1e-9 && (left - 2.5).abs() < 1e-9, "{per_second} {left}");
+        // A stitched pass as long as the blockwise run: the same total, but
+        // counted again from its own first step, not the blockwise one.
+        let (_, _) = rate.update(10, 10, t0 + Duration::from_secs(10)).unwrap();
+        assert_eq!(rate.update(1, 10, t0 + Duration::from_secs(100)), None);
+        let (per_second, left) = rate.update(3, 10, t0 + Duration::from_secs(101)).unwrap();
+        assert!((per_second - 2.0).abs() < 1e-9 && (left - 3.5).abs() < 1e-9, "{per_second} {left}");
     }
 
     #[test]
