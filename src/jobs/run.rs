@@ -220,22 +220,8 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             self.transport.as_ref(),
         )?;
         let rank = self.transport.as_ref().map_or(0, |t| t.rank());
-        // The head a `head-kl` stitched pass scores through, loaded before
-        // training so that a missing one fails at once.
-        let head = match config.train.stitched_output_loss {
-            Some(OutputLossKind::HeadKl) if rank == 0 && config.train.stitched_epochs > 0 => {
-                Some(self.zoo.output_head::<B>(config, device)?.ok_or_else(|| Error::Config {
-                    path: format!("config `{}`", config.name).into(),
-                    line: None,
-                    field: Some("train.stitched_output_loss".into()),
-                    message: format!(
-                        "`head-kl`: the zoo gives no output head for teacher `{}`",
-                        config.teacher.kind
-                    ),
-                })?)
-            }
-            _ => None,
-        };
+        // Loaded before training, so that a missing one fails at once.
+        let head = if rank == 0 { stitched_output_head::<Z, B>(self.zoo, config, device)? } else { None };
         let settings = config.train_settings();
         let mut distillation = Distillation::new(&teacher, students, &trained_on)
             .settings(settings.clone())
@@ -310,6 +296,26 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         report.write(self.out_dir)?;
         Ok(Some(report))
     }
+}
+
+/// The frozen head a `head-kl` stitched pass scores through, when the
+/// config asks for one; an error when the zoo has none for its teacher.
+fn stitched_output_head<Z: Zoo, B: DistillBackend>(
+    zoo: &Z,
+    config: &RunConfig,
+    device: &B::Device,
+) -> Result<Option<Box<dyn OutputHead<B>>>> {
+    if config.train.stitched_output_loss != Some(OutputLossKind::HeadKl) || config.train.stitched_epochs == 0
+    {
+        return Ok(None);
+    }
+    let head = zoo.output_head::<B>(config, device)?.ok_or_else(|| Error::Config {
+        path: format!("config `{}`", config.name).into(),
+        line: None,
+        field: Some("train.stitched_output_loss".into()),
+        message: format!("`head-kl`: the zoo gives no output head for teacher `{}`", config.teacher.kind),
+    })?;
+    Ok(Some(head))
 }
 
 /// The stitched pass after the blockwise epochs, when the config asks for

@@ -196,33 +196,7 @@ where
     let per_epoch = steps_per_epoch(data.len(), settings.batch_size);
     let (epochs, first_step) = (pass.epochs, pass.first_step);
     let through_blocks = pass.gradients == StitchedGradients::EndToEnd;
-    if pass.output_loss.is_some() && !through_blocks {
-        return Err(Error::Training {
-            block: students.specs.len(),
-            step: 0,
-            message: "an output loss needs end-to-end stitched gradients".into(),
-        });
-    }
-    let output_loss = match pass.output_loss {
-        None => None,
-        Some(OutputLoss { kind, weight }) => {
-            let loss =
-                match (kind.block_loss(), head) {
-                    (Some(block_loss), _) => {
-                        FinalLoss::Block(Loss::new(block_loss).with_temperature(settings.temperature))
-                    }
-                    (None, Some(head)) => FinalLoss::Head { head, temperature: settings.temperature },
-                    (None, None) => return Err(Error::Training {
-                        block: students.specs.len(),
-                        step: 0,
-                        message:
-                            "the `head-kl` output loss needs the teacher's output head, and none was given"
-                                .into(),
-                    }),
-                };
-            Some((loss, weight))
-        }
-    };
+    let output_loss = final_loss(pass, head, settings.temperature, students.specs.len())?;
     let mut output_losses: Vec<f32> = Vec::new();
     let total = per_epoch * epochs;
     let Students { blocks, specs, .. } = students;
@@ -308,6 +282,32 @@ where
         student_x = next;
     }
     Ok(losses)
+}
+
+/// `pass`'s output loss, ready to compute on the output of the last of
+/// `blocks` blocks; an error when it cannot be (a local pass, or `head-kl`
+/// without a head).
+fn final_loss<'a, B: DistillBackend>(
+    pass: &StitchedPass,
+    head: Option<&'a dyn OutputHead<B>>,
+    temperature: f64,
+    blocks: usize,
+) -> Result<Option<(FinalLoss<'a, B>, f64)>> {
+    let Some(OutputLoss { kind, weight }) = pass.output_loss else { return Ok(None) };
+    let refuse = |message: &str| Error::Training { block: blocks, step: 0, message: message.into() };
+    if pass.gradients != StitchedGradients::EndToEnd {
+        return Err(refuse("an output loss needs end-to-end stitched gradients"));
+    }
+    let loss = match (kind.block_loss(), head) {
+        (Some(block_loss), _) => FinalLoss::Block(Loss::new(block_loss).with_temperature(temperature)),
+        (None, Some(head)) => FinalLoss::Head { head, temperature },
+        (None, None) => {
+            return Err(refuse(
+                "the `head-kl` output loss needs the teacher's output head, and none was given",
+            ))
+        }
+    };
+    Ok(Some((loss, weight)))
 }
 
 /// The output loss of an end-to-end pass, ready to compute.

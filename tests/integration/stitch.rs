@@ -8,12 +8,14 @@ use std::path::Path;
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use pipe_bd::config::RunConfig;
+use pipe_bd::data::ImageDataset;
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
 use pipe_bd::train::stitch::{stitched_pass, OutputLoss, OutputLossKind, StitchedGradients, StitchedPass};
 use pipe_bd::train::TrainSettings;
 use pipe_bd::zoo::Zoo;
-use pipe_bd::{forward_chain, Activation};
+use pipe_bd::{forward_chain, Activation, Teacher};
+use pipebd_teachers::TeacherBlock;
 use pipebd_zoo::mnist::Split;
 use pipebd_zoo::{build_teacher, Builtin};
 
@@ -88,22 +90,47 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     assert!(end_to_end < control, "end-to-end {end_to_end} vs blockwise {control}");
 }
 
-#[test]
-fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
-    let config = RunConfig::parse(&common::small_config(640, 200, 1), Path::new("stitch.toml")).unwrap();
-    let device = Default::default();
-    let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
-    let test = pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
-    let teacher = build_teacher::<Flex>(&config, &device).unwrap();
-    let settings = config.train_settings();
-    let trained = || {
-        let students = Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
-        Distillation::new(&teacher, students, &data)
+/// What the output-loss tests share: a small MNIST run's config, its
+/// training and test images, the teacher and the settings.
+struct OutputLossSetup {
+    config: RunConfig,
+    data: ImageDataset,
+    test: ImageDataset,
+    teacher: Teacher<Flex, TeacherBlock<Flex>>,
+    settings: TrainSettings,
+}
+
+impl OutputLossSetup {
+    fn new() -> Self {
+        let config = RunConfig::parse(&common::small_config(640, 200, 1), Path::new("stitch.toml")).unwrap();
+        let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
+        let test = pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
+        let teacher = build_teacher::<Flex>(&config, &Default::default()).unwrap();
+        let settings = config.train_settings();
+        Self { config, data, test, teacher, settings }
+    }
+
+    /// Fresh students after the config's blockwise epochs.
+    fn blockwise(
+        config: &RunConfig,
+        teacher: &Teacher<Flex, TeacherBlock<Flex>>,
+        data: &ImageDataset,
+        settings: &TrainSettings,
+    ) -> pipe_bd::Students<B, pipebd_students::StudentBlock<B>> {
+        let students = Builtin.students::<B>(config, &teacher.specs, &Default::default()).unwrap();
+        Distillation::new(teacher, students, data)
             .settings(settings.clone())
             .run(&Plan::ideal(4))
             .unwrap()
             .students
-    };
+    }
+}
+
+#[test]
+fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
+    let OutputLossSetup { config, data, test, teacher, settings } = OutputLossSetup::new();
+    let device = Default::default();
+    let trained = || OutputLossSetup::blockwise(&config, &teacher, &data, &settings);
     // Mean squared distance of the stitched student's logits from the teacher's.
     let indices: Vec<usize> = (0..test.len()).collect();
     let images = test.images::<Flex>(&indices, &device);
@@ -156,20 +183,9 @@ impl pipe_bd::OutputHead<B> for FixedHead {
 
 #[test]
 fn a_head_kl_output_loss_pulls_the_predictions_through_the_head_towards_the_teacher() {
-    let config = RunConfig::parse(&common::small_config(640, 200, 1), Path::new("stitch.toml")).unwrap();
+    let OutputLossSetup { config, data, test, teacher, settings } = OutputLossSetup::new();
     let device = Default::default();
-    let data = pipebd_zoo::mnist::load(&config.data.dir, Split::Train, config.data.train_limit).unwrap();
-    let test = pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
-    let teacher = build_teacher::<Flex>(&config, &device).unwrap();
-    let settings = config.train_settings();
-    let trained = || {
-        let students = Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
-        Distillation::new(&teacher, students, &data)
-            .settings(settings.clone())
-            .run(&Plan::ideal(4))
-            .unwrap()
-            .students
-    };
+    let trained = || OutputLossSetup::blockwise(&config, &teacher, &data, &settings);
     let weight =
         burn::tensor::Tensor::<B, 2>::random([10, 7], burn::tensor::Distribution::Normal(0.0, 1.0), &device);
     let head = FixedHead { weight };
