@@ -90,7 +90,7 @@ fn check_output_loss<Z: Zoo>(zoo: &Z, config: &RunConfig, teacher: &[BlockSpec])
         field: Some("train.stitched_output_loss".into()),
         message,
     };
-    let (Some(kind), Some(last)) = (output_loss.block_loss(), teacher.last()) else {
+    let Some(kind) = output_loss.block_loss() else {
         if zoo.has_output_head(config) {
             return Ok(());
         }
@@ -99,15 +99,15 @@ fn check_output_loss<Z: Zoo>(zoo: &Z, config: &RunConfig, teacher: &[BlockSpec])
             config.teacher.kind
         )));
     };
-    if kind.accepts(&last.output_shape) {
-        return Ok(());
+    match teacher.last() {
+        Some(last) if !kind.accepts(&last.output_shape) => Err(refuse(format!(
+            "`{}` cannot compare the teacher's final output (per-sample shape {:?}, block `{}`): `pooled-cosine` needs token states, `soft-target-cross-entropy` logits",
+            kind.name(),
+            last.output_shape,
+            last.name
+        ))),
+        _ => Ok(()),
     }
-    Err(refuse(format!(
-        "`{}` cannot compare the teacher's final output (per-sample shape {:?}, block `{}`): `pooled-cosine` needs token states, `soft-target-cross-entropy` logits",
-        kind.name(),
-        last.output_shape,
-        last.name
-    )))
 }
 
 /// Fails, before any work, when the output folder of a run (`--out`), or a

@@ -136,16 +136,6 @@ impl OutputLossKind {
     }
 }
 
-impl From<LossKind> for OutputLossKind {
-    fn from(kind: LossKind) -> Self {
-        match kind {
-            LossKind::Mse => Self::Mse,
-            LossKind::SoftTargetCrossEntropy => Self::SoftTargetCrossEntropy,
-            LossKind::PooledCosine => Self::PooledCosine,
-        }
-    }
-}
-
 impl Default for StitchedPass {
     /// One end-to-end pass with the default optimizer at a third of its
     /// learning rate, numbered from step 0. After a blockwise run with
