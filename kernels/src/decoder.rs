@@ -17,12 +17,41 @@
 //! the query and key rows (its converter permutes Hugging Face's halves into
 //! pairs), so GGUF weights load unchanged.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Tensor, TensorData};
 
+use crate::encoder::{ridge_shift, ridge_solve};
 use crate::{linear, Epilogue, FusedBackend};
+
+/// The `[n, m]` weights `W` that minimise `|F W - T|^2 + s |W - prior|^2`
+/// for features `F` (`[rows, n]`) and targets `T` (`[rows, m]`), with `s`
+/// `ridge` times the mean diagonal of `F^T F` (in f64 on the host). `None`
+/// if the system is singular even so.
+fn least_squares<B: FusedBackend>(
+    features: Tensor<B, 2>,
+    target: Tensor<B, 2>,
+    prior: Tensor<B, 2>,
+    ridge: f64,
+) -> Option<Tensor<B, 2>> {
+    let [_, n] = features.dims();
+    let [_, m] = target.dims();
+    let to_f64 = |t: Tensor<B, 2>| t.into_data().iter::<f32>().map(f64::from).collect::<Vec<_>>();
+    let gram = to_f64(features.clone().transpose().matmul(features.clone()));
+    let shift = ridge_shift(&gram, n, ridge);
+    let rhs: Vec<f64> = to_f64(features.transpose().matmul(target))
+        .into_iter()
+        .zip(to_f64(prior.clone()))
+        .map(|(r, p)| r + shift * p)
+        .collect();
+    let solution = ridge_solve(&gram, &rhs, n, m, ridge)?;
+    let values: Vec<f32> = solution.iter().map(|&v| v as f32).collect();
+    if values.iter().any(|v| !v.is_finite()) {
+        return None;
+    }
+    Some(Tensor::from_data(TensorData::new(values, [n, m]), &prior.device()))
+}
 
 /// Added to the attention scores of masked keys (finite: a row with every
 /// key masked stays a uniform average instead of NaN).
@@ -243,6 +272,59 @@ impl<B: FusedBackend> DecoderLayer<B> {
         Some(ffn.activations(self.after_attention(x, mask)))
     }
 
+    /// Refits this (pruned) layer to `teacher` by ridge least squares on
+    /// the real tokens of the calibration batch `x` (the teacher layer's
+    /// input): first the mixer's output projection (attention's `Wo`, or a
+    /// linear mixer's map) to what the teacher's attention adds to the
+    /// residual stream (to all the teacher layer adds, if this layer has no
+    /// feed-forward), then the feed-forward's down projection to what the
+    /// teacher layer's output still lacks after this layer's own mixer. The
+    /// ridge (`ridge` times the mean diagonal of each Gram matrix) pulls
+    /// toward the current weights, not toward zero. Returns how many
+    /// projections were refitted (a singular system leaves one as it was).
+    pub fn refit(&mut self, teacher: &Self, x: Tensor<B, 3>, mask: Tensor<B, 2>, ridge: f64) -> usize {
+        let [batch, tokens, hidden] = x.dims();
+        let rows = |t: Tensor<B, 3>| t.reshape([batch * tokens, hidden]);
+        let real = mask.clone().reshape([batch * tokens, 1]);
+        let mut refitted = 0;
+        let teacher_out = teacher.forward(x.clone(), mask.clone());
+        if let Some(AttentionSublayer { norm, mixer }) = self.attention.as_mut() {
+            let n = rows(norm.forward(x.clone()));
+            let (features, projection) = match mixer {
+                Mixer::Linear(map) => (n, map),
+                Mixer::Attention(attention) => (attention.context(n, mask.clone()), &mut attention.output),
+            };
+            let goal = match self.ffn {
+                Some(_) => teacher.after_attention(x.clone(), mask.clone()),
+                None => teacher_out.clone(),
+            };
+            let mut target = rows(goal - x.clone());
+            if let Some(bias) = &projection.bias {
+                target = target - bias.val().unsqueeze_dim::<2>(0);
+            }
+            let target = target * real.clone();
+            if let Some(weight) =
+                least_squares(features * real.clone(), target, projection.weight.val(), ridge)
+            {
+                projection.weight = Param::from_tensor(weight);
+                refitted += 1;
+            }
+        }
+        let h = self.after_attention(x, mask);
+        if let Some(ffn) = self.ffn.as_mut() {
+            let features = ffn.activations(h.clone()) * real.clone();
+            let mut target = rows(teacher_out - h);
+            if let Some(bias) = &ffn.down.bias {
+                target = target - bias.val().unsqueeze_dim::<2>(0);
+            }
+            if let Some(weight) = least_squares(features, target * real, ffn.down.weight.val(), ridge) {
+                ffn.down.weight = Param::from_tensor(weight);
+                refitted += 1;
+            }
+        }
+        refitted
+    }
+
     /// The residual stream after the attention half (`x` without one).
     fn after_attention(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
         match &self.attention {
@@ -282,6 +364,12 @@ impl<B: FusedBackend> CausalAttention<B> {
     /// Normalised states `[batch * tokens, hidden]` (batch from `mask`) to
     /// the attention's output `[batch * tokens, hidden]`.
     fn forward(&self, n: Tensor<B, 2>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
+        project(&self.output, self.context(n, mask))
+    }
+
+    /// What enters the output projection: the heads' weighted values,
+    /// `[batch * tokens, heads * head_dim]`.
+    fn context(&self, n: Tensor<B, 2>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
         let [batch, tokens] = mask.dims();
         let (heads, kv_heads, d) = (self.heads, self.kv_heads, self.head_dim);
         let device = n.device();
@@ -299,8 +387,7 @@ impl<B: FusedBackend> CausalAttention<B> {
         let bias = causal_bias::<B>(tokens, &device).reshape([1, 1, tokens, tokens])
             + (mask - 1.0).reshape([batch, 1, 1, tokens]) * (-MASKED_SCORE as f64);
         let weights = softmax(scores + bias, 3);
-        let context = weights.matmul(v).swap_dims(1, 2).reshape([batch * tokens, heads * d]);
-        project(&self.output, context)
+        weights.matmul(v).swap_dims(1, 2).reshape([batch * tokens, heads * d])
     }
 }
 
@@ -431,5 +518,104 @@ mod tests {
         let full = config(MixerKind::Attention, 4, 2, 24);
         let no_ffn = config(MixerKind::Attention, 4, 2, 0);
         assert_eq!(full.flops(10) - no_ffn.flops(10), 2 * 10 * 3 * 16 * 24);
+    }
+
+    /// A batch of 4 x 8 tokens, the last two of the second sequence padding.
+    fn calibration<B: FusedBackend>(device: &B::Device) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        let x = Tensor::random([4, 8, 16], Distribution::Normal(0.0, 1.0), device);
+        let mut mask = vec![1.0f32; 32];
+        mask[14] = 0.0;
+        mask[15] = 0.0;
+        (x, Tensor::from_data(TensorData::new(mask, [4, 8]), device))
+    }
+
+    /// An attention layer with a feed-forward of `ffn` neurons, its
+    /// parameters drawn: burn initialises parameters lazily, on first use,
+    /// and the clones of a layer not yet used would draw different weights.
+    /// (On the default device.)
+    fn drawn_layer(ffn: usize) -> DecoderLayer<Flex> {
+        let device = Default::default();
+        let layer = config(MixerKind::Attention, 4, 2, ffn).init::<Flex>(&device);
+        let _ = layer.forward(Tensor::zeros([1, 1, 16], &device), Tensor::ones([1, 1], &device));
+        layer
+    }
+
+    /// Mean squared gap between two layers' outputs over the real tokens.
+    fn real_gap(
+        a: &DecoderLayer<Flex>,
+        b: &DecoderLayer<Flex>,
+        x: &Tensor<Flex, 3>,
+        mask: &Tensor<Flex, 2>,
+    ) -> f32 {
+        let gap = a.forward(x.clone(), mask.clone()) - b.forward(x.clone(), mask.clone());
+        let real = mask.clone().unsqueeze_dim::<3>(2);
+        ((gap.square() * real.clone()).sum() / real.sum()).into_scalar()
+    }
+
+    #[test]
+    fn refit_recovers_a_scrambled_down_projection() {
+        let device = Default::default();
+        let teacher = drawn_layer(12);
+        let mut student = teacher.clone();
+        let ffn = student.ffn.as_mut().unwrap();
+        ffn.down.weight =
+            Param::from_tensor(Tensor::random([12, 16], Distribution::Normal(0.0, 1.0), &device));
+        let (x, mask) = calibration::<Flex>(&device);
+        let before = real_gap(&student, &teacher, &x, &mask);
+        // The attention's output projection is refitted too (to itself).
+        assert_eq!(student.refit(&teacher, x.clone(), mask.clone(), 1e-9), 2);
+        let after = real_gap(&student, &teacher, &x, &mask);
+        assert!(after < 1e-8 * before.max(1.0), "gap {before} -> {after}: the exact down projection exists");
+    }
+
+    #[test]
+    fn refit_fits_a_linear_mixer_and_a_narrow_feed_forward() {
+        let device = Default::default();
+        let teacher = drawn_layer(12);
+        let narrow = |layer: &Linear<Flex>, dim: usize| Linear {
+            weight: Param::from_tensor(layer.weight.val().narrow(dim, 0, 6)),
+            bias: None,
+        };
+        let (attention, ffn) = (teacher.attention.as_ref().unwrap(), teacher.ffn.as_ref().unwrap());
+        let mut student = DecoderLayer {
+            attention: Some(AttentionSublayer {
+                norm: attention.norm.clone(),
+                mixer: Mixer::Linear(Linear {
+                    weight: Param::from_tensor(Tensor::zeros([16, 16], &device)),
+                    bias: None,
+                }),
+            }),
+            ffn: Some(SwiGlu {
+                norm: ffn.norm.clone(),
+                gate: narrow(&ffn.gate, 1),
+                up: narrow(&ffn.up, 1),
+                down: narrow(&ffn.down, 0),
+            }),
+        };
+        let (x, mask) = calibration::<Flex>(&device);
+        let before = real_gap(&student, &teacher, &x, &mask);
+        let untouched = student.clone();
+        assert_eq!(student.refit(&teacher, x.clone(), mask.clone(), 1e-6), 2);
+        let after = real_gap(&student, &teacher, &x, &mask);
+        assert!(after < 0.9 * before, "the refit should fit the teacher better: {before} -> {after}");
+        // The gate and up projections stay as they were.
+        let (old, new) = (untouched.ffn.unwrap(), student.ffn.unwrap());
+        let same = (old.gate.weight.val() - new.gate.weight.val()).abs().max().into_scalar();
+        assert_eq!(same, 0.0);
+    }
+
+    #[test]
+    fn refit_lets_an_attention_only_layer_stand_in_for_the_whole_layer() {
+        let device = Default::default();
+        let teacher = drawn_layer(12);
+        let mut student = DecoderLayer { attention: teacher.attention.clone(), ffn: None };
+        let (x, mask) = calibration::<Flex>(&device);
+        let before = real_gap(&student, &teacher, &x, &mask);
+        assert_eq!(student.refit(&teacher, x.clone(), mask.clone(), 1e-6), 1);
+        let after = real_gap(&student, &teacher, &x, &mask);
+        assert!(
+            after < before,
+            "the output projection should absorb part of the feed-forward: {before} -> {after}"
+        );
     }
 }

@@ -264,8 +264,7 @@ impl<B: FusedBackend> EncoderLayer<B> {
 /// f64. Returns `X` (`n x m`), or `None` if `G` is not positive definite even
 /// with the ridge.
 pub fn ridge_solve(gram: &[f64], rhs: &[f64], n: usize, m: usize, ridge: f64) -> Option<Vec<f64>> {
-    let mean_diag = (0..n).map(|i| gram[i * n + i]).sum::<f64>() / n.max(1) as f64;
-    let shift = ridge * mean_diag.max(1e-12);
+    let shift = ridge_shift(gram, n, ridge);
     // Lower-triangular factor L with G + shift I = L L^T.
     let mut l = vec![0.0; n * n];
     for i in 0..n {
@@ -314,6 +313,13 @@ pub fn ridge_solve(gram: &[f64], rhs: &[f64], n: usize, m: usize, ridge: f64) ->
         row.iter_mut().for_each(|value| *value /= pivot);
     }
     Some(x)
+}
+
+/// The ridge [`ridge_solve`] adds to the diagonal of `gram` (`n x n`):
+/// `ridge` times the mean of its diagonal.
+pub fn ridge_shift(gram: &[f64], n: usize, ridge: f64) -> f64 {
+    let mean_diag = (0..n).map(|i| gram[i * n + i]).sum::<f64>() / n.max(1) as f64;
+    ridge * mean_diag.max(1e-12)
 }
 
 /// Per-neuron statistics of a feed-forward layer on real data.

@@ -385,13 +385,19 @@ fn check_decoder_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
     Ok(())
 }
 
-/// Calibration sentences of the decoder's pruning (about 1.5k tokens at 64).
-const DECODER_CALIBRATION_SENTENCES: usize = 64;
+/// Calibration sentences of the decoder's pruning (about 7k real tokens at
+/// 32): they rank the feed-forward neurons and refit the pruned layers.
+const DECODER_CALIBRATION_SENTENCES: usize = 256;
+/// Ridge of the decoder's least-squares refit, relative to the mean
+/// diagonal of each Gram matrix (toward the pruned weights).
+const DECODER_REFIT_RIDGE: f64 = 1e-2;
 
 /// Replaces the `decoder` students with `init = "teacher"` by the first
 /// SmolLM2 layer of their block, pruned to their size
-/// ([`crate::lm::prune_decoder`]); the feed-forward neurons are ranked on
-/// the first training sentences.
+/// ([`crate::lm::prune_decoder`]) and refitted by least squares to the
+/// teacher layer on the first training sentences (a linear mixer's map and
+/// the feed-forward's down projection: `DecoderLayer::refit`); the
+/// feed-forward neurons are ranked on the same sentences.
 fn init_decoders_from_teacher(
     config: &RunConfig,
     students: &[StudentBlockConfig],
@@ -409,49 +415,56 @@ fn init_decoders_from_teacher(
         saved.get(k).is_none_or(Option::is_none)
             && (wanted(&students[k]) || students[k].candidates().iter().any(wanted))
     };
-    let needed: Vec<usize> = (0..students.len()).filter(|&k| pruned(k)).map(first_layer).collect();
-    let Some(&deepest) = needed.iter().max() else { return Ok(()) };
+    let needed: Vec<usize> = (0..students.len()).filter(|&k| pruned(k)).collect();
+    let Some(deepest) = needed.iter().map(|&k| first_layer(k)).max() else { return Ok(()) };
     let device = Default::default();
     let model = SmolLm2::<Cpu>::load(&config.teacher.weights, &device).lift()?;
+    if deepest >= model.layers.len() {
+        let k = needed.iter().copied().find(|&k| first_layer(k) == deepest).unwrap_or_default();
+        return Err(Error::block(k + 1, "no teacher layer to initialise this student from"));
+    }
     let (sentences, _) = brown_splits(&config.data.dir, Some(DECODER_CALIBRATION_SENTENCES), Some(0))?;
     let max_tokens = max_tokens(config)?;
     let ids = tokenize_lm(&model.tokenizer, &sentences, max_tokens)?;
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
     let (mut hidden, mask) =
         crate::text::embed_batch(&model.embeddings, &refs, max_tokens, &device).into_tokens(0)?;
-    let mut neurons: Vec<Option<Vec<f32>>> = vec![None; deepest + 1];
-    for (n, layer) in model.layers.iter().enumerate().take(deepest + 1) {
-        if needed.contains(&n) {
-            neurons[n] = ffn_importance(layer, hidden.clone(), mask.clone());
-        }
-        hidden = layer.forward(hidden, mask.clone());
-    }
-    for (k, student) in students.iter().enumerate().filter(|(k, _)| pruned(*k)) {
-        let first = first_layer(k);
-        let prune = |c: &StudentBlockConfig| -> Result<Option<DecoderLayer<Cpu>>> {
-            if !wanted(c) {
-                return Ok(None);
-            }
-            check_decoder_init(k, c)?;
-            let teacher = model
-                .layers
-                .get(first)
-                .ok_or_else(|| Error::block(k + 1, "no teacher layer to initialise this student from"))?;
-            let size = c
-                .decoder_config(model.sizes.layer.hidden)
-                .ok_or_else(|| Error::block(k + 1, "not a decoder"))?;
-            Ok(Some(prune_decoder(teacher, &size, neurons[first].as_deref(), &device)))
-        };
-        if let Some(pruned) = prune(student)? {
-            blocks[k] = StudentBlock::Decoder(pruned);
-        }
-        if let StudentBlock::Candidates(set) = &mut blocks[k] {
-            for (c, candidate) in student.candidates().iter().enumerate() {
-                if let Some(pruned) = prune(candidate)? {
-                    set.candidates[c] = Candidate::Decoder(pruned);
+    // Layer by layer, the students that start from it, on the calibration
+    // batch entering it.
+    for (n, teacher) in model.layers.iter().enumerate().take(deepest + 1) {
+        let here: Vec<usize> = needed.iter().copied().filter(|&k| first_layer(k) == n).collect();
+        if !here.is_empty() {
+            let neurons = ffn_importance(teacher, hidden.clone(), mask.clone());
+            let full = model.sizes.layer;
+            let prune = |k: usize, c: &StudentBlockConfig| -> Result<Option<DecoderLayer<Cpu>>> {
+                if !wanted(c) {
+                    return Ok(None);
+                }
+                check_decoder_init(k, c)?;
+                let size =
+                    c.decoder_config(full.hidden).ok_or_else(|| Error::block(k + 1, "not a decoder"))?;
+                let mut student = prune_decoder(teacher, &size, neurons.as_deref(), &device);
+                let whole = (size.mixer, size.heads, size.kv_heads, size.ffn)
+                    == (full.mixer, full.heads, full.kv_heads, full.ffn);
+                if !whole {
+                    student.refit(teacher, hidden.clone(), mask.clone(), DECODER_REFIT_RIDGE);
+                }
+                Ok(Some(student))
+            };
+            for k in here {
+                if let Some(student) = prune(k, &students[k])? {
+                    blocks[k] = StudentBlock::Decoder(student);
+                }
+                if let StudentBlock::Candidates(set) = &mut blocks[k] {
+                    for (c, candidate) in students[k].candidates().iter().enumerate() {
+                        if let Some(student) = prune(k, candidate)? {
+                            set.candidates[c] = Candidate::Decoder(student);
+                        }
+                    }
                 }
             }
         }
+        hidden = teacher.forward(hidden, mask.clone());
     }
     Ok(())
 }
