@@ -433,6 +433,19 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
         .and_then(|kind| kind.block_loss())
         .or(teacher.specs.last().map(|t| t.loss));
     let output_loss = output_kind.map(|kind| Loss::new(kind).with_temperature(config.train.temperature));
+    // A line every half minute at most: scoring 30 blocks' candidates
+    // through the rest of the teacher takes minutes.
+    let start = std::time::Instant::now();
+    let mut last_line = start;
+    let mut progress = |done: usize, total: usize| {
+        if last_line.elapsed().as_secs() >= 30 && done < total {
+            last_line = std::time::Instant::now();
+            eprintln!(
+                "search: scored every candidate on {done}/{total} held-out batches after {:.0}s",
+                start.elapsed().as_secs_f64()
+            );
+        }
+    };
     let measured = measure_candidates(
         &teacher.blocks,
         trained,
@@ -441,6 +454,7 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
         held_out,
         config.train.batch_size,
         device,
+        &mut progress,
     )?;
     let candidate_specs = zoo.candidate_specs(config, &teacher.specs)?;
     let mut tables = Vec::new();

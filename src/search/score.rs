@@ -86,7 +86,9 @@ pub struct Measured {
 /// output with `losses[k]`, in chunks of `batch_size`. With `output_loss`,
 /// the candidate's output also goes on through the teacher's later blocks,
 /// and the final output is scored against the teacher's with it (Puzzle's
-/// replace-one-block score).
+/// replace-one-block score). `progress` is told, after each chunk, how many
+/// of the chunks are done (the replace-one-block score of 30 blocks takes
+/// minutes).
 pub fn measure_candidates<B, T, S>(
     teacher: &[T],
     students: &[S],
@@ -95,6 +97,7 @@ pub fn measure_candidates<B, T, S>(
     held_out: &dyn Dataset<B>,
     batch_size: usize,
     device: &B::Device,
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<Vec<Measured>>>
 where
     B: pipebd_kernels::FusedBackend,
@@ -123,6 +126,7 @@ where
     let mut output_sums = sums.clone();
     let mut first_inputs = Vec::with_capacity(students.len());
     let indices: Vec<usize> = (0..held_out.len()).collect();
+    let chunks = indices.len().div_ceil(batch_size.max(1));
     for (chunk_number, chunk) in indices.chunks(batch_size.max(1)).enumerate() {
         // The teacher's activations: the input, then every block's output.
         let mut relay = vec![held_out.batch(chunk, device)?];
@@ -151,6 +155,7 @@ where
                 first_inputs.push(relay[k].clone());
             }
         }
+        progress(chunk_number + 1, chunks);
     }
     let samples = held_out.len() as f64;
     let mut scores = Vec::with_capacity(students.len());

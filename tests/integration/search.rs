@@ -341,9 +341,17 @@ fn chosen_config_reloads_the_scored_weights(
     let losses: Vec<Loss> = teacher_specs.iter().map(|t| Loss::new(t.loss)).collect();
     // The output loss: the last block's (no stitched output loss configured).
     let output_loss = *losses.last().unwrap();
-    let measured =
-        measure_candidates(&teacher.blocks, &inner, &losses, Some(&output_loss), &held_out, 64, &device)
-            .unwrap();
+    let measured = measure_candidates(
+        &teacher.blocks,
+        &inner,
+        &losses,
+        Some(&output_loss),
+        &held_out,
+        64,
+        &device,
+        &mut |_, _| {},
+    )
+    .unwrap();
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * a.abs().max(b.abs());
     for (k, (block, &c)) in scores.blocks.iter().zip(expected).enumerate() {
         let (scored, again) = (block.candidates[c].loss, measured[k][0].loss);

@@ -430,8 +430,18 @@ fn init_decoders_from_teacher(
     let (mut hidden, mask) =
         crate::text::embed_batch(&model.embeddings, &refs, max_tokens, &device).into_tokens(0)?;
     // Layer by layer, the students that start from it, on the calibration
-    // batch entering it.
+    // batch entering it (minutes for a search's 30 layers: a line every
+    // half minute).
+    let (start, mut last_line) = (std::time::Instant::now(), std::time::Instant::now());
     for (n, teacher) in model.layers.iter().enumerate().take(deepest + 1) {
+        if last_line.elapsed().as_secs() >= 30 {
+            last_line = std::time::Instant::now();
+            let seconds = start.elapsed().as_secs_f64();
+            eprintln!(
+                "init: pruned and refitted the students of {n}/{} SmolLM2 layers after {seconds:.0}s",
+                deepest + 1
+            );
+        }
         let here: Vec<usize> = needed.iter().copied().filter(|&k| first_layer(k) == n).collect();
         if !here.is_empty() {
             let neurons = ffn_importance(teacher, hidden.clone(), mask.clone());
