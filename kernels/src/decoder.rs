@@ -53,6 +53,40 @@ fn least_squares<B: FusedBackend>(
     Some(Tensor::from_data(TensorData::new(values, [n, m]), &prior.device()))
 }
 
+/// Refits `projection`'s weight by [`least_squares`] (toward the current
+/// one) so that `features` (`[rows, in]`) map to `target` (`[rows, out]`) on
+/// the rows where `real` (`[rows, 1]`) is 1; a bias stays as it is and is
+/// taken off the target. Whether the weight was refitted.
+fn refit_projection<B: FusedBackend>(
+    projection: &mut Linear<B>,
+    features: Tensor<B, 2>,
+    target: Tensor<B, 2>,
+    real: Tensor<B, 2>,
+    ridge: f64,
+) -> bool {
+    let target = match &projection.bias {
+        Some(bias) => target - bias.val().unsqueeze_dim::<2>(0),
+        None => target,
+    };
+    match least_squares(features * real.clone(), target * real, projection.weight.val(), ridge) {
+        Some(weight) => {
+            projection.weight = Param::from_tensor(weight);
+            true
+        }
+        None => false,
+    }
+}
+
+/// A teacher layer's states on a calibration batch, the targets of
+/// [`DecoderLayer::refit`] (from [`DecoderLayer::refit_targets`]).
+#[derive(Debug, Clone)]
+pub struct RefitTargets<B: FusedBackend> {
+    /// The residual stream after the attention half, `[batch, tokens, hidden]`.
+    pub middle: Tensor<B, 3>,
+    /// The layer's output, `[batch, tokens, hidden]`.
+    pub output: Tensor<B, 3>,
+}
+
 /// Added to the attention scores of masked keys (finite: a row with every
 /// key masked stays a uniform average instead of NaN).
 const MASKED_SCORE: f32 = -1e9;
@@ -256,11 +290,7 @@ impl<B: FusedBackend> DecoderLayer<B> {
     /// tokens, 0 for padding) to `[batch, tokens, hidden]`. Each token
     /// attends to the real tokens up to itself.
     pub fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
-        let h = self.after_attention(x, mask);
-        match &self.ffn {
-            Some(ffn) => h.clone() + ffn.forward(h),
-            None => h,
-        }
+        self.after_feed_forward(self.after_attention(x, mask))
     }
 
     /// The state entering the feed-forward's gate and up projections
@@ -272,57 +302,60 @@ impl<B: FusedBackend> DecoderLayer<B> {
         Some(ffn.activations(self.after_attention(x, mask)))
     }
 
-    /// Refits this (pruned) layer to `teacher` by ridge least squares on
-    /// the real tokens of the calibration batch `x` (the teacher layer's
-    /// input): first the mixer's output projection (attention's `Wo`, or a
-    /// linear mixer's map) to what the teacher's attention adds to the
-    /// residual stream (to all the teacher layer adds, if this layer has no
-    /// feed-forward), then the feed-forward's down projection to what the
-    /// teacher layer's output still lacks after this layer's own mixer. The
-    /// ridge (`ridge` times the mean diagonal of each Gram matrix) pulls
-    /// toward the current weights, not toward zero. Returns how many
-    /// projections were refitted (a singular system leaves one as it was).
-    pub fn refit(&mut self, teacher: &Self, x: Tensor<B, 3>, mask: Tensor<B, 2>, ridge: f64) -> usize {
+    /// What this (teacher) layer makes of the calibration batch `x`, in one
+    /// forward pass: the targets of [`Self::refit`].
+    pub fn refit_targets(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> RefitTargets<B> {
+        let middle = self.after_attention(x, mask);
+        RefitTargets { output: self.after_feed_forward(middle.clone()), middle }
+    }
+
+    /// Refits this (pruned) layer to its teacher layer by ridge least
+    /// squares on the real tokens of the calibration batch `x` (the teacher
+    /// layer's input; `teacher` its [`Self::refit_targets`] on `x`): first
+    /// the mixer's output projection (attention's `Wo`, or a linear mixer's
+    /// map) to what the teacher's attention adds to the residual stream (to
+    /// all the teacher layer adds, if this layer has no feed-forward), then
+    /// the feed-forward's down projection to what the teacher layer's
+    /// output still lacks after this layer's own mixer. The ridge (`ridge`
+    /// times the mean diagonal of each Gram matrix) pulls toward the
+    /// current weights, not toward zero. Returns how many projections were
+    /// refitted (a singular system leaves one as it was).
+    pub fn refit(
+        &mut self,
+        teacher: &RefitTargets<B>,
+        x: Tensor<B, 3>,
+        mask: Tensor<B, 2>,
+        ridge: f64,
+    ) -> usize {
         let [batch, tokens, hidden] = x.dims();
         let rows = |t: Tensor<B, 3>| t.reshape([batch * tokens, hidden]);
         let real = mask.clone().reshape([batch * tokens, 1]);
         let mut refitted = 0;
-        let teacher_out = teacher.forward(x.clone(), mask.clone());
         if let Some(AttentionSublayer { norm, mixer }) = self.attention.as_mut() {
             let n = rows(norm.forward(x.clone()));
             let (features, projection) = match mixer {
                 Mixer::Linear(map) => (n, map),
                 Mixer::Attention(attention) => (attention.context(n, mask.clone()), &mut attention.output),
             };
-            let goal = match self.ffn {
-                Some(_) => teacher.after_attention(x.clone(), mask.clone()),
-                None => teacher_out.clone(),
-            };
-            let mut target = rows(goal - x.clone());
-            if let Some(bias) = &projection.bias {
-                target = target - bias.val().unsqueeze_dim::<2>(0);
-            }
-            let target = target * real.clone();
-            if let Some(weight) =
-                least_squares(features * real.clone(), target, projection.weight.val(), ridge)
-            {
-                projection.weight = Param::from_tensor(weight);
-                refitted += 1;
-            }
+            let goal = if self.ffn.is_some() { &teacher.middle } else { &teacher.output };
+            let target = rows(goal.clone() - x.clone());
+            refitted += usize::from(refit_projection(projection, features, target, real.clone(), ridge));
         }
         let h = self.after_attention(x, mask);
         if let Some(ffn) = self.ffn.as_mut() {
-            let features = ffn.activations(h.clone()) * real.clone();
-            let mut target = rows(teacher_out - h);
-            if let Some(bias) = &ffn.down.bias {
-                target = target - bias.val().unsqueeze_dim::<2>(0);
-            }
-            if let Some(weight) = least_squares(features, target * real, ffn.down.weight.val(), ridge) {
-                ffn.down.weight = Param::from_tensor(weight);
-                refitted += 1;
-            }
+            let target = rows(teacher.output.clone() - h.clone());
+            let features = ffn.activations(h);
+            refitted += usize::from(refit_projection(&mut ffn.down, features, target, real, ridge));
         }
         refitted
+    }
+
+    /// The residual stream `h` after the feed-forward half (`h` without one).
+    fn after_feed_forward(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        match &self.ffn {
+            Some(ffn) => h.clone() + ffn.forward(h),
+            None => h,
+        }
     }
 
     /// The residual stream after the attention half (`x` without one).
@@ -563,7 +596,10 @@ mod tests {
         let (x, mask) = calibration::<Flex>(&device);
         let before = real_gap(&student, &teacher, &x, &mask);
         // The attention's output projection is refitted too (to itself).
-        assert_eq!(student.refit(&teacher, x.clone(), mask.clone(), 1e-9), 2);
+        assert_eq!(
+            student.refit(&teacher.refit_targets(x.clone(), mask.clone()), x.clone(), mask.clone(), 1e-9),
+            2
+        );
         let after = real_gap(&student, &teacher, &x, &mask);
         assert!(after < 1e-8 * before.max(1.0), "gap {before} -> {after}: the exact down projection exists");
     }
@@ -595,7 +631,10 @@ mod tests {
         let (x, mask) = calibration::<Flex>(&device);
         let before = real_gap(&student, &teacher, &x, &mask);
         let untouched = student.clone();
-        assert_eq!(student.refit(&teacher, x.clone(), mask.clone(), 1e-6), 2);
+        assert_eq!(
+            student.refit(&teacher.refit_targets(x.clone(), mask.clone()), x.clone(), mask.clone(), 1e-6),
+            2
+        );
         let after = real_gap(&student, &teacher, &x, &mask);
         assert!(after < 0.9 * before, "the refit should fit the teacher better: {before} -> {after}");
         // The gate and up projections stay as they were.
@@ -611,7 +650,10 @@ mod tests {
         let mut student = DecoderLayer { attention: teacher.attention.clone(), ffn: None };
         let (x, mask) = calibration::<Flex>(&device);
         let before = real_gap(&student, &teacher, &x, &mask);
-        assert_eq!(student.refit(&teacher, x.clone(), mask.clone(), 1e-6), 1);
+        assert_eq!(
+            student.refit(&teacher.refit_targets(x.clone(), mask.clone()), x.clone(), mask.clone(), 1e-6),
+            1
+        );
         let after = real_gap(&student, &teacher, &x, &mask);
         assert!(
             after < before,

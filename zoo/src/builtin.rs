@@ -443,7 +443,8 @@ fn init_decoders_from_teacher(
             );
         }
         let here: Vec<usize> = needed.iter().copied().filter(|&k| first_layer(k) == n).collect();
-        if !here.is_empty() {
+        let targets = (!here.is_empty()).then(|| teacher.refit_targets(hidden.clone(), mask.clone()));
+        if let Some(targets) = &targets {
             let neurons = ffn_importance(teacher, hidden.clone(), mask.clone());
             let full = model.sizes.layer;
             let prune = |k: usize, c: &StudentBlockConfig| -> Result<Option<DecoderLayer<Cpu>>> {
@@ -457,7 +458,7 @@ fn init_decoders_from_teacher(
                 let whole = (size.mixer, size.heads, size.kv_heads, size.ffn)
                     == (full.mixer, full.heads, full.kv_heads, full.ffn);
                 if !whole {
-                    student.refit(teacher, hidden.clone(), mask.clone(), DECODER_REFIT_RIDGE);
+                    student.refit(targets, hidden.clone(), mask.clone(), DECODER_REFIT_RIDGE);
                 }
                 Ok(Some(student))
             };
@@ -474,7 +475,10 @@ fn init_decoders_from_teacher(
                 }
             }
         }
-        hidden = teacher.forward(hidden, mask.clone());
+        hidden = match targets {
+            Some(targets) => targets.output,
+            None => teacher.forward(hidden, mask.clone()),
+        };
     }
     Ok(())
 }
