@@ -440,6 +440,11 @@ pub struct TrainConfig {
     /// Weight of `stitched_output_loss` in the summed loss (default 1).
     #[serde(default = "default_output_weight")]
     pub stitched_output_weight: f64,
+    /// Weight of the block losses in the summed loss of an `end-to-end`
+    /// stitched pass (default 1). 0 trains on `stitched_output_loss` alone
+    /// (Puzzle's global distillation: the head's KL, nothing else).
+    #[serde(default = "default_output_weight")]
+    pub stitched_block_weight: f64,
     /// Softmax temperature of the soft-target cross-entropy of logits
     /// blocks (default 1). Both logits are divided by it and the loss is
     /// multiplied by its square.
@@ -657,6 +662,21 @@ impl RunConfig {
                 "train",
                 "stitched_output_weight",
                 format!("must be a positive number, got {weight}"),
+            );
+        }
+        let block_weight = self.train.stitched_block_weight;
+        if !(block_weight >= 0.0 && block_weight.is_finite()) {
+            return broken(
+                "train",
+                "stitched_block_weight",
+                format!("must be a number >= 0, got {block_weight}"),
+            );
+        }
+        if block_weight == 0.0 && self.train.stitched_output_loss.is_none() {
+            return broken(
+                "train",
+                "stitched_block_weight",
+                "0 needs a stitched_output_loss: with neither, nothing would train the stitched students",
             );
         }
         if self.train.stitched_output_loss.is_some()

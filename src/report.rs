@@ -69,6 +69,14 @@ pub struct StitchedReport {
     /// Its unweighted value averaged over the last epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_output_loss: Option<f32>,
+    /// Weight of the block losses in the summed loss
+    /// (`train.stitched_block_weight`; reports before it had 1).
+    #[serde(default = "one")]
+    pub block_weight: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// Everything `pipebd run` measured, plus the config that produced it.

@@ -355,6 +355,7 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
             .train
             .stitched_output_loss
             .map(|kind| OutputLoss { kind, weight: config.train.stitched_output_weight }),
+        block_weight: config.train.stitched_block_weight,
     };
     let (students, pass) = crate::train::stitch::stitched_pass(
         teacher, students, data, settings, &pass, head, device, observer,
@@ -368,6 +369,7 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
         final_losses: pass.final_losses,
         output_loss: config.train.stitched_output_loss.map(|kind| kind.name().to_string()),
         output_weight: config.train.stitched_output_loss.map(|_| config.train.stitched_output_weight),
+        block_weight: config.train.stitched_block_weight,
         final_output_loss: pass.final_output_loss,
     };
     log.rows.extend(pass.rows);

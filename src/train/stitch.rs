@@ -87,6 +87,11 @@ pub struct StitchedPass {
     /// An extra loss on the final output, added with its weight to the sum
     /// of the block losses (end-to-end passes only).
     pub output_loss: Option<OutputLoss>,
+    /// Weight of the block losses in an end-to-end pass's sum (1 by
+    /// default). 0 leaves the output loss alone to train the students, as
+    /// Puzzle's global distillation does: the blocks' own losses are still
+    /// computed and logged, but no gradient comes from them.
+    pub block_weight: f64,
 }
 
 /// A loss on the stitched student's final output against the teacher's
@@ -158,7 +163,14 @@ impl StitchedPass {
         let mut optimizer = optimizer.clone();
         optimizer.lr /= 3.0;
         optimizer.min_lr = optimizer.min_lr.min(optimizer.lr);
-        Self { epochs: 1, optimizer, first_step, gradients: StitchedGradients::EndToEnd, output_loss: None }
+        Self {
+            epochs: 1,
+            optimizer,
+            first_step,
+            gradients: StitchedGradients::EndToEnd,
+            output_loss: None,
+            block_weight: 1.0,
+        }
     }
 }
 
@@ -211,7 +223,8 @@ where
         let input = data.batch(&order[base..base + settings.batch_size], device)?;
         let lrs: Vec<f64> = trainers.iter().map(|t| t.current_lr()).collect();
         let (losses, output) = if through_blocks {
-            let (losses, output) = end_to_end_step(teacher, &mut trainers, input, output_loss.as_ref())?;
+            let (losses, output) =
+                end_to_end_step(teacher, &mut trainers, input, output_loss.as_ref(), pass.block_weight)?;
             if epoch + 1 == epochs {
                 output_losses.extend(output);
             }
@@ -318,15 +331,16 @@ impl<B: DistillBackend> FinalLoss<'_, B> {
 }
 
 /// One step with gradients through the stitched chain: the sum of every
-/// block's loss against the teacher (plus `output_loss`, weighted, on the
-/// last block's output), backpropagated through all blocks; each block
-/// steps its own optimizer. Returns the per-block losses and the output
-/// loss's unweighted value.
+/// block's loss against the teacher, times `block_weight` (plus
+/// `output_loss`, weighted, on the last block's output), backpropagated
+/// through all blocks; each block steps its own optimizer. Returns the
+/// per-block losses and the output loss's unweighted value.
 fn end_to_end_step<B, T, S>(
     teacher: &Teacher<B::InnerBackend, T>,
     trainers: &mut [BlockTrainer<B, S>],
     input: Activation<B::InnerBackend>,
     output_loss: Option<&(FinalLoss<'_, B>, f64)>,
+    block_weight: f64,
 ) -> Result<(Vec<f32>, Option<f32>)>
 where
     B: DistillBackend,
@@ -354,10 +368,13 @@ where
             return Err(Error::Training { block, step: trainer.step, message: format!("loss is {value}") });
         }
         values.push(value);
-        total = Some(match total {
-            None => loss,
-            Some(sum) => sum.add(loss),
-        });
+        if block_weight > 0.0 {
+            let loss = if block_weight == 1.0 { loss } else { loss.mul_scalar(block_weight) };
+            total = Some(match total {
+                None => loss,
+                Some(sum) => sum.add(loss),
+            });
+        }
         student_x = output;
         teacher_x = target;
     }
@@ -376,7 +393,11 @@ where
             });
         }
         output_value = Some(value);
-        total = total.map(|sum| sum.add(extra.mul_scalar(weight)));
+        let extra = extra.mul_scalar(weight);
+        total = Some(match total {
+            None => extra,
+            Some(sum) => sum.add(extra),
+        });
     }
     let Some(total) = total else {
         return Ok((values, output_value));

@@ -253,6 +253,21 @@ fn an_output_loss_needs_end_to_end_gradients_and_a_positive_weight() {
 }
 
 #[test]
+fn a_stitched_block_weight_is_a_number_at_least_zero_and_zero_needs_an_output_loss() {
+    let negative = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_block_weight = -1.0");
+    assert_config_error(&negative, 15, "train.stitched_block_weight", ">= 0");
+    let alone = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_block_weight = 0.0");
+    assert_config_error(&alone, 15, "train.stitched_block_weight", "stitched_output_loss");
+    let output_only = GOOD.replace(
+        "batch_size = 32",
+        "batch_size = 32\nstitched_block_weight = 0.0\nstitched_output_loss = \"mse\"",
+    );
+    let config = parse(&output_only).unwrap();
+    assert_eq!(config.train.stitched_block_weight, 0.0);
+    assert_eq!(parse(GOOD).unwrap().train.stitched_block_weight, 1.0);
+}
+
+#[test]
 fn a_pooled_cosine_output_loss_on_an_image_teacher_is_refused_before_training() {
     let text = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"pooled-cosine\"");
     let config = parse(&text).unwrap();

@@ -62,6 +62,7 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
         first_step: 40,
         gradients: StitchedGradients::Local,
         output_loss: None,
+        block_weight: 1.0,
     };
     let (stitched, log) =
         stitched_pass(&teacher, trained, &data, &settings, &local, None, &device, &mut |_| steps += 1)
@@ -159,6 +160,17 @@ fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
     let (without, with) = (gap(&without), gap(&with));
     eprintln!("logit gap: block losses only {without}, plus the output MSE {with}");
     assert!(with < 0.9 * without, "the output loss should pull the logits closer: {without} -> {with}");
+    // The output loss alone (block weight 0) trains too: the blocks' losses
+    // are still logged, and the logits come closer than where blockwise
+    // training left them.
+    let before = gap(&trained());
+    let alone = StitchedPass { block_weight: 0.0, ..pulled };
+    let (only, log) =
+        stitched_pass(&teacher, trained(), &data, &settings, &alone, None, &device, &mut |_| {}).unwrap();
+    assert!(log.final_losses.iter().all(|l| l.is_finite() && *l > 0.0), "{:?}", log.final_losses);
+    let only = gap(&only);
+    eprintln!("logit gap: blockwise {before}, then the output MSE alone {only}");
+    assert!(only < 0.9 * before, "the output loss alone should pull the logits closer: {before} -> {only}");
 }
 
 /// A fixed linear map of the logits, standing in for a zoo's frozen output
