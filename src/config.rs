@@ -438,12 +438,12 @@ pub struct TrainConfig {
     #[serde(default)]
     pub stitched_output_loss: Option<OutputLossKind>,
     /// Weight of `stitched_output_loss` in the summed loss (default 1).
-    #[serde(default = "default_output_weight")]
+    #[serde(default = "default_loss_weight")]
     pub stitched_output_weight: f64,
     /// Weight of the block losses in the summed loss of an `end-to-end`
     /// stitched pass (default 1). 0 trains on `stitched_output_loss` alone
     /// (Puzzle's global distillation: the head's KL, nothing else).
-    #[serde(default = "default_output_weight")]
+    #[serde(default = "default_loss_weight")]
     pub stitched_block_weight: f64,
     /// Softmax temperature of the soft-target cross-entropy of logits
     /// blocks (default 1). Both logits are divided by it and the loss is
@@ -452,7 +452,7 @@ pub struct TrainConfig {
     pub temperature: f64,
 }
 
-fn default_output_weight() -> f64 {
+fn default_loss_weight() -> f64 {
     1.0
 }
 

@@ -330,6 +330,17 @@ impl<B: DistillBackend> FinalLoss<'_, B> {
     }
 }
 
+/// `loss` added to the running sum `total` (the sum so far, if any).
+fn add_loss<B: burn::tensor::backend::Backend>(
+    total: Option<Tensor<B, 1>>,
+    loss: Tensor<B, 1>,
+) -> Tensor<B, 1> {
+    match total {
+        Some(sum) => sum.add(loss),
+        None => loss,
+    }
+}
+
 /// One step with gradients through the stitched chain: the sum of every
 /// block's loss against the teacher, times `block_weight` (plus
 /// `output_loss`, weighted, on the last block's output), backpropagated
@@ -370,10 +381,7 @@ where
         values.push(value);
         if block_weight > 0.0 {
             let loss = if block_weight == 1.0 { loss } else { loss.mul_scalar(block_weight) };
-            total = Some(match total {
-                None => loss,
-                Some(sum) => sum.add(loss),
-            });
+            total = Some(add_loss(total, loss));
         }
         student_x = output;
         teacher_x = target;
@@ -393,11 +401,7 @@ where
             });
         }
         output_value = Some(value);
-        let extra = extra.mul_scalar(weight);
-        total = Some(match total {
-            None => extra,
-            Some(sum) => sum.add(extra),
-        });
+        total = Some(add_loss(total, extra.mul_scalar(weight)));
     }
     let Some(total) = total else {
         return Ok((values, output_value));
