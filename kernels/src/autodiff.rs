@@ -14,6 +14,7 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
+use crate::llama::{CausalAttentionOutput, CausalHeads, RmsNormOutput};
 use crate::transformer::{AttentionOutput, LayerNormGrads, LayerNormOutput};
 use crate::{BiasAxis, ConvBackwardInputs, ConvGrads, Epilogue, FusedBackend, LossWithGrad};
 
@@ -375,6 +376,94 @@ impl<B: FusedBackend> Backward<B, 4> for LayerNormBackward {
     }
 }
 
+/// Registers each gradient with its parent, where the parent is tracked
+/// (burn's node type is private: a macro instead of a function).
+macro_rules! register_each {
+    ($backend:ty, $parents:expr, $outputs:expr, $grads:expr) => {
+        for (parent, grad) in $parents.into_iter().zip($outputs) {
+            if let Some(node) = parent {
+                $grads.register::<$backend>(node.id, grad);
+            }
+        }
+    };
+}
+
+/// What the RMSNorm backward needs: its input, each row's `1 / rms`, the scale.
+#[derive(Debug, Clone)]
+struct RmsNormState<B: FusedBackend> {
+    x: FloatTensor<B>,
+    rstd: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    epsilon: f64,
+}
+
+/// Backward of the RMSNorm (parents x, gamma).
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl<B: FusedBackend> Backward<B, 2> for RmsNormBackward {
+    type State = RmsNormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let RmsNormState { x, rstd, gamma, epsilon } = ops.state;
+        register_each!(B, ops.parents, B::rms_norm_backward(x, rstd, gamma, epsilon, grad), grads);
+    }
+}
+
+/// Backward of SwiGLU's gated product (parents gate, up; the state is both).
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl<B: FusedBackend> Backward<B, 2> for SwigluBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (gate, up) = ops.state;
+        register_each!(B, ops.parents, B::swiglu_backward(gate, up, grad), grads);
+    }
+}
+
+/// What the causal attention backward needs: its inputs and weights.
+#[derive(Debug, Clone)]
+struct CausalState<B: FusedBackend> {
+    qkv: [FloatTensor<B>; 3],
+    mask: FloatTensor<B>,
+    probs: FloatTensor<B>,
+    layout: CausalHeads,
+}
+
+/// Backward of the causal attention (parents q, k, v; the mask is data).
+#[derive(Debug)]
+struct CausalBackward;
+
+impl<B: FusedBackend> Backward<B, 3> for CausalBackward {
+    type State = CausalState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let CausalState { qkv, mask, probs, layout } = ops.state;
+        register_each!(B, ops.parents, B::causal_attention_backward(qkv, mask, probs, grad, layout), grads);
+    }
+}
+
+/// Backward of a loss whose gradient with respect to its one tracked input
+/// was computed in the forward pass (the KL: the teacher is data).
+#[derive(Debug)]
+struct PrecomputedSingleBackward;
+
+impl<B: FusedBackend> Backward<B, 1> for PrecomputedSingleBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let upstream = grads.consume::<B>(&ops.node);
+        if let [Some(student)] = ops.parents {
+            grads.register::<B>(student.id, B::scale_by_scalar(ops.state, upstream));
+        }
+    }
+}
+
 impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
     const FUSED_CONV_POOL: bool = B::FUSED_CONV_POOL;
     const ASYNC_DEVICE: bool = B::ASYNC_DEVICE;
@@ -536,6 +625,87 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
             ),
         };
         LayerNormOutput { output, saved: None }
+    }
+
+    fn rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        _with_rstd: bool,
+    ) -> RmsNormOutput<Self> {
+        let parents = [x.node.clone(), gamma.node.clone()];
+        let output = match RmsNormBackward.prepare::<C>(parents).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (x, gamma) = (x.primitive, gamma.primitive);
+                let out = B::rms_norm(x.clone(), gamma.clone(), epsilon, true);
+                let rstd = out.rstd.expect("the RMSNorm was asked for its statistics");
+                prep.finish(RmsNormState { x, rstd, gamma, epsilon }, out.output)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::rms_norm(x.primitive, gamma.primitive, epsilon, false).output)
+            }
+        };
+        RmsNormOutput { output, rstd: None }
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let parents = [gate.node.clone(), up.node.clone()];
+        match SwigluBackward.prepare::<C>(parents).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (gate, up) = (gate.primitive, up.primitive);
+                let output = B::swiglu(gate.clone(), up.clone());
+                prep.finish((gate, up), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::swiglu(gate.primitive, up.primitive)),
+        }
+    }
+
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        layout: CausalHeads,
+        _with_probs: bool,
+    ) -> CausalAttentionOutput<Self> {
+        let parents = [q.node.clone(), k.node.clone(), v.node.clone()];
+        let context = match CausalBackward.prepare::<C>(parents).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let qkv = [q.primitive, k.primitive, v.primitive];
+                let mask = mask.primitive;
+                let [q, k, v] = qkv.clone();
+                let out = B::causal_attention(q, k, v, mask.clone(), layout, true);
+                let probs = out.probs.expect("the attention was asked for its weights");
+                prep.finish(CausalState { qkv, mask, probs, layout }, out.context)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(
+                B::causal_attention(q.primitive, k.primitive, v.primitive, mask.primitive, layout, false)
+                    .context,
+            ),
+        };
+        CausalAttentionOutput { context, probs: None }
+    }
+
+    fn weighted_kl_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        temperature: f64,
+        _with_grad: bool,
+    ) -> LossWithGrad<Self> {
+        let loss = match PrecomputedSingleBackward.prepare::<C>([student.node.clone()]).compute_bound().stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out =
+                    B::weighted_kl_loss(student.primitive, teacher.primitive, weights.primitive, temperature, true);
+                prep.finish(out.grad.expect("the KL was asked for its gradient"), out.loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(
+                B::weighted_kl_loss(student.primitive, teacher.primitive, weights.primitive, temperature, false)
+                    .loss,
+            ),
+        };
+        LossWithGrad { loss, grad: None }
     }
 
     fn max_pool2x2(x: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -5,7 +5,9 @@
 //! narrower feed-forward, attention replaced by a linear map or removed, the
 //! feed-forward removed) share this module, so it lives at the bottom of the
 //! dependency graph like [`crate::encoder`]. Projections run through
-//! [`linear`] (the fused matmul of each backend); the rest is burn's ops.
+//! [`linear`] (the fused matmul of each backend); the norms, the attention
+//! and SwiGLU's gated product through the decoder ops of [`crate::llama`]
+//! (one pass each, forward and backward, on the CPU).
 //!
 //! ```text
 //! h   = x + Wo · CausalAttention(RoPE(Wq·n1(x)), RoPE(Wk·n1(x)), Wv·n1(x), mask)
@@ -19,10 +21,10 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Tensor, TensorData};
 
 use crate::encoder::{ridge_shift, ridge_solve};
+use crate::llama::{causal_attention, rms_norm, swiglu, CausalHeads};
 use crate::{linear, Epilogue, FusedBackend};
 
 /// The `[n, m]` weights `W` that minimise `|F W - T|^2 + s |W - prior|^2`
@@ -86,10 +88,6 @@ pub struct RefitTargets<B: FusedBackend> {
     /// The layer's output, `[batch, tokens, hidden]`.
     pub output: Tensor<B, 3>,
 }
-
-/// Added to the attention scores of masked keys (finite: a row with every
-/// key masked stays a uniform average instead of NaN).
-const MASKED_SCORE: f32 = -1e9;
 
 /// Sizes of one decoder layer. A removed attention or feed-forward has 0
 /// heads or 0 width.
@@ -332,7 +330,7 @@ impl<B: FusedBackend> DecoderLayer<B> {
         let real = mask.clone().reshape([batch * tokens, 1]);
         let mut refitted = 0;
         if let Some(AttentionSublayer { norm, mixer }) = self.attention.as_mut() {
-            let n = rows(norm.forward(x.clone()));
+            let n = rms_norm(rows(x.clone()), norm);
             let (features, projection) = match mixer {
                 Mixer::Linear(map) => (n, map),
                 Mixer::Attention(attention) => (attention.context(n, mask.clone()), &mut attention.output),
@@ -370,7 +368,7 @@ impl<B: FusedBackend> DecoderLayer<B> {
 impl<B: FusedBackend> AttentionSublayer<B> {
     fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, tokens, hidden] = x.dims();
-        let n = self.norm.forward(x).reshape([batch * tokens, hidden]);
+        let n = rms_norm(x.reshape([batch * tokens, hidden]), &self.norm);
         let out = match &self.mixer {
             Mixer::Linear(map) => project(map, n),
             Mixer::Attention(attention) => attention.forward(n, mask),
@@ -388,8 +386,8 @@ impl<B: FusedBackend> SwiGlu<B> {
     /// `SiLU(gate · n2(h)) * up · n2(h)`, `[batch * tokens, ffn]`.
     fn activations(&self, h: Tensor<B, 3>) -> Tensor<B, 2> {
         let [batch, tokens, hidden] = h.dims();
-        let n = self.norm.forward(h).reshape([batch * tokens, hidden]);
-        silu(project(&self.gate, n.clone())) * project(&self.up, n)
+        let n = rms_norm(h.reshape([batch * tokens, hidden]), &self.norm);
+        swiglu(project(&self.gate, n.clone()), project(&self.up, n))
     }
 }
 
@@ -404,63 +402,15 @@ impl<B: FusedBackend> CausalAttention<B> {
     /// `[batch * tokens, heads * head_dim]`.
     fn context(&self, n: Tensor<B, 2>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
         let [batch, tokens] = mask.dims();
-        let (heads, kv_heads, d) = (self.heads, self.kv_heads, self.head_dim);
-        let device = n.device();
-        let split = |x: Tensor<B, 2>, count: usize| x.reshape([batch, tokens, count, d]).swap_dims(1, 2);
-        let (cos, sin) = rope_tables::<B>(tokens, d, self.rope_base, &device);
-        let q = rotate(split(project(&self.query, n.clone()), heads), &cos, &sin);
-        let k = rotate(split(project(&self.key, n.clone()), kv_heads), &cos, &sin);
-        let v = split(project(&self.value, n), kv_heads);
-        // Each key/value head serves `group` consecutive query heads.
-        let group = heads / kv_heads;
-        let widen =
-            |x: Tensor<B, 4>| x.unsqueeze_dim::<5>(2).repeat_dim(2, group).reshape([batch, heads, tokens, d]);
-        let (k, v) = (widen(k), widen(v));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (d as f64).sqrt();
-        let bias = causal_bias::<B>(tokens, &device).reshape([1, 1, tokens, tokens])
-            + (mask - 1.0).reshape([batch, 1, 1, tokens]) * (-MASKED_SCORE as f64);
-        let weights = softmax(scores + bias, 3);
-        weights.matmul(v).swap_dims(1, 2).reshape([batch * tokens, heads * d])
+        let layout = CausalHeads { heads: self.heads, kv_heads: self.kv_heads, rope_base: self.rope_base };
+        let heads_of = |layer: &Linear<B>| {
+            let projected = project(layer, n.clone());
+            let [_, width] = projected.dims();
+            projected.reshape([batch, tokens, width])
+        };
+        let qkv = [heads_of(&self.query), heads_of(&self.key), heads_of(&self.value)];
+        causal_attention(qkv, mask, layout).reshape([batch * tokens, self.heads * self.head_dim])
     }
-}
-
-/// `[tokens, tokens]`: 0 where key `j <= i` may be seen by query `i`,
-/// [`MASKED_SCORE`] above the diagonal.
-fn causal_bias<B: FusedBackend>(tokens: usize, device: &B::Device) -> Tensor<B, 2> {
-    let values: Vec<f32> =
-        (0..tokens * tokens).map(|ij| if ij % tokens > ij / tokens { MASKED_SCORE } else { 0.0 }).collect();
-    Tensor::from_data(TensorData::new(values, [tokens, tokens]), device)
-}
-
-/// Cosines and sines of the rotary angles `pos * base^(-2i/head_dim)`,
-/// `[1, 1, tokens, head_dim / 2, 1]` each.
-fn rope_tables<B: FusedBackend>(
-    tokens: usize,
-    head_dim: usize,
-    base: f64,
-    device: &B::Device,
-) -> (Tensor<B, 5>, Tensor<B, 5>) {
-    let half = head_dim / 2;
-    let angles: Vec<f64> = (0..tokens * half)
-        .map(|pi| (pi / half) as f64 * base.powf(-2.0 * (pi % half) as f64 / head_dim as f64))
-        .collect();
-    let table = |f: fn(f64) -> f64| {
-        let values: Vec<f32> = angles.iter().map(|&a| f(a) as f32).collect();
-        Tensor::from_data(TensorData::new(values, [1, 1, tokens, half, 1]), device)
-    };
-    (table(f64::cos), table(f64::sin))
-}
-
-/// Rotates the adjacent pairs of `x` `[batch, heads, tokens, head_dim]`.
-fn rotate<B: FusedBackend>(x: Tensor<B, 4>, cos: &Tensor<B, 5>, sin: &Tensor<B, 5>) -> Tensor<B, 4> {
-    let [batch, heads, tokens, d] = x.dims();
-    let pairs = x.reshape([batch, heads, tokens, d / 2, 2]);
-    let (even, odd) = (pairs.clone().narrow(4, 0, 1), pairs.narrow(4, 1, 1));
-    let rotated = Tensor::cat(
-        vec![even.clone() * cos.clone() - odd.clone() * sin.clone(), even * sin.clone() + odd * cos.clone()],
-        4,
-    );
-    rotated.reshape([batch, heads, tokens, d])
 }
 
 #[cfg(test)]
@@ -509,25 +459,6 @@ mod tests {
         let padded = layer.forward(x, padded_mask).narrow(1, 0, 3);
         let gap: f32 = (short - padded).abs().max().into_scalar();
         assert!(gap < 1e-5, "padding changed real tokens by {gap}");
-    }
-
-    #[test]
-    fn rotation_keeps_norms_and_relative_positions() {
-        let device = Default::default();
-        let (cos, sin) = rope_tables::<Flex>(5, 8, 100.0, &device);
-        let x = Tensor::<Flex, 4>::random([1, 1, 5, 8], Distribution::Normal(0.0, 1.0), &device);
-        let r = rotate(x.clone(), &cos, &sin);
-        let norm = |t: Tensor<Flex, 4>| t.square().sum_dim(3);
-        let gap: f32 = (norm(x.clone()) - norm(r.clone())).abs().max().into_scalar();
-        assert!(gap < 1e-4, "rotation changed a norm by {gap}");
-        // Position 0 is not rotated; pair (0, 1) at position 1 turns by 1 radian.
-        let first: f32 = (x.clone().narrow(2, 0, 1) - r.clone().narrow(2, 0, 1)).abs().max().into_scalar();
-        assert!(first < 1e-6);
-        let v: Vec<f32> = x.narrow(2, 1, 1).into_data().iter::<f32>().collect();
-        let w: Vec<f32> = r.narrow(2, 1, 1).into_data().iter::<f32>().collect();
-        let (c, s) = (1f32.cos(), 1f32.sin());
-        assert!((w[0] - (v[0] * c - v[1] * s)).abs() < 1e-5);
-        assert!((w[1] - (v[0] * s + v[1] * c)).abs() < 1e-5);
     }
 
     #[test]

@@ -19,7 +19,9 @@ use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
+use crate::flex_decoder::{self, CausalSizes};
 use crate::flex_encoder::{self, AttentionSizes};
+use crate::llama::{self, CausalAttentionOutput, CausalHeads, RmsNormOutput};
 use crate::flex_optim;
 use crate::optim::{ParamSlot, ParamUpdate, UpdateRule};
 use crate::transformer::{self, AttentionOutput, LayerNormGrads, LayerNormOutput};
@@ -810,6 +812,31 @@ fn conv_pool_forward(
     (output, indices)
 }
 
+/// The sizes of a causal attention call the native path takes: `f32`
+/// inputs of consistent shapes, heads a multiple of the key/value heads,
+/// an even head width. `None` sends it to the reference.
+fn causal_sizes(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    mask: &FlexTensor,
+    layout: CausalHeads,
+) -> Option<CausalSizes> {
+    let CausalHeads { heads, kv_heads, .. } = layout;
+    if ![q, k, v, mask].iter().all(|t| is_f32(t)) || heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        return None;
+    }
+    let [batch, tokens, width] = q.shape().dims::<3>();
+    let head_dim = width / heads;
+    let kv = [batch, tokens, kv_heads * head_dim];
+    let fits = width % heads == 0
+        && head_dim % 2 == 0
+        && k.shape().dims::<3>() == kv
+        && v.shape().dims::<3>() == kv
+        && mask.shape().dims::<2>() == [batch, tokens];
+    fits.then_some(CausalSizes { batch, tokens, heads, kv_heads, head_dim })
+}
+
 impl FusedBackend for Flex {
     const FUSED_CONV_POOL: bool = true;
     const FUSED_OPTIMIZER: bool = true;
@@ -916,6 +943,120 @@ impl FusedBackend for Flex {
             gamma: from_vec(dgamma, [hidden]),
             beta: from_vec(dbeta, [hidden]),
         }
+    }
+
+    fn rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        with_rstd: bool,
+    ) -> RmsNormOutput<Self> {
+        if !is_f32(&x) || !is_f32(&gamma) {
+            return llama::rms_norm_reference::<Self>(x, gamma, epsilon, with_rstd);
+        }
+        let shape = x.shape();
+        let (output, rstd) = flex_decoder::rms_norm(&values(&x), &values(&gamma), epsilon);
+        let rows = rstd.len();
+        RmsNormOutput { output: from_vec(output, shape), rstd: with_rstd.then(|| from_vec(rstd, [rows])) }
+    }
+
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 2] {
+        if ![&x, &rstd, &gamma, &grad].iter().all(|t| is_f32(t)) {
+            return llama::rms_norm_backward_reference::<Self>(x, gamma, epsilon, grad);
+        }
+        let (shape, hidden) = (x.shape(), gamma.shape().num_elements());
+        let [dx, dgamma] =
+            flex_decoder::rms_norm_backward(&values(&x), &values(&rstd), &values(&gamma), &values(&grad));
+        [from_vec(dx, shape), from_vec(dgamma, [hidden])]
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !is_f32(&gate) || !is_f32(&up) || gate.shape() != up.shape() {
+            return llama::swiglu_reference::<Self>(gate, up);
+        }
+        let shape = gate.shape();
+        from_vec(flex_decoder::swiglu(&values(&gate), &values(&up)), shape)
+    }
+
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 2] {
+        if ![&gate, &up, &grad].iter().all(|t| is_f32(t)) {
+            return llama::swiglu_backward_reference::<Self>(gate, up, grad);
+        }
+        let shape = gate.shape();
+        flex_decoder::swiglu_backward(&values(&gate), &values(&up), &values(&grad))
+            .map(|g| from_vec(g, shape.clone()))
+    }
+
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        layout: CausalHeads,
+        with_probs: bool,
+    ) -> CausalAttentionOutput<Self> {
+        let Some(sizes) = causal_sizes(&q, &k, &v, &mask, layout) else {
+            return llama::causal_attention_reference::<Self>(q, k, v, mask, layout, with_probs);
+        };
+        let inputs = [&*values(&q), &*values(&k), &*values(&v)];
+        let (context, probs) =
+            flex_decoder::causal_attention(inputs, &values(&mask), sizes, layout.rope_base, with_probs);
+        let CausalSizes { batch, tokens, heads, head_dim, .. } = sizes;
+        CausalAttentionOutput {
+            context: from_vec(context, [batch, tokens, heads * head_dim]),
+            probs: with_probs.then(|| from_vec(probs, [batch, heads, tokens, tokens])),
+        }
+    }
+
+    fn causal_attention_backward(
+        qkv: [FloatTensor<Self>; 3],
+        mask: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        layout: CausalHeads,
+    ) -> [FloatTensor<Self>; 3] {
+        let [q, k, v] = &qkv;
+        let sizes = causal_sizes(q, k, v, &mask, layout).filter(|_| is_f32(&probs) && is_f32(&grad));
+        let Some(sizes) = sizes else {
+            return llama::causal_attention_backward_reference::<Self>(qkv, mask, grad, layout);
+        };
+        let inputs = [&*values(q), &*values(k), &*values(v)];
+        let [dq, dk, dv] = flex_decoder::causal_attention_backward(
+            inputs,
+            &values(&probs),
+            &values(&grad),
+            sizes,
+            layout.rope_base,
+        );
+        [from_vec(dq, q.shape()), from_vec(dk, k.shape()), from_vec(dv, v.shape())]
+    }
+
+    fn weighted_kl_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        temperature: f64,
+        with_grad: bool,
+    ) -> LossWithGrad<Self> {
+        let rows = student.shape().dims::<2>()[0];
+        let fits = student.shape() == teacher.shape() && weights.shape().num_elements() == rows;
+        if !fits || ![&student, &teacher, &weights].iter().all(|t| is_f32(t)) {
+            return llama::weighted_kl_reference::<Self>(student, teacher, weights, temperature, with_grad);
+        }
+        let shape = student.shape();
+        let (loss, grad) =
+            flex_decoder::weighted_kl(&values(&student), &values(&teacher), &values(&weights), temperature, with_grad);
+        LossWithGrad { loss: from_vec(vec![loss], [1]), grad: with_grad.then(|| from_vec(grad, shape)) }
     }
 
     fn mse_loss(

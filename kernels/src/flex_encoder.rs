@@ -38,7 +38,7 @@ impl AttentionSizes {
 }
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let rest: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
@@ -335,7 +335,7 @@ pub(crate) fn add_layer_norm_backward(
 /// polynomial, `2^n` through the exponent bits. Within 2 ulp of `exp` for
 /// `x` in `[-87, 88]`; clamped outside (0 and `f32::MAX`-ish, as needed here).
 #[inline(always)]
-fn exp_fast(x: f32) -> f32 {
+pub(crate) fn exp_fast(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;

@@ -15,6 +15,10 @@
 //! - **the encoder layer's ops** ([`transformer`]): masked multi-head
 //!   attention on the projections' own layout, and the residual add with its
 //!   layer norm, each one pass forward and one backward on the CPU,
+//! - **the decoder layer's ops** ([`llama`]): RMSNorm, SwiGLU's gated
+//!   product, grouped-query causal attention with rotary positions, and
+//!   the KL of two score tables (an LM head's), each one pass forward and
+//!   one backward on the CPU,
 //! - **layers built on these ops**: the post-LN encoder layer of BERT
 //!   ([`encoder`]) and the pre-norm Llama decoder layer ([`decoder`]:
 //!   RMSNorm, rotary positions, grouped-query causal attention, SwiGLU),
@@ -44,8 +48,10 @@ mod cube;
 pub mod decoder;
 pub mod encoder;
 mod flex;
+mod flex_decoder;
 mod flex_encoder;
 mod flex_optim;
+pub mod llama;
 pub mod loss;
 pub mod optim;
 pub mod reference;
@@ -345,6 +351,96 @@ pub trait FusedBackend: Backend {
         grad: FloatTensor<Self>,
     ) -> transformer::LayerNormGrads<Self> {
         transformer::add_layer_norm_backward_reference::<Self>(sum, rstd, gamma, grad)
+    }
+
+    /// RMSNorm over the last axis of `[rows, hidden]` `x`: `x / sqrt(mean(x^2)
+    /// + epsilon) * gamma`, as burn's `RmsNorm`; with `with_rstd`, also each
+    /// row's `1 / sqrt(mean(x^2) + epsilon)` for the backward.
+    fn rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        with_rstd: bool,
+    ) -> llama::RmsNormOutput<Self> {
+        llama::rms_norm_reference::<Self>(x, gamma, epsilon, with_rstd)
+    }
+
+    /// The gradients `[dx, dgamma]` of [`rms_norm`](FusedBackend::rms_norm)
+    /// from its input, the `rstd` it saved, `gamma` and the gradient of its
+    /// output.
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 2] {
+        let _ = rstd;
+        llama::rms_norm_backward_reference::<Self>(x, gamma, epsilon, grad)
+    }
+
+    /// SwiGLU's gated product `SiLU(gate) * up` of two same-shape tensors.
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        llama::swiglu_reference::<Self>(gate, up)
+    }
+
+    /// The gradients `[dgate, dup]` of [`swiglu`](FusedBackend::swiglu).
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 2] {
+        llama::swiglu_backward_reference::<Self>(gate, up, grad)
+    }
+
+    /// Grouped-query causal attention with rotary positions: `q` is
+    /// `[batch, tokens, heads * head_dim]`, `k` and `v` `[batch, tokens,
+    /// kv_heads * head_dim]` (heads side by side, as the projections write
+    /// them), `mask` `[batch, tokens]` (1 for real tokens). The queries and
+    /// keys are rotated by their positions, each key/value head serves
+    /// `heads / kv_heads` consecutive query heads, and each token attends to
+    /// the real tokens up to itself. The context `[batch, tokens, heads *
+    /// head_dim]` and, with `with_probs`, the weights `[batch, heads, tokens,
+    /// tokens]`. A query none of whose keys up to itself is real (left
+    /// padding) attends uniformly to those keys.
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        layout: llama::CausalHeads,
+        with_probs: bool,
+    ) -> llama::CausalAttentionOutput<Self> {
+        llama::causal_attention_reference::<Self>(q, k, v, mask, layout, with_probs)
+    }
+
+    /// The gradients `[dq, dk, dv]` of
+    /// [`causal_attention`](FusedBackend::causal_attention) from its inputs,
+    /// its weights and the gradient of its context.
+    fn causal_attention_backward(
+        qkv: [FloatTensor<Self>; 3],
+        mask: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        layout: llama::CausalHeads,
+    ) -> [FloatTensor<Self>; 3] {
+        let _ = probs;
+        llama::causal_attention_backward_reference::<Self>(qkv, mask, grad, layout)
+    }
+
+    /// The weighted mean over rows of `KL(softmax(teacher / T) ||
+    /// softmax(student / T))` times `T^2`, for `[rows, classes]` scores and
+    /// `[rows]` weights (0: the row does not count; all 0 gives 0); with
+    /// `with_grad`, also its gradient with respect to `student`. The
+    /// teacher takes no gradient.
+    fn weighted_kl_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        temperature: f64,
+        with_grad: bool,
+    ) -> LossWithGrad<Self> {
+        llama::weighted_kl_reference::<Self>(student, teacher, weights, temperature, with_grad)
     }
 }
 

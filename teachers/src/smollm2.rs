@@ -141,9 +141,12 @@ impl<B: FusedBackend> LmHead<B> {
         })
     }
 
-    /// `[rows, hidden]` states to `[rows, vocab]` next-token logits.
+    /// `[rows, hidden]` states to `[rows, vocab]` next-token logits (the
+    /// norm and the product as the fused ops: one pass each, forward and
+    /// backward, on the CPU).
     pub fn forward(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.norm.forward(hidden).matmul(self.weight.val())
+        let normed = pipebd_kernels::llama::rms_norm(hidden, &self.norm);
+        pipebd_kernels::linear(normed, self.weight.val(), None, pipebd_kernels::Epilogue::Identity)
     }
 }
 
