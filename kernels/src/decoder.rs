@@ -21,7 +21,7 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::encoder::{ridge_shift, ridge_solve};
 use crate::llama::{causal_attention, rms_norm, swiglu, CausalHeads};
@@ -283,12 +283,96 @@ fn project<B: FusedBackend>(layer: &Linear<B>, x: Tensor<B, 2>) -> Tensor<B, 2> 
     linear(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()), Epilogue::Identity)
 }
 
+/// Where the rows a layer computes sit in the `[batch, tokens]` grid of
+/// its input: every position, or the real tokens only. A padding token's
+/// state reaches no real token (causal attention never reads it) and no
+/// loss (they count real tokens only), so the token-wise products (the
+/// projections, norms and SwiGLU: nearly all the work) may leave the
+/// padding out; only the attention needs the grid.
+struct TokenGrid<B: FusedBackend> {
+    batch: usize,
+    tokens: usize,
+    /// `[batch, tokens]`, 1 for real tokens.
+    mask: Tensor<B, 2>,
+    /// The real tokens' rows of `[batch * tokens]`, in order, when only
+    /// they are computed.
+    real: Option<Tensor<B, 1, Int>>,
+}
+
+impl<B: FusedBackend> TokenGrid<B> {
+    /// Every position is computed.
+    fn dense(mask: Tensor<B, 2>) -> Self {
+        let [batch, tokens] = mask.dims();
+        Self { batch, tokens, mask, real: None }
+    }
+
+    /// The real tokens only, where that saves work: on a device that runs
+    /// behind the host, reading the mask back would stall it, and a batch
+    /// without padding (or without real tokens) gains nothing.
+    fn real_tokens(mask: Tensor<B, 2>) -> Self {
+        let dense = Self::dense(mask);
+        if B::ASYNC_DEVICE {
+            return dense;
+        }
+        let real: Vec<i64> = dense
+            .mask
+            .to_data()
+            .iter::<f32>()
+            .enumerate()
+            .filter(|(_, m)| *m > 0.5)
+            .map(|(row, _)| row as i64)
+            .collect();
+        let all = dense.batch * dense.tokens;
+        if real.is_empty() || real.len() == all {
+            return dense;
+        }
+        let count = real.len();
+        let index = Tensor::from_data(TensorData::new(real, [count]), &dense.mask.device());
+        Self { real: Some(index), ..dense }
+    }
+
+    /// The computed rows of `all` (`[batch * tokens, width]`).
+    fn gather(&self, all: Tensor<B, 2>) -> Tensor<B, 2> {
+        match &self.real {
+            Some(index) => all.select(0, index.clone()),
+            None => all,
+        }
+    }
+
+    /// Computed rows back in the grid, `[batch, tokens, width]` (zeros
+    /// where a row was left out).
+    fn to_grid(&self, rows: Tensor<B, 2>) -> Tensor<B, 3> {
+        let [_, width] = rows.dims();
+        let all = match &self.real {
+            Some(index) => Tensor::zeros([self.batch * self.tokens, width], &rows.device()).select_assign(
+                0,
+                index.clone(),
+                rows,
+                IndexingUpdateOp::Add,
+            ),
+            None => rows,
+        };
+        all.reshape([self.batch, self.tokens, width])
+    }
+}
+
 impl<B: FusedBackend> DecoderLayer<B> {
     /// `[batch, tokens, hidden]` with a `[batch, tokens]` mask (1 for real
     /// tokens, 0 for padding) to `[batch, tokens, hidden]`. Each token
-    /// attends to the real tokens up to itself.
+    /// attends to the real tokens up to itself. Only the real tokens are
+    /// computed (on a device that runs with the host): a padding position
+    /// leaves the layer as it entered.
     pub fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
-        self.after_feed_forward(self.after_attention(x, mask))
+        let [batch, tokens, hidden] = x.dims();
+        let grid = TokenGrid::real_tokens(mask);
+        let all = x.reshape([batch * tokens, hidden]);
+        let rows = grid.gather(all.clone());
+        let out = self.rows_after_feed_forward(self.rows_after_attention(rows.clone(), &grid));
+        let out = match &grid.real {
+            Some(index) => all.select_assign(0, index.clone(), out - rows, IndexingUpdateOp::Add),
+            None => out,
+        };
+        out.reshape([batch, tokens, hidden])
     }
 
     /// The state entering the feed-forward's gate and up projections
@@ -303,8 +387,10 @@ impl<B: FusedBackend> DecoderLayer<B> {
     /// What this (teacher) layer makes of the calibration batch `x`, in one
     /// forward pass: the targets of [`Self::refit`].
     pub fn refit_targets(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> RefitTargets<B> {
+        let [batch, tokens, hidden] = x.dims();
         let middle = self.after_attention(x, mask);
-        RefitTargets { output: self.after_feed_forward(middle.clone()), middle }
+        let output = self.rows_after_feed_forward(middle.clone()).reshape([batch, tokens, hidden]);
+        RefitTargets { output, middle: middle.reshape([batch, tokens, hidden]) }
     }
 
     /// Refits this (pruned) layer to its teacher layer by ridge least
@@ -333,7 +419,9 @@ impl<B: FusedBackend> DecoderLayer<B> {
             let n = rms_norm(rows(x.clone()), norm);
             let (features, projection) = match mixer {
                 Mixer::Linear(map) => (n, map),
-                Mixer::Attention(attention) => (attention.context(n, mask.clone()), &mut attention.output),
+                Mixer::Attention(attention) => {
+                    (attention.context(n, &TokenGrid::dense(mask.clone())), &mut attention.output)
+                }
             };
             let goal = if self.ffn.is_some() { &teacher.middle } else { &teacher.output };
             let target = rows(goal.clone() - x.clone());
@@ -341,75 +429,70 @@ impl<B: FusedBackend> DecoderLayer<B> {
         }
         let h = self.after_attention(x, mask);
         if let Some(ffn) = self.ffn.as_mut() {
-            let target = rows(teacher.output.clone() - h.clone());
+            let target = rows(teacher.output.clone()) - h.clone();
             let features = ffn.activations(h);
             refitted += usize::from(refit_projection(&mut ffn.down, features, target, real, ridge));
         }
         refitted
     }
 
-    /// The residual stream `h` after the feed-forward half (`h` without one).
-    fn after_feed_forward(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// The residual stream after the attention half of every position of
+    /// `x`, as `[batch * tokens, hidden]` rows.
+    fn after_attention(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [batch, tokens, hidden] = x.dims();
+        self.rows_after_attention(x.reshape([batch * tokens, hidden]), &TokenGrid::dense(mask))
+    }
+
+    /// The residual stream `h` (rows) after the feed-forward half (`h`
+    /// without one).
+    fn rows_after_feed_forward(&self, h: Tensor<B, 2>) -> Tensor<B, 2> {
         match &self.ffn {
             Some(ffn) => h.clone() + ffn.forward(h),
             None => h,
         }
     }
 
-    /// The residual stream after the attention half (`x` without one).
-    fn after_attention(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
+    /// The residual stream (the rows of `grid`) after the attention half
+    /// (`x` without one).
+    fn rows_after_attention(&self, x: Tensor<B, 2>, grid: &TokenGrid<B>) -> Tensor<B, 2> {
         match &self.attention {
-            Some(sublayer) => x.clone() + sublayer.forward(x, mask),
+            Some(sublayer) => x.clone() + sublayer.forward(x, grid),
             None => x,
         }
     }
 }
 
 impl<B: FusedBackend> AttentionSublayer<B> {
-    fn forward(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 3> {
-        let [batch, tokens, hidden] = x.dims();
-        let n = rms_norm(x.reshape([batch * tokens, hidden]), &self.norm);
-        let out = match &self.mixer {
+    fn forward(&self, x: Tensor<B, 2>, grid: &TokenGrid<B>) -> Tensor<B, 2> {
+        let n = rms_norm(x, &self.norm);
+        match &self.mixer {
             Mixer::Linear(map) => project(map, n),
-            Mixer::Attention(attention) => attention.forward(n, mask),
-        };
-        out.reshape([batch, tokens, hidden])
+            Mixer::Attention(attention) => project(&attention.output, attention.context(n, grid)),
+        }
     }
 }
 
 impl<B: FusedBackend> SwiGlu<B> {
-    fn forward(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [batch, tokens, hidden] = h.dims();
-        project(&self.down, self.activations(h)).reshape([batch, tokens, hidden])
+    fn forward(&self, h: Tensor<B, 2>) -> Tensor<B, 2> {
+        project(&self.down, self.activations(h))
     }
 
-    /// `SiLU(gate · n2(h)) * up · n2(h)`, `[batch * tokens, ffn]`.
-    fn activations(&self, h: Tensor<B, 3>) -> Tensor<B, 2> {
-        let [batch, tokens, hidden] = h.dims();
-        let n = rms_norm(h.reshape([batch * tokens, hidden]), &self.norm);
+    /// `SiLU(gate · n2(h)) * up · n2(h)` of `[rows, hidden]` states, `[rows, ffn]`.
+    fn activations(&self, h: Tensor<B, 2>) -> Tensor<B, 2> {
+        let n = rms_norm(h, &self.norm);
         swiglu(project(&self.gate, n.clone()), project(&self.up, n))
     }
 }
 
 impl<B: FusedBackend> CausalAttention<B> {
-    /// Normalised states `[batch * tokens, hidden]` (batch from `mask`) to
-    /// the attention's output `[batch * tokens, hidden]`.
-    fn forward(&self, n: Tensor<B, 2>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
-        project(&self.output, self.context(n, mask))
-    }
-
-    /// What enters the output projection: the heads' weighted values,
-    /// `[batch * tokens, heads * head_dim]`.
-    fn context(&self, n: Tensor<B, 2>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
-        let [batch, tokens] = mask.dims();
+    /// What enters the output projection for the normalised states `n` (the
+    /// rows of `grid`): the heads' weighted values, `[rows, heads * head_dim]`.
+    fn context(&self, n: Tensor<B, 2>, grid: &TokenGrid<B>) -> Tensor<B, 2> {
         let layout = CausalHeads { heads: self.heads, kv_heads: self.kv_heads, rope_base: self.rope_base };
-        let heads_of = |layer: &Linear<B>| {
-            let projected = project(layer, n.clone());
-            let [_, width] = projected.dims();
-            projected.reshape([batch, tokens, width])
-        };
+        let heads_of = |layer: &Linear<B>| grid.to_grid(project(layer, n.clone()));
         let qkv = [heads_of(&self.query), heads_of(&self.key), heads_of(&self.value)];
-        causal_attention(qkv, mask, layout).reshape([batch * tokens, self.heads * self.head_dim])
+        let context = causal_attention(qkv, grid.mask.clone(), layout);
+        grid.gather(context.reshape([grid.batch * grid.tokens, self.heads * self.head_dim]))
     }
 }
 
@@ -459,6 +542,53 @@ mod tests {
         let padded = layer.forward(x, padded_mask).narrow(1, 0, 3);
         let gap: f32 = (short - padded).abs().max().into_scalar();
         assert!(gap < 1e-5, "padding changed real tokens by {gap}");
+    }
+
+    #[test]
+    fn leaving_the_padding_out_changes_no_real_token_nor_any_gradient() {
+        type Ad = burn::backend::Autodiff<Flex>;
+        let device = Default::default();
+        let layer = config(MixerKind::Attention, 4, 2, 24).init::<Ad>(&device);
+        let x = Tensor::<Ad, 3>::random([3, 6, 16], Distribution::Normal(0.0, 1.0), &device).require_grad();
+        // Right padding, a hole, and no padding at all.
+        let mask = Tensor::<Ad, 2>::from_floats(
+            [[1.0, 1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0, 1.0, 0.0], [1.0; 6]],
+            &device,
+        );
+        let packed = layer.forward(x.clone(), mask.clone());
+        assert!(TokenGrid::real_tokens(mask.clone()).real.is_some(), "this batch has padding to leave out");
+        let dense = layer.rows_after_feed_forward(layer.after_attention(x.clone(), mask.clone())).reshape([3, 6, 16]);
+        let real = mask.clone().unsqueeze_dim::<3>(2);
+        let gap: f32 = ((packed.clone() - dense.clone()) * real.clone()).abs().max().into_scalar();
+        assert!(gap < 1e-5, "a real token moved by {gap}");
+        // Padding positions leave the layer as they entered.
+        let kept: f32 = ((packed.clone() - x.clone()) * (real.clone().neg() + 1.0)).abs().max().into_scalar();
+        assert_eq!(kept, 0.0);
+        // The gradients of a loss over the real tokens are the same.
+        let weights = Tensor::<Ad, 3>::random([3, 6, 16], Distribution::Normal(0.0, 1.0), &device) * real;
+        let grads_of = |out: Tensor<Ad, 3>| (out * weights.clone()).sum().backward();
+        let (a, b) = (grads_of(packed), grads_of(dense));
+        let attention = layer.attention.as_ref().unwrap();
+        let Mixer::Attention(mixer) = &attention.mixer else { unreachable!() };
+        let ffn = layer.ffn.as_ref().unwrap();
+        let params = [
+            ("query", mixer.query.weight.val()),
+            ("key", mixer.key.weight.val()),
+            ("output", mixer.output.weight.val()),
+            ("gate", ffn.gate.weight.val()),
+            ("down", ffn.down.weight.val()),
+        ];
+        for (name, param) in params {
+            let (ga, gb) = (param.grad(&a).unwrap(), param.grad(&b).unwrap());
+            let gap: f32 = (ga.clone() - gb).abs().max().into_scalar();
+            let scale: f32 = ga.abs().max().into_scalar();
+            assert!(gap <= 1e-5 * scale.max(1.0), "{name}: gradient gap {gap} (scale {scale})");
+        }
+        let gamma = attention.norm.gamma.val();
+        let norm_gap: f32 = (gamma.grad(&a).unwrap() - gamma.grad(&b).unwrap()).abs().max().into_scalar();
+        assert!(norm_gap < 1e-4, "attention norm: gradient gap {norm_gap}");
+        let input_gap: f32 = (x.grad(&a).unwrap() - x.grad(&b).unwrap()).abs().max().into_scalar();
+        assert!(input_gap < 1e-5, "input gradient gap {input_gap}");
     }
 
     #[test]
