@@ -43,6 +43,16 @@ pub struct BlockReport {
     pub loss: Option<pipebd_core::LossKind>,
 }
 
+/// Where a run's time before its first training step went.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct Startup {
+    /// Reading the data and loading the teacher (the zoo's workload).
+    pub teacher_and_data_seconds: f64,
+    /// Building the students: their initialisation from the teacher
+    /// (pruning, least-squares refits) or from saved weights.
+    pub students_seconds: f64,
+}
+
 /// What the stitched fine-tuning did (`train.stitched_epochs`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StitchedReport {
@@ -56,6 +66,13 @@ pub struct StitchedReport {
     pub lr: f64,
     /// Wall time of the pass.
     pub seconds: f64,
+    /// Samples per second over the pass (each sample through every block).
+    #[serde(default)]
+    pub samples_per_second: f64,
+    /// Wall time of each step, in order (the first ones include warming
+    /// up: allocations, first-touch of the optimizer state).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub step_seconds: Vec<f64>,
     /// Per block, the mean loss over its last steps (against the teacher,
     /// from stitched inputs).
     pub final_losses: Vec<f32>,
@@ -118,9 +135,14 @@ pub struct RunReport {
     pub steps_run: usize,
     /// Wall time of the whole run (loading, training, evaluation, saving).
     pub wall_seconds: f64,
+    /// Where the time before the first step went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub startup: Option<Startup>,
     /// Wall time of the training loop alone.
     pub train_seconds: f64,
-    /// Training samples per second (each sample through every block).
+    /// Training samples per second (each sample through every block) of
+    /// the blockwise training; 0 for a run without blockwise steps (whose
+    /// training is all in `stitched`).
     pub samples_per_second: f64,
     /// Measured seconds per optimizer step (training time / steps).
     pub measured_step_seconds: f64,

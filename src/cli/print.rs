@@ -232,23 +232,35 @@ pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path
     } else {
         String::new()
     };
-    println!(
-        "trained {} steps{resumed} in {:.1}s ({:.0} samples/s); whole run {:.1}s",
-        report.steps_run, report.train_seconds, report.samples_per_second, report.wall_seconds
-    );
+    if let Some(startup) = &report.startup {
+        println!(
+            "start-up: teacher and data {:.1}s, students {:.1}s (built and initialised)",
+            startup.teacher_and_data_seconds, startup.students_seconds
+        );
+    }
+    if report.steps == 0 && report.stitched.is_some() {
+        println!("no blockwise epochs (the stitched pass below is the training); whole run {:.1}s", report.wall_seconds);
+    } else {
+        println!(
+            "trained {} steps{resumed} in {:.1}s ({:.1} samples/s); whole run {:.1}s",
+            report.steps_run, report.train_seconds, report.samples_per_second, report.wall_seconds
+        );
+    }
     for w in &report.workers {
         println!("worker {} ({}, slot {}): busy {:.0}%", w.worker, w.role, w.slot, 100.0 * w.busy_fraction);
     }
     if let Some(s) = &report.stitched {
         let losses: Vec<String> = s.final_losses.iter().map(|l| format!("{l:.5}")).collect();
         println!(
-            "then stitched ({} gradients): {} epoch{}, {} steps at lr {:.3e} in {:.1}s; final losses [{}]",
+            "then stitched ({} gradients): {} epoch{}, {} steps at lr {:.3e} in {:.1}s ({:.1} samples/s); \
+             final losses [{}]",
             s.gradients.name(),
             s.epochs,
             if s.epochs == 1 { "" } else { "s" },
             s.steps,
             s.lr,
             s.seconds,
+            s.samples_per_second,
             losses.join(" ")
         );
         if let (Some(kind), Some(value)) = (&s.output_loss, s.final_output_loss) {

@@ -24,7 +24,7 @@ use crate::jobs::search::SearchScores;
 use crate::plan::Plan;
 use crate::planning::planner::CostTable;
 use crate::planning::simulate::simulate_shared;
-use crate::report::{write_metrics, BlockReport, RunReport, StitchedReport};
+use crate::report::{write_metrics, BlockReport, RunReport, Startup, StitchedReport};
 use crate::runtime::launch::ranks_on_this_node;
 use crate::runtime::transport::{rank_mismatch, Tag, Transport};
 use crate::runtime::{concurrent_workers, cores, threads_per_worker, Distillation};
@@ -203,8 +203,13 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let device = &devices[0];
         let Workload { teacher, train, evaluation } =
             self.zoo.workload::<B::InnerBackend>(config, device, true)?;
+        let loaded = start.elapsed().as_secs_f64();
         let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
         let students = load_student_weights(config, students, device)?;
+        let startup = Startup {
+            teacher_and_data_seconds: loaded,
+            students_seconds: start.elapsed().as_secs_f64() - loaded,
+        };
         // A search run holds the last samples out to score its candidates on
         // (and a single-path search to train alpha on).
         let (trained_on, held_out) =
@@ -280,6 +285,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             steps: log.steps,
             steps_run: log.steps_run,
             wall_seconds: start.elapsed().as_secs_f64(),
+            startup: Some(startup),
             train_seconds: log.seconds,
             samples_per_second: log.samples as f64 / log.seconds.max(1e-9),
             measured_step_seconds: log.seconds / log.steps_run.max(1) as f64,
@@ -366,6 +372,8 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
         steps: pass.steps,
         lr: optimizer.lr,
         seconds: pass.seconds,
+        samples_per_second: (pass.steps * config.train.batch_size) as f64 / pass.seconds.max(1e-9),
+        step_seconds: pass.step_seconds,
         final_losses: pass.final_losses,
         output_loss: config.train.stitched_output_loss.map(|kind| kind.name().to_string()),
         output_weight: config.train.stitched_output_loss.map(|_| config.train.stitched_output_weight),

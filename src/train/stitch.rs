@@ -48,6 +48,8 @@ pub struct StitchedLog {
     pub final_losses: Vec<f32>,
     /// The output loss (unweighted) averaged over the last epoch, if any.
     pub final_output_loss: Option<f32>,
+    /// Wall time of each step (loading its batch included), in order.
+    pub step_seconds: Vec<f64>,
 }
 
 /// How gradients flow in the stitched passes (`train.stitched_gradients`).
@@ -214,6 +216,7 @@ where
     let mut log = StitchedLog { steps: total, ..Default::default() };
     let mut order = Vec::new();
     for step in 0..total {
+        let step_start = std::time::Instant::now();
         let epoch = step / per_epoch;
         if step % per_epoch == 0 {
             // A different order from the blockwise epochs', still fixed by the seed.
@@ -232,6 +235,7 @@ where
         } else {
             (local_step(teacher, &mut trainers, input)?, None)
         };
+        log.step_seconds.push(step_start.elapsed().as_secs_f64());
         if step % settings.log_every == 0 || step + 1 == total {
             for (k, (&loss, &lr)) in losses.iter().zip(&lrs).enumerate() {
                 log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });

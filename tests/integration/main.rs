@@ -19,6 +19,7 @@ mod bad_input;
 mod cluster;
 mod config;
 mod custom_loss;
+mod decoder_steps;
 mod experiments;
 mod failures;
 mod idx;
