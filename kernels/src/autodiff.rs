@@ -693,18 +693,29 @@ impl<B: FusedBackend, C: CheckpointStrategy> FusedBackend for Autodiff<B, C> {
         temperature: f64,
         _with_grad: bool,
     ) -> LossWithGrad<Self> {
-        let loss = match PrecomputedSingleBackward.prepare::<C>([student.node.clone()]).compute_bound().stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let out =
-                    B::weighted_kl_loss(student.primitive, teacher.primitive, weights.primitive, temperature, true);
-                prep.finish(out.grad.expect("the KL was asked for its gradient"), out.loss)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(
-                B::weighted_kl_loss(student.primitive, teacher.primitive, weights.primitive, temperature, false)
+        let loss =
+            match PrecomputedSingleBackward.prepare::<C>([student.node.clone()]).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => {
+                    let out = B::weighted_kl_loss(
+                        student.primitive,
+                        teacher.primitive,
+                        weights.primitive,
+                        temperature,
+                        true,
+                    );
+                    prep.finish(out.grad.expect("the KL was asked for its gradient"), out.loss)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(
+                    B::weighted_kl_loss(
+                        student.primitive,
+                        teacher.primitive,
+                        weights.primitive,
+                        temperature,
+                        false,
+                    )
                     .loss,
-            ),
-        };
+                ),
+            };
         LossWithGrad { loss, grad: None }
     }
 

@@ -62,34 +62,34 @@ pub fn relative_error(fused: &[f32], reference: &[f32]) -> f64 {
     diff / scale
 }
 
-fn values<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+pub(crate) fn values<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
     tensor.into_data().convert::<f32>().to_vec().unwrap_or_default()
 }
 
 /// The reference side: burn's ops on the CPU. (burn's own reductions on other
 /// backends are not trusted as a reference: burn 0.21's wgpu `mean` of a
 /// `[1, 100003]` tensor is off by 35% on Mesa's software Vulkan.)
-type Reference = burn::backend::Autodiff<burn::backend::Flex>;
+pub(crate) type Reference = burn::backend::Autodiff<burn::backend::Flex>;
 
-fn random(rng: &mut StdRng, shape: &[usize], scale: f32) -> TensorData {
+pub(crate) fn random(rng: &mut StdRng, shape: &[usize], scale: f32) -> TensorData {
     let n = shape.iter().product();
     let data: Vec<f32> = (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect();
     TensorData::new(data, shape.to_vec())
 }
 
-fn tensor<B: Backend, const D: usize>(data: &TensorData, device: &B::Device) -> Tensor<B, D> {
+pub(crate) fn tensor<B: Backend, const D: usize>(data: &TensorData, device: &B::Device) -> Tensor<B, D> {
     Tensor::from_data(data.clone(), device)
 }
 
-struct Rows {
-    rows: Vec<CheckRow>,
-    op: &'static str,
-    case: String,
-    tolerance: f64,
+pub(crate) struct Rows {
+    pub(crate) rows: Vec<CheckRow>,
+    pub(crate) op: &'static str,
+    pub(crate) case: String,
+    pub(crate) tolerance: f64,
 }
 
 impl Rows {
-    fn add(&mut self, quantity: &str, fused: &[f32], reference: &[f32]) {
+    pub(crate) fn add(&mut self, quantity: &str, fused: &[f32], reference: &[f32]) {
         self.rows.push(CheckRow {
             op: self.op.to_string(),
             case: self.case.clone(),
@@ -256,13 +256,14 @@ pub fn run<B: DistillBackend>(device: &B::Device, seed: u64) -> Vec<CheckRow> {
     check_max_pool::<B>(&mut out, &mut rng, device);
     check_attention::<B>(&mut out, &mut rng, device);
     check_layer_norm::<B>(&mut out, &mut rng, device);
+    crate::check_decoder::run::<B>(&mut out, &mut rng, device);
     check_optimizers::<B>(&mut out, &mut rng, device);
     out
 }
 
 /// A `[batch, tokens]` mask with the real tokens of each sequence given by
 /// `real(b, t)`.
-fn mask_of(batch: usize, tokens: usize, real: impl Fn(usize, usize) -> bool) -> TensorData {
+pub(crate) fn mask_of(batch: usize, tokens: usize, real: impl Fn(usize, usize) -> bool) -> TensorData {
     let values: Vec<f32> =
         (0..batch * tokens).map(|i| if real(i / tokens, i % tokens) { 1.0 } else { 0.0 }).collect();
     TensorData::new(values, vec![batch, tokens])

@@ -343,15 +343,12 @@ impl<B: FusedBackend> TokenGrid<B> {
     /// where a row was left out).
     fn to_grid(&self, rows: Tensor<B, 2>) -> Tensor<B, 3> {
         let [_, width] = rows.dims();
-        let all = match &self.real {
-            Some(index) => Tensor::zeros([self.batch * self.tokens, width], &rows.device()).select_assign(
-                0,
-                index.clone(),
-                rows,
-                IndexingUpdateOp::Add,
-            ),
-            None => rows,
-        };
+        let all =
+            match &self.real {
+                Some(index) => Tensor::zeros([self.batch * self.tokens, width], &rows.device())
+                    .select_assign(0, index.clone(), rows, IndexingUpdateOp::Add),
+                None => rows,
+            };
         all.reshape([self.batch, self.tokens, width])
     }
 }
@@ -557,7 +554,8 @@ mod tests {
         );
         let packed = layer.forward(x.clone(), mask.clone());
         assert!(TokenGrid::real_tokens(mask.clone()).real.is_some(), "this batch has padding to leave out");
-        let dense = layer.rows_after_feed_forward(layer.after_attention(x.clone(), mask.clone())).reshape([3, 6, 16]);
+        let dense =
+            layer.rows_after_feed_forward(layer.after_attention(x.clone(), mask.clone())).reshape([3, 6, 16]);
         let real = mask.clone().unsqueeze_dim::<3>(2);
         let gap: f32 = ((packed.clone() - dense.clone()) * real.clone()).abs().max().into_scalar();
         assert!(gap < 1e-5, "a real token moved by {gap}");

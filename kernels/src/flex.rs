@@ -21,8 +21,8 @@ use rayon::prelude::*;
 
 use crate::flex_decoder::{self, CausalSizes};
 use crate::flex_encoder::{self, AttentionSizes};
-use crate::llama::{self, CausalAttentionOutput, CausalHeads, RmsNormOutput};
 use crate::flex_optim;
+use crate::llama::{self, CausalAttentionOutput, CausalHeads, RmsNormOutput};
 use crate::optim::{ParamSlot, ParamUpdate, UpdateRule};
 use crate::transformer::{self, AttentionOutput, LayerNormGrads, LayerNormOutput};
 use crate::{reference, BiasAxis, Epilogue, FusedBackend, LossWithGrad};
@@ -1054,8 +1054,13 @@ impl FusedBackend for Flex {
             return llama::weighted_kl_reference::<Self>(student, teacher, weights, temperature, with_grad);
         }
         let shape = student.shape();
-        let (loss, grad) =
-            flex_decoder::weighted_kl(&values(&student), &values(&teacher), &values(&weights), temperature, with_grad);
+        let (loss, grad) = flex_decoder::weighted_kl(
+            &values(&student),
+            &values(&teacher),
+            &values(&weights),
+            temperature,
+            with_grad,
+        );
         LossWithGrad { loss: from_vec(vec![loss], [1]), grad: with_grad.then(|| from_vec(grad, shape)) }
     }
 

@@ -178,10 +178,14 @@ pub(crate) fn causal_attention(
         .into_par_iter()
         .map(|task| {
             let (b, g) = (task / kv_heads, task % kv_heads);
-            let (qs, ks, vs) =
-                (&q[b * tokens * qw..][..tokens * qw], &k[b * tokens * kw..][..tokens * kw], &v[b * tokens * kw..][..tokens * kw]);
+            let (qs, ks, vs) = (
+                &q[b * tokens * qw..][..tokens * qw],
+                &k[b * tokens * kw..][..tokens * kw],
+                &v[b * tokens * kw..][..tokens * kw],
+            );
             let bias = key_bias(&mask[b * tokens..(b + 1) * tokens]);
-            let (mut kr, mut vd, mut qr) = (vec![0f32; tokens * d], vec![0f32; tokens * d], vec![0f32; tokens * d]);
+            let (mut kr, mut vd, mut qr) =
+                (vec![0f32; tokens * d], vec![0f32; tokens * d], vec![0f32; tokens * d]);
             pack_rotated(&mut kr, ks, (kw, g, d), (&cos, &sin), false);
             pack(&mut vd, vs, (kw, g, d));
             let mut context = vec![0f32; group * tokens * d];
@@ -283,8 +287,11 @@ pub(crate) fn causal_attention_backward(
         .into_par_iter()
         .map(|task| {
             let (b, g) = (task / kv_heads, task % kv_heads);
-            let (qs, ks, vs) =
-                (&q[b * tokens * qw..][..tokens * qw], &k[b * tokens * kw..][..tokens * kw], &v[b * tokens * kw..][..tokens * kw]);
+            let (qs, ks, vs) = (
+                &q[b * tokens * qw..][..tokens * qw],
+                &k[b * tokens * kw..][..tokens * kw],
+                &v[b * tokens * kw..][..tokens * kw],
+            );
             let gs = &grad[b * tokens * qw..][..tokens * qw];
             let (mut kr, mut vd) = (vec![0f32; tokens * d], vec![0f32; tokens * d]);
             pack_rotated(&mut kr, ks, (kw, g, d), (&cos, &sin), false);
@@ -338,9 +345,10 @@ pub(crate) fn rms_norm(x: &[f32], gamma: &[f32], epsilon: f64) -> (Vec<f32>, Vec
     let rows = x.len() / hidden;
     let (mut out, mut rstd) = (vec![0f32; x.len()], vec![0f32; rows]);
     let task = ROWS_PER_TASK * hidden;
-    out.par_chunks_mut(task).zip(rstd.par_chunks_mut(ROWS_PER_TASK)).zip(x.par_chunks(task)).for_each(
-        |((out, rstd), x)| rms_rows(out, rstd, x, gamma, epsilon as f32),
-    );
+    out.par_chunks_mut(task)
+        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
+        .zip(x.par_chunks(task))
+        .for_each(|((out, rstd), x)| rms_rows(out, rstd, x, gamma, epsilon as f32));
     (out, rstd)
 }
 

@@ -43,6 +43,7 @@ mod wide;
 mod autodiff;
 pub mod bench;
 pub mod check;
+mod check_decoder;
 #[cfg(feature = "cubecl")]
 mod cube;
 pub mod decoder;

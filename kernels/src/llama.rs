@@ -300,11 +300,14 @@ mod tests {
         assert!((w[1] - (v[0] * s + v[1] * c)).abs() < 1e-5);
     }
 
-
     type Prim = FloatTensor<Flex>;
 
     fn random(shape: &[usize], scale: f64) -> Prim {
-        let t = Tensor::<Flex, 1>::random([shape.iter().product::<usize>()], Distribution::Normal(0.0, scale), &Default::default());
+        let t = Tensor::<Flex, 1>::random(
+            [shape.iter().product::<usize>()],
+            Distribution::Normal(0.0, scale),
+            &Default::default(),
+        );
         unwrap(t).reshape_like(shape)
     }
 
@@ -349,7 +352,8 @@ mod tests {
         assert_close("rms_norm", &native.output, &reference.output, 1e-6);
         assert_close("rms_norm rstd", native.rstd.as_ref().unwrap(), reference.rstd.as_ref().unwrap(), 1e-6);
         let rstd = native.rstd.unwrap();
-        let ours = <Flex as FusedBackend>::rms_norm_backward(x.clone(), rstd, gamma.clone(), 1e-5, grad.clone());
+        let ours =
+            <Flex as FusedBackend>::rms_norm_backward(x.clone(), rstd, gamma.clone(), 1e-5, grad.clone());
         let theirs = rms_norm_backward_reference::<Flex>(x, gamma, 1e-5, grad);
         assert_close("rms_norm dx", &ours[0], &theirs[0], 1e-5);
         assert_close("rms_norm dgamma", &ours[1], &theirs[1], 1e-5);
@@ -397,8 +401,14 @@ mod tests {
                 layout,
                 true,
             );
-            let reference =
-                causal_attention_reference::<Flex>(q.clone(), k.clone(), v.clone(), mask.clone(), layout, true);
+            let reference = causal_attention_reference::<Flex>(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                mask.clone(),
+                layout,
+                true,
+            );
             assert_close(&format!("{what}: context"), &native.context, &reference.context, 1e-5);
             let (probs, reference_probs) = (native.probs.unwrap(), reference.probs.unwrap());
             assert_close(&format!("{what}: probs"), &probs, &reference_probs, 1e-5);
@@ -422,18 +432,31 @@ mod tests {
     fn native_weighted_kl_matches_the_reference_with_its_gradient() {
         // Rows of 1,003 classes (not a multiple of the 8 lanes), two weighted 0.
         let (s, t) = (random(&[6, 1003], 4.0), random(&[6, 1003], 4.0));
-        let weights = unwrap(Tensor::<Flex, 1>::from_floats([1.0, 0.0, 2.0, 1.0, 0.0, 0.5], &Default::default()));
+        let weights =
+            unwrap(Tensor::<Flex, 1>::from_floats([1.0, 0.0, 2.0, 1.0, 0.0, 0.5], &Default::default()));
         for temperature in [1.0, 2.5] {
-            let native =
-                <Flex as FusedBackend>::weighted_kl_loss(s.clone(), t.clone(), weights.clone(), temperature, true);
-            let reference = weighted_kl_reference::<Flex>(s.clone(), t.clone(), weights.clone(), temperature, true);
+            let native = <Flex as FusedBackend>::weighted_kl_loss(
+                s.clone(),
+                t.clone(),
+                weights.clone(),
+                temperature,
+                true,
+            );
+            let reference =
+                weighted_kl_reference::<Flex>(s.clone(), t.clone(), weights.clone(), temperature, true);
             assert_close("kl", &native.loss, &reference.loss, 1e-5);
             assert_close("kl grad", native.grad.as_ref().unwrap(), reference.grad.as_ref().unwrap(), 1e-5);
             // The gradient is the loss's: a finite difference along it agrees.
             let g = native.grad.unwrap();
             let step = 1e-2 / host(&g).iter().map(|v| v * v).sum::<f32>().sqrt();
             let moved = unwrap(wrap::<Flex, 2>(s.clone()) + wrap::<Flex, 2>(g.clone()).mul_scalar(step));
-            let after = <Flex as FusedBackend>::weighted_kl_loss(moved, t.clone(), weights.clone(), temperature, false);
+            let after = <Flex as FusedBackend>::weighted_kl_loss(
+                moved,
+                t.clone(),
+                weights.clone(),
+                temperature,
+                false,
+            );
             let (before, after) = (host(&native.loss)[0], host(&after.loss)[0]);
             let expected = step * host(&g).iter().map(|v| v * v).sum::<f32>();
             assert!(

@@ -13,14 +13,18 @@ fn fallback_ops_and_their_custom_backward_match_burns_autodiff() {
     let every = [
         "add-layer-norm",
         "attention",
+        "causal-attention",
         "conv2d",
         "conv2d-pool",
+        "head-kl",
         "linear",
         "max-pool-2x2",
         "mse",
         "optimizer",
         "pointwise-conv",
+        "rms-norm",
         "soft-ce",
+        "swiglu",
     ];
     assert_eq!(ops, every.into_iter().collect(), "every op is checked");
     assert!(rows.iter().any(|r| r.quantity == "d bias"), "bias gradients are checked");
