@@ -56,21 +56,20 @@ fn least_squares<B: FusedBackend>(
 }
 
 /// Refits `projection`'s weight by [`least_squares`] (toward the current
-/// one) so that `features` (`[rows, in]`) map to `target` (`[rows, out]`) on
-/// the rows where `real` (`[rows, 1]`) is 1; a bias stays as it is and is
-/// taken off the target. Whether the weight was refitted.
+/// one) so that `features` (`[rows, in]`) map to `target` (`[rows, out]`);
+/// a bias stays as it is and is taken off the target. Whether the weight
+/// was refitted.
 fn refit_projection<B: FusedBackend>(
     projection: &mut Linear<B>,
     features: Tensor<B, 2>,
     target: Tensor<B, 2>,
-    real: Tensor<B, 2>,
     ridge: f64,
 ) -> bool {
     let target = match &projection.bias {
         Some(bias) => target - bias.val().unsqueeze_dim::<2>(0),
         None => target,
     };
-    match least_squares(features * real.clone(), target * real, projection.weight.val(), ridge) {
+    match least_squares(features, target, projection.weight.val(), ridge) {
         Some(weight) => {
             projection.weight = Param::from_tensor(weight);
             true
@@ -79,14 +78,17 @@ fn refit_projection<B: FusedBackend>(
     }
 }
 
-/// A teacher layer's states on a calibration batch, the targets of
-/// [`DecoderLayer::refit`] (from [`DecoderLayer::refit_targets`]).
+/// A teacher layer's states on the real tokens of a calibration batch, the
+/// targets of [`DecoderLayer::refit`] (from [`DecoderLayer::refit_targets`]).
 #[derive(Debug, Clone)]
 pub struct RefitTargets<B: FusedBackend> {
-    /// The residual stream after the attention half, `[batch, tokens, hidden]`.
-    pub middle: Tensor<B, 3>,
-    /// The layer's output, `[batch, tokens, hidden]`.
-    pub output: Tensor<B, 3>,
+    /// The residual stream after the attention half, `[real tokens, hidden]`.
+    pub middle: Tensor<B, 2>,
+    /// The layer's output, `[real tokens, hidden]`.
+    pub output: Tensor<B, 2>,
+    /// The layer's output as [`DecoderLayer::forward`] gives it, `[batch,
+    /// tokens, hidden]`: the next layer's input.
+    pub next: Tensor<B, 3>,
 }
 
 /// Sizes of one decoder layer. A removed attention or feed-forward has 0
@@ -310,10 +312,16 @@ impl<B: FusedBackend> TokenGrid<B> {
     /// behind the host, reading the mask back would stall it, and a batch
     /// without padding (or without real tokens) gains nothing.
     fn real_tokens(mask: Tensor<B, 2>) -> Self {
-        let dense = Self::dense(mask);
-        if B::ASYNC_DEVICE {
-            return dense;
+        match B::ASYNC_DEVICE {
+            true => Self::dense(mask),
+            false => Self::gathered(mask),
         }
+    }
+
+    /// The real tokens only, on any device (every position when there is
+    /// no padding, or no real token).
+    fn gathered(mask: Tensor<B, 2>) -> Self {
+        let dense = Self::dense(mask);
         let real: Vec<i64> = dense
             .mask
             .to_data()
@@ -336,6 +344,15 @@ impl<B: FusedBackend> TokenGrid<B> {
         match &self.real {
             Some(index) => all.select(0, index.clone()),
             None => all,
+        }
+    }
+
+    /// `all` (`[batch * tokens, width]`) with its computed rows, `before`,
+    /// replaced by `after` (the other rows as they were).
+    fn update(&self, all: Tensor<B, 2>, before: Tensor<B, 2>, after: Tensor<B, 2>) -> Tensor<B, 2> {
+        match &self.real {
+            Some(index) => all.select_assign(0, index.clone(), after - before, IndexingUpdateOp::Add),
+            None => after,
         }
     }
 
@@ -365,29 +382,29 @@ impl<B: FusedBackend> DecoderLayer<B> {
         let all = x.reshape([batch * tokens, hidden]);
         let rows = grid.gather(all.clone());
         let out = self.rows_after_feed_forward(self.rows_after_attention(rows.clone(), &grid));
-        let out = match &grid.real {
-            Some(index) => all.select_assign(0, index.clone(), out - rows, IndexingUpdateOp::Add),
-            None => out,
-        };
-        out.reshape([batch, tokens, hidden])
+        grid.update(all, rows, out).reshape([batch, tokens, hidden])
     }
 
-    /// The state entering the feed-forward's gate and up projections
-    /// (`n2(h)`, `[batch * tokens, hidden]`) and the feed-forward's hidden
-    /// activations `SiLU(gate) * up` (`[batch * tokens, ffn]`): what ranks
-    /// its neurons. `None` without a feed-forward.
+    /// The feed-forward's hidden activations `SiLU(gate) * up` on the real
+    /// tokens of `x` (`[real tokens, ffn]`): what ranks its neurons. `None`
+    /// without a feed-forward.
     pub fn ffn_activations(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
         let ffn = self.ffn.as_ref()?;
-        Some(ffn.activations(self.after_attention(x, mask)))
+        Some(ffn.activations(self.after_attention(x, &TokenGrid::gathered(mask))))
     }
 
-    /// What this (teacher) layer makes of the calibration batch `x`, in one
-    /// forward pass: the targets of [`Self::refit`].
+    /// What this (teacher) layer makes of the real tokens of the
+    /// calibration batch `x`, in one forward pass: the targets of
+    /// [`Self::refit`].
     pub fn refit_targets(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> RefitTargets<B> {
         let [batch, tokens, hidden] = x.dims();
-        let middle = self.after_attention(x, mask);
-        let output = self.rows_after_feed_forward(middle.clone()).reshape([batch, tokens, hidden]);
-        RefitTargets { output, middle: middle.reshape([batch, tokens, hidden]) }
+        let grid = TokenGrid::gathered(mask);
+        let all = x.reshape([batch * tokens, hidden]);
+        let rows = grid.gather(all.clone());
+        let middle = self.rows_after_attention(rows.clone(), &grid);
+        let output = self.rows_after_feed_forward(middle.clone());
+        let next = grid.update(all, rows, output.clone()).reshape([batch, tokens, hidden]);
+        RefitTargets { middle, output, next }
     }
 
     /// Refits this (pruned) layer to its teacher layer by ridge least
@@ -409,35 +426,31 @@ impl<B: FusedBackend> DecoderLayer<B> {
         ridge: f64,
     ) -> usize {
         let [batch, tokens, hidden] = x.dims();
-        let rows = |t: Tensor<B, 3>| t.reshape([batch * tokens, hidden]);
-        let real = mask.clone().reshape([batch * tokens, 1]);
+        let grid = TokenGrid::gathered(mask);
+        let x = grid.gather(x.reshape([batch * tokens, hidden]));
         let mut refitted = 0;
         if let Some(AttentionSublayer { norm, mixer }) = self.attention.as_mut() {
-            let n = rms_norm(rows(x.clone()), norm);
+            let n = rms_norm(x.clone(), norm);
             let (features, projection) = match mixer {
                 Mixer::Linear(map) => (n, map),
-                Mixer::Attention(attention) => {
-                    (attention.context(n, &TokenGrid::dense(mask.clone())), &mut attention.output)
-                }
+                Mixer::Attention(attention) => (attention.context(n, &grid), &mut attention.output),
             };
             let goal = if self.ffn.is_some() { &teacher.middle } else { &teacher.output };
-            let target = rows(goal.clone() - x.clone());
-            refitted += usize::from(refit_projection(projection, features, target, real.clone(), ridge));
+            refitted += usize::from(refit_projection(projection, features, goal.clone() - x.clone(), ridge));
         }
-        let h = self.after_attention(x, mask);
+        let h = self.rows_after_attention(x, &grid);
         if let Some(ffn) = self.ffn.as_mut() {
-            let target = rows(teacher.output.clone()) - h.clone();
+            let target = teacher.output.clone() - h.clone();
             let features = ffn.activations(h);
-            refitted += usize::from(refit_projection(&mut ffn.down, features, target, real, ridge));
+            refitted += usize::from(refit_projection(&mut ffn.down, features, target, ridge));
         }
         refitted
     }
 
-    /// The residual stream after the attention half of every position of
-    /// `x`, as `[batch * tokens, hidden]` rows.
-    fn after_attention(&self, x: Tensor<B, 3>, mask: Tensor<B, 2>) -> Tensor<B, 2> {
+    /// The residual stream after the attention half of the rows of `grid`.
+    fn after_attention(&self, x: Tensor<B, 3>, grid: &TokenGrid<B>) -> Tensor<B, 2> {
         let [batch, tokens, hidden] = x.dims();
-        self.rows_after_attention(x.reshape([batch * tokens, hidden]), &TokenGrid::dense(mask))
+        self.rows_after_attention(grid.gather(x.reshape([batch * tokens, hidden])), grid)
     }
 
     /// The residual stream `h` (rows) after the feed-forward half (`h`
@@ -554,8 +567,9 @@ mod tests {
         );
         let packed = layer.forward(x.clone(), mask.clone());
         assert!(TokenGrid::real_tokens(mask.clone()).real.is_some(), "this batch has padding to leave out");
-        let dense =
-            layer.rows_after_feed_forward(layer.after_attention(x.clone(), mask.clone())).reshape([3, 6, 16]);
+        let dense = layer
+            .rows_after_feed_forward(layer.after_attention(x.clone(), &TokenGrid::dense(mask.clone())))
+            .reshape([3, 6, 16]);
         let real = mask.clone().unsqueeze_dim::<3>(2);
         let gap: f32 = ((packed.clone() - dense.clone()) * real.clone()).abs().max().into_scalar();
         assert!(gap < 1e-5, "a real token moved by {gap}");

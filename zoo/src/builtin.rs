@@ -476,7 +476,7 @@ fn init_decoders_from_teacher(
             }
         }
         hidden = match targets {
-            Some(targets) => targets.output,
+            Some(targets) => targets.next,
             None => teacher.forward(hidden, mask.clone()),
         };
     }

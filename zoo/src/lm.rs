@@ -7,7 +7,7 @@
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use pipebd_core::{Activation, BlockSpec, HeadScores, OutputHead};
 use pipebd_kernels::decoder::{
     AttentionSublayer, CausalAttention, DecoderLayer, DecoderLayerConfig, Mixer, MixerKind, SwiGlu,
@@ -396,11 +396,10 @@ pub fn ffn_importance<B: FusedBackend>(
     mask: Tensor<B, 2>,
 ) -> Option<Vec<f32>> {
     let ffn = layer.ffn.as_ref()?;
-    let [batch, tokens] = mask.dims();
-    let activations = layer.ffn_activations(x, mask.clone())?;
-    let real = mask.reshape([batch * tokens, 1]);
-    let count = f64::from(real.clone().sum().into_scalar().elem::<f32>()).max(1.0);
-    let sums: Vec<f32> = (activations.square() * real).sum_dim(0).into_data().iter::<f32>().collect();
+    // The activations of the real tokens only (every position if none is).
+    let activations = layer.ffn_activations(x, mask)?;
+    let count = activations.dims()[0].max(1) as f64;
+    let sums: Vec<f32> = activations.square().sum_dim(0).into_data().iter::<f32>().collect();
     let (down, [_, hidden]) = weight_of(&ffn.down);
     Some(
         sums.iter()
