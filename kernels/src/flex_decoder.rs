@@ -40,6 +40,12 @@ impl CausalSizes {
     fn kv_width(&self) -> usize {
         self.kv_heads * self.head_dim
     }
+
+    /// Sequence `b` of q, k and v (each `[tokens, width]` of its own width).
+    fn sequence<'a>(&self, [q, k, v]: [&'a [f32]; 3], b: usize) -> [&'a [f32]; 3] {
+        let (qn, kn) = (self.tokens * self.q_width(), self.tokens * self.kv_width());
+        [&q[b * qn..][..qn], &k[b * kn..][..kn], &v[b * kn..][..kn]]
+    }
 }
 
 /// `[tokens, head_dim / 2]` cosines and sines of the rotary angles `pos *
@@ -178,11 +184,7 @@ pub(crate) fn causal_attention(
         .into_par_iter()
         .map(|task| {
             let (b, g) = (task / kv_heads, task % kv_heads);
-            let (qs, ks, vs) = (
-                &q[b * tokens * qw..][..tokens * qw],
-                &k[b * tokens * kw..][..tokens * kw],
-                &v[b * tokens * kw..][..tokens * kw],
-            );
+            let [qs, ks, vs] = sizes.sequence([q, k, v], b);
             let bias = key_bias(&mask[b * tokens..(b + 1) * tokens]);
             let (mut kr, mut vd, mut qr) =
                 (vec![0f32; tokens * d], vec![0f32; tokens * d], vec![0f32; tokens * d]);
@@ -287,11 +289,7 @@ pub(crate) fn causal_attention_backward(
         .into_par_iter()
         .map(|task| {
             let (b, g) = (task / kv_heads, task % kv_heads);
-            let (qs, ks, vs) = (
-                &q[b * tokens * qw..][..tokens * qw],
-                &k[b * tokens * kw..][..tokens * kw],
-                &v[b * tokens * kw..][..tokens * kw],
-            );
+            let [qs, ks, vs] = sizes.sequence([q, k, v], b);
             let gs = &grad[b * tokens * qw..][..tokens * qw];
             let (mut kr, mut vd) = (vec![0f32; tokens * d], vec![0f32; tokens * d]);
             pack_rotated(&mut kr, ks, (kw, g, d), (&cos, &sin), false);

@@ -270,7 +270,7 @@ fn a_run_without_blockwise_epochs_only_finetunes_the_saved_students_stitched() {
     let finetune_path = dir.path().join("finetune.toml");
     std::fs::write(&finetune_path, &finetune).unwrap();
     let second = dir.path().join("second");
-    let (code, _, stderr) = common::pipebd(&[
+    let (code, stdout, stderr) = common::pipebd(&[
         "run",
         finetune_path.to_str().unwrap(),
         "--out",
@@ -278,10 +278,18 @@ fn a_run_without_blockwise_epochs_only_finetunes_the_saved_students_stitched() {
         "--quiet",
     ]);
     assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("no blockwise epochs") && !stdout.contains("trained 0 steps"), "{stdout}");
     let report = pipe_bd::report::RunReport::read(&second).unwrap();
     assert_eq!(report.steps, 0, "no blockwise steps");
+    let startup = report.startup.expect("the start-up's times");
+    assert!(startup.teacher_and_data_seconds > 0.0 && startup.students_seconds > 0.0, "{startup:?}");
     let stitched = report.stitched.expect("a stitched pass");
     assert_eq!(stitched.steps, 640 / 64, "one stitched epoch");
+    // Each step timed, and the pass's rate is its samples over its time.
+    assert_eq!(stitched.step_seconds.len(), stitched.steps);
+    assert!(stitched.step_seconds.iter().sum::<f64>() <= stitched.seconds);
+    let rate = (stitched.steps * 64) as f64 / stitched.seconds;
+    assert!((stitched.samples_per_second - rate).abs() <= 1e-9 * rate, "{} vs {rate}", stitched.samples_per_second);
     let (before, after) = (common::student_weights(&first), common::student_weights(&second));
     let moved = common::max_abs_diff(&before, &after);
     assert!(moved > 0.0 && moved < 1e-3, "the stitched pass moved the saved weights by {moved}");
