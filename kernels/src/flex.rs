@@ -1028,7 +1028,7 @@ impl FusedBackend for Flex {
         let [q, k, v] = &qkv;
         let sizes = causal_sizes(q, k, v, &mask, layout).filter(|_| is_f32(&probs) && is_f32(&grad));
         let Some(sizes) = sizes else {
-            return llama::causal_attention_backward_reference::<Self>(qkv, mask, grad, layout);
+            return llama::causal_attention_backward_reference::<Self>(qkv, mask, probs, grad, layout);
         };
         let inputs = [&*values(q), &*values(k), &*values(v)];
         let [dq, dk, dv] = flex_decoder::causal_attention_backward(

@@ -425,8 +425,7 @@ pub trait FusedBackend: Backend {
         grad: FloatTensor<Self>,
         layout: llama::CausalHeads,
     ) -> [FloatTensor<Self>; 3] {
-        let _ = probs;
-        llama::causal_attention_backward_reference::<Self>(qkv, mask, grad, layout)
+        llama::causal_attention_backward_reference::<Self>(qkv, mask, probs, grad, layout)
     }
 
     /// The weighted mean over rows of `KL(softmax(teacher / T) ||

@@ -6,17 +6,17 @@
 //! path, and what the tests and `pipebd kernels --check` compare against)
 //! and the functions the decoder layer calls.
 //!
-//! The references' backward passes run burn's autodiff over the reference
-//! forward (`Autodiff<B>` on the same backend): one definition of each op,
-//! its gradient taken by burn, which is what the native backward passes are
-//! checked against.
+//! The references' backward passes are the gradient formulas in burn ops
+//! (never a nested autodiff pass: they run inside one, where a second
+//! `backward()` would wait on the graph's lock); `pipebd kernels --check`
+//! and the tests hold them and the native paths to burn's autodiff of the
+//! reference forward.
 //!
 //! Heads stay side by side in the projections' layout `[batch, tokens,
 //! heads * head_dim]`; each key/value head serves `heads / kv_heads`
 //! consecutive query heads; rotary positions turn adjacent pairs
 //! `(x[2i], x[2i+1])` by `pos * base^(-2i / head_dim)` (GGUF's layout).
 
-use burn::backend::Autodiff;
 use burn::nn::RmsNorm;
 use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::backend::Backend;
@@ -78,35 +78,24 @@ pub fn rms_norm_reference<B: Backend>(
     RmsNormOutput { output: unwrap(output), rstd: with_rstd.then(|| unwrap(rstd.reshape([rows]))) }
 }
 
-/// A reference backward: `f`'s inputs as tracked tensors of `Autodiff<B>`,
-/// `f`'s output times `grad`, summed, differentiated.
-fn autodiff_grads<B: Backend, const N: usize, const D: usize>(
-    inputs: [Tensor<B, D>; N],
-    grad: Tensor<B, D>,
-    f: impl FnOnce([Tensor<Autodiff<B>, D>; N]) -> Tensor<Autodiff<B>, D>,
-) -> [Tensor<B, D>; N] {
-    let tracked = inputs.map(|t| Tensor::<Autodiff<B>, D>::from_inner(t).require_grad());
-    let output = f(tracked.clone());
-    let grads = (output * Tensor::from_inner(grad)).sum().backward();
-    tracked.map(|t| t.grad(&grads).unwrap_or_else(|| t.inner().zeros_like()))
-}
-
-/// [`FusedBackend::rms_norm_backward`] by burn's autodiff of the reference:
-/// the gradients of `x` and of `gamma`.
+/// [`FusedBackend::rms_norm_backward`] in burn ops: the gradients of `x`
+/// and of `gamma` (`n = x * rstd`; `dx = rstd (g gamma - n mean(g gamma n))`,
+/// `dgamma = sum over rows of g n`).
 pub fn rms_norm_backward_reference<B: Backend>(
     x: FloatTensor<B>,
     gamma: FloatTensor<B>,
     epsilon: f64,
     grad: FloatTensor<B>,
 ) -> [FloatTensor<B>; 2] {
-    let x = wrap::<B, 2>(x);
-    let gamma = wrap::<B, 1>(gamma).unsqueeze_dim::<2>(0);
-    let [dx, dgamma] = autodiff_grads([x, gamma], wrap(grad), |[x, gamma]| {
-        let rstd = (x.clone().square().mean_dim(1) + epsilon).sqrt().recip();
-        x * rstd * gamma
-    });
-    let hidden = dgamma.dims()[1];
-    [unwrap(dx), unwrap(dgamma.reshape([hidden]))]
+    let (x, grad) = (wrap::<B, 2>(x), wrap::<B, 2>(grad));
+    let [_, hidden] = x.dims();
+    let rstd = (x.clone().square().mean_dim(1) + epsilon).sqrt().recip();
+    let normalized = x * rstd.clone();
+    let scaled = grad.clone() * wrap::<B, 1>(gamma).unsqueeze_dim(0);
+    let projection = (scaled.clone() * normalized.clone()).mean_dim(1);
+    let dx = (scaled - normalized.clone() * projection) * rstd;
+    let dgamma = (grad * normalized).sum_dim(0).reshape([hidden]);
+    [unwrap(dx), unwrap(dgamma)]
 }
 
 /// [`FusedBackend::swiglu`] with burn ops: `SiLU(gate) * up`.
@@ -114,16 +103,18 @@ pub fn swiglu_reference<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) ->
     unwrap(silu(wrap::<B, 2>(gate)) * wrap::<B, 2>(up))
 }
 
-/// [`FusedBackend::swiglu_backward`] by burn's autodiff of the reference:
-/// `[dgate, dup]`.
+/// [`FusedBackend::swiglu_backward`] in burn ops: `[dgate, dup]`
+/// (`SiLU'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))`).
 pub fn swiglu_backward_reference<B: Backend>(
     gate: FloatTensor<B>,
     up: FloatTensor<B>,
     grad: FloatTensor<B>,
 ) -> [FloatTensor<B>; 2] {
-    let [dgate, dup] =
-        autodiff_grads([wrap::<B, 2>(gate), wrap(up)], wrap(grad), |[gate, up]| silu(gate) * up);
-    [unwrap(dgate), unwrap(dup)]
+    let (gate, up, grad) = (wrap::<B, 2>(gate), wrap::<B, 2>(up), wrap::<B, 2>(grad));
+    let sigmoid = burn::tensor::activation::sigmoid(gate.clone());
+    let dup = grad.clone() * gate.clone() * sigmoid.clone();
+    let slope = sigmoid.clone() * (gate * (sigmoid.neg() + 1.0) + 1.0);
+    [unwrap(grad * up * slope), unwrap(dup)]
 }
 
 /// Cosines and sines of the rotary angles `pos * base^(-2i/head_dim)`,
@@ -161,6 +152,12 @@ fn rotate<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 5>, sin: &Tensor<B, 5>) -
 /// [`MASKED_SCORE`], so that a query none of whose keys up to itself is
 /// real attends uniformly to those keys (never to later ones).
 const FUTURE_SCORE: f32 = -1.0e30;
+
+/// [`rotate`] backwards (by minus each angle): the transpose of the
+/// rotation, which carries a gradient from the rotated pairs to the pairs.
+fn rotate_back<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 5>, sin: &Tensor<B, 5>) -> Tensor<B, 4> {
+    rotate(x, cos, &sin.clone().neg())
+}
 
 /// `[tokens, tokens]`: 0 where key `j <= i` may be seen by query `i`,
 /// [`FUTURE_SCORE`] above the diagonal.
@@ -210,19 +207,48 @@ pub fn causal_attention_reference<B: Backend>(
     CausalAttentionOutput { context: unwrap(context), probs: with_probs.then(|| unwrap(probs)) }
 }
 
-/// [`FusedBackend::causal_attention_backward`] by burn's autodiff of the
-/// reference (which recomputes the weights): `[dq, dk, dv]`.
+/// [`FusedBackend::causal_attention_backward`] in burn ops from the
+/// weights `probs` of the forward: `[dq, dk, dv]`. With `Q`, `K` rotated and
+/// `K`, `V` widened to every query head: `dV = P^T dO`, `dS = P (dO V^T -
+/// rowsum(dO V^T P)) / sqrt(d)`, `dQ = dS K`, `dK = dS^T Q`; the widened
+/// gradients summed over each key/value head's group, then rotated back.
 pub fn causal_attention_backward_reference<B: Backend>(
     qkv: [FloatTensor<B>; 3],
     mask: FloatTensor<B>,
+    probs: FloatTensor<B>,
     grad: FloatTensor<B>,
     layout: CausalHeads,
 ) -> [FloatTensor<B>; 3] {
-    let mask = wrap::<B, 2>(mask);
-    let grads = autodiff_grads(qkv.map(wrap::<B, 3>), wrap(grad), |qkv| {
-        causal_attention_tensors(qkv, Tensor::from_inner(mask), layout).1
-    });
-    grads.map(unwrap)
+    let _ = mask; // The weights already hold the masks.
+    let CausalHeads { heads, kv_heads, rope_base } = layout;
+    let [q, k, v] = qkv.map(wrap::<B, 3>);
+    let [batch, tokens, width] = q.dims();
+    let (d, group) = (width / heads.max(1), heads / kv_heads.max(1));
+    let device = q.device();
+    let split = |x: Tensor<B, 3>, count: usize| x.reshape([batch, tokens, count, d]).swap_dims(1, 2);
+    let merge = |x: Tensor<B, 4>| {
+        let count = x.dims()[1];
+        x.swap_dims(1, 2).reshape([batch, tokens, count * d])
+    };
+    let widen =
+        |x: Tensor<B, 4>| x.unsqueeze_dim::<5>(2).repeat_dim(2, group).reshape([batch, heads, tokens, d]);
+    let narrow = |x: Tensor<B, 4>| {
+        x.reshape([batch, kv_heads, group, tokens, d]).sum_dim(2).reshape([batch, kv_heads, tokens, d])
+    };
+    let (cos, sin) = rope_tables::<B>(tokens, d, rope_base, &device);
+    let q = rotate(split(q, heads), &cos, &sin);
+    let k = widen(rotate(split(k, kv_heads), &cos, &sin));
+    let v = widen(split(v, kv_heads));
+    let (probs, grad) = (wrap::<B, 4>(probs), split(wrap(grad), heads));
+    let dv = probs.clone().swap_dims(2, 3).matmul(grad.clone());
+    let dp = grad.matmul(v.swap_dims(2, 3));
+    let row = (dp.clone() * probs.clone()).sum_dim(3);
+    let ds = (probs * (dp - row)) / (d as f64).sqrt();
+    let dq = ds.clone().matmul(k);
+    let dk = ds.swap_dims(2, 3).matmul(q);
+    let dq = rotate_back(dq, &cos, &sin);
+    let dk = rotate_back(narrow(dk), &cos, &sin);
+    [unwrap(merge(dq)), unwrap(merge(dk)), unwrap(merge(narrow(dv)))]
 }
 
 /// [`FusedBackend::weighted_kl_loss`] with burn ops: the loss and, with
@@ -301,6 +327,19 @@ mod tests {
     }
 
     type Prim = FloatTensor<Flex>;
+    type Ad = burn::backend::Autodiff<Flex>;
+
+    /// burn's autodiff of `f` at `inputs`: the gradients of `sum(f * grad)`.
+    fn autodiff_grads<const N: usize, const D: usize>(
+        inputs: [Prim; N],
+        grad: Prim,
+        f: impl FnOnce([Tensor<Ad, D>; N]) -> Tensor<Ad, D>,
+    ) -> [Prim; N] {
+        let tracked = inputs.map(|t| Tensor::<Ad, D>::from_inner(wrap(t)).require_grad());
+        let output = f(tracked.clone());
+        let grads = (output * Tensor::from_inner(wrap(grad))).sum().backward();
+        tracked.map(|t| unwrap(t.grad(&grads).unwrap()))
+    }
 
     fn random(shape: &[usize], scale: f64) -> Prim {
         let t = Tensor::<Flex, 1>::random(
@@ -354,9 +393,16 @@ mod tests {
         let rstd = native.rstd.unwrap();
         let ours =
             <Flex as FusedBackend>::rms_norm_backward(x.clone(), rstd, gamma.clone(), 1e-5, grad.clone());
-        let theirs = rms_norm_backward_reference::<Flex>(x, gamma, 1e-5, grad);
-        assert_close("rms_norm dx", &ours[0], &theirs[0], 1e-5);
-        assert_close("rms_norm dgamma", &ours[1], &theirs[1], 1e-5);
+        let formula = rms_norm_backward_reference::<Flex>(x.clone(), gamma.clone(), 1e-5, grad.clone());
+        let gamma_row = gamma.reshape_like(&[1, 24]);
+        let [dx, dgamma] = autodiff_grads([x, gamma_row], grad, |[x, gamma]: [Tensor<Ad, 2>; 2]| {
+            wrap(rms_norm_reference::<Ad>(unwrap(x), unwrap(gamma.reshape([24])), 1e-5, false).output)
+        });
+        let dgamma = dgamma.reshape_like(&[24]);
+        for (name, grads) in [("native", &ours), ("formula", &formula)] {
+            assert_close(&format!("rms_norm dx, {name}"), &grads[0], &dx, 1e-5);
+            assert_close(&format!("rms_norm dgamma, {name}"), &grads[1], &dgamma, 1e-5);
+        }
     }
 
     #[test]
@@ -366,9 +412,14 @@ mod tests {
         let native = <Flex as FusedBackend>::swiglu(gate.clone(), up.clone());
         assert_close("swiglu", &native, &swiglu_reference::<Flex>(gate.clone(), up.clone()), 1e-6);
         let ours = <Flex as FusedBackend>::swiglu_backward(gate.clone(), up.clone(), grad.clone());
-        let theirs = swiglu_backward_reference::<Flex>(gate, up, grad);
-        assert_close("swiglu dgate", &ours[0], &theirs[0], 1e-5);
-        assert_close("swiglu dup", &ours[1], &theirs[1], 1e-5);
+        let formula = swiglu_backward_reference::<Flex>(gate.clone(), up.clone(), grad.clone());
+        let theirs = autodiff_grads([gate, up], grad, |[gate, up]: [Tensor<Ad, 2>; 2]| {
+            wrap(swiglu_reference::<Ad>(unwrap(gate), unwrap(up)))
+        });
+        for (name, grads) in [("native", &ours), ("formula", &formula)] {
+            assert_close(&format!("swiglu dgate, {name}"), &grads[0], &theirs[0], 1e-5);
+            assert_close(&format!("swiglu dup, {name}"), &grads[1], &theirs[1], 1e-5);
+        }
     }
 
     /// Four sequences of 7 tokens: all real, 3 real then padding, a real
@@ -421,9 +472,23 @@ mod tests {
                 grad.clone(),
                 layout,
             );
-            let theirs = causal_attention_backward_reference::<Flex>(qkv, mask, grad, layout);
-            for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(ours.iter().zip(&theirs)) {
-                assert_close(&format!("{what}: {name}"), a, b, 1e-4);
+            let formula = causal_attention_backward_reference::<Flex>(
+                qkv.clone(),
+                mask.clone(),
+                reference_probs,
+                grad.clone(),
+                layout,
+            );
+            let theirs = autodiff_grads(qkv, grad, |[q, k, v]: [Tensor<Ad, 3>; 3]| {
+                let mask = unwrap(Tensor::<Ad, 2>::from_inner(wrap(mask.clone())));
+                let out =
+                    causal_attention_reference::<Ad>(unwrap(q), unwrap(k), unwrap(v), mask, layout, false);
+                wrap(out.context)
+            });
+            for (kind, grads) in [("native", &ours), ("formula", &formula)] {
+                for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(grads.iter().zip(&theirs)) {
+                    assert_close(&format!("{what}: {name}, {kind}"), a, b, 1e-4);
+                }
             }
         }
     }
