@@ -239,7 +239,10 @@ pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path
         );
     }
     if report.steps == 0 && report.stitched.is_some() {
-        println!("no blockwise epochs (the stitched pass below is the training); whole run {:.1}s", report.wall_seconds);
+        println!(
+            "no blockwise epochs (the stitched pass below is the training); whole run {:.1}s",
+            report.wall_seconds
+        );
     } else {
         println!(
             "trained {} steps{resumed} in {:.1}s ({:.1} samples/s); whole run {:.1}s",

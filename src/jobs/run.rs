@@ -183,6 +183,22 @@ fn receive_plan(transport: &dyn Transport) -> Result<Plan> {
     serde_json::from_value(message["plan"].take()).map_err(|e| bad(e.to_string()))
 }
 
+/// The students of `config`, built (and initialised) by `zoo` with their
+/// saved weights loaded, and where the start-up's time went: `loaded`
+/// seconds after `start` for the teacher and data, the rest until now for
+/// the students.
+fn built_students<Z: Zoo, B: DistillBackend>(
+    zoo: &Z,
+    config: &RunConfig,
+    teacher: &[pipebd_core::BlockSpec],
+    device: &B::Device,
+    (start, loaded): (Instant, f64),
+) -> Result<(pipebd_core::Students<B, Z::Student<B>>, Startup)> {
+    let students = load_student_weights(config, zoo.students::<B>(config, teacher, device)?, device)?;
+    let students_seconds = start.elapsed().as_secs_f64() - loaded;
+    Ok((students, Startup { teacher_and_data_seconds: loaded, students_seconds }))
+}
+
 struct Job<'a, Z> {
     zoo: &'a Z,
     config: &'a RunConfig,
@@ -204,12 +220,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let Workload { teacher, train, evaluation } =
             self.zoo.workload::<B::InnerBackend>(config, device, true)?;
         let loaded = start.elapsed().as_secs_f64();
-        let students = self.zoo.students::<B>(config, &teacher.specs, device)?;
-        let students = load_student_weights(config, students, device)?;
-        let startup = Startup {
-            teacher_and_data_seconds: loaded,
-            students_seconds: start.elapsed().as_secs_f64() - loaded,
-        };
+        let (students, startup) = built_students(self.zoo, config, &teacher.specs, device, (start, loaded))?;
         // A search run holds the last samples out to score its candidates on
         // (and a single-path search to train alpha on).
         let (trained_on, held_out) =
