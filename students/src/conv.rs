@@ -82,7 +82,11 @@ fn fused_spatial<B: FusedBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, relu: bool)
 /// The block's last 1x1 convolution with its ReLU and, when the block pools,
 /// the final 2x2 max-pool (always kernel 2, stride 2: [`final_pool`]), as one
 /// fused op where the backend has it.
-fn project_and_pool<B: FusedBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, pool: &Option<MaxPool2d>) -> Tensor<B, 4> {
+fn project_and_pool<B: FusedBackend>(
+    conv: &Conv2d<B>,
+    x: Tensor<B, 4>,
+    pool: &Option<MaxPool2d>,
+) -> Tensor<B, 4> {
     match pool {
         Some(_) => conv2d_layer_pool(conv, x, Epilogue::Relu),
         None => fused_pointwise(conv, x, true),

@@ -289,7 +289,11 @@ fn a_run_without_blockwise_epochs_only_finetunes_the_saved_students_stitched() {
     assert_eq!(stitched.step_seconds.len(), stitched.steps);
     assert!(stitched.step_seconds.iter().sum::<f64>() <= stitched.seconds);
     let rate = (stitched.steps * 64) as f64 / stitched.seconds;
-    assert!((stitched.samples_per_second - rate).abs() <= 1e-9 * rate, "{} vs {rate}", stitched.samples_per_second);
+    assert!(
+        (stitched.samples_per_second - rate).abs() <= 1e-9 * rate,
+        "{} vs {rate}",
+        stitched.samples_per_second
+    );
     let (before, after) = (common::student_weights(&first), common::student_weights(&second));
     let moved = common::max_abs_diff(&before, &after);
     assert!(moved > 0.0 && moved < 1e-3, "the stitched pass moved the saved weights by {moved}");
