@@ -85,14 +85,16 @@ pub fn weighted_kl<B: FusedBackend>(
     weights: Tensor<B, 1>,
     temperature: f64,
 ) -> Tensor<B, 1> {
-    use burn::tensor::activation::log_softmax;
-    let [rows, _] = student.dims();
-    let scale = 1.0 / temperature;
-    let student = log_softmax(student.mul_scalar(scale), 1);
-    let teacher = log_softmax(teacher.mul_scalar(scale), 1).detach();
-    let per_row = (teacher.clone().exp() * (teacher - student)).sum_dim(1).reshape([rows]);
-    let total = weights.clone().sum().clamp_min(1e-12);
-    (per_row * weights).sum().div(total).mul_scalar(temperature * temperature)
+    // The reference's burn ops, differentiated by autodiff (the formula
+    // lives once, in `llama::weighted_kl_reference`).
+    let out = crate::llama::weighted_kl_reference::<B>(
+        student.into_primitive().tensor(),
+        teacher.detach().into_primitive().tensor(),
+        weights.into_primitive().tensor(),
+        temperature,
+        false,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out.loss))
 }
 
 #[cfg(test)]
