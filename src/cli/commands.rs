@@ -167,6 +167,34 @@ pub(super) fn eval_teacher<Z: Zoo>(zoo: &Z, config: &Path) -> Result<(), Error> 
     Ok(())
 }
 
+/// `pipebd export`.
+pub(super) fn export<Z: Zoo>(zoo: &Z, request: &crate::jobs::export::ExportRequest) -> Result<(), Error> {
+    let exported = zoo.export(request)?;
+    println!("wrote {} ({:.1} MB)", exported.path.display(), exported.bytes as f64 / 1e6);
+    for line in &exported.details {
+        println!("  {line}");
+    }
+    Ok(())
+}
+
+/// `pipebd eval-gguf`.
+pub(super) fn eval_gguf<Z: Zoo>(
+    zoo: &Z,
+    request: &crate::jobs::export::TextScoreRequest,
+) -> Result<(), Error> {
+    let score = zoo.score_model_file(request)?;
+    println!(
+        "perplexity {:.4} over {} scored tokens ({} windows of {} tokens, the text {} tokens) in {:.1}s",
+        score.perplexity,
+        score.scored_tokens,
+        score.windows,
+        request.context,
+        score.text_tokens,
+        score.seconds
+    );
+    Ok(())
+}
+
 /// `pipebd kernels`.
 pub(super) fn kernels(
     device: &str,

@@ -187,6 +187,48 @@ enum Command {
         /// The run config naming the teacher and the data.
         config: PathBuf,
     },
+    /// Write the student of a run folder (or, with --teacher, the teacher
+    /// itself) as a model file another tool runs: decoder LLM students as
+    /// GGUF files for llama.cpp.
+    Export {
+        /// The run folder given to `pipebd run --out` (omit with --teacher).
+        #[arg(required_unless_present = "teacher", conflicts_with = "teacher")]
+        run_dir: Option<PathBuf>,
+        /// Export the teacher of this run config instead of a student.
+        #[arg(long)]
+        teacher: Option<PathBuf>,
+        /// The file format.
+        #[arg(long, default_value = "gguf")]
+        format: String,
+        /// How weights are stored: teacher (each tensor in its teacher
+        /// tensor's type), f32, f16, q8_0 or q4_1.
+        #[arg(long = "type", default_value = "teacher")]
+        kind: String,
+        /// The file to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Score a GGUF model (an exported student, or any Llama or deci file)
+    /// on a text with llama.cpp's perplexity protocol: non-overlapping
+    /// windows of --context tokens, the second half of each scored, as
+    /// `llama-perplexity -c N` does.
+    EvalGguf {
+        /// The GGUF file.
+        model: PathBuf,
+        /// A plain-text file (tokenized whole), or a Brown corpus folder: its
+        /// held-out sentences (those no run trains on), one per line.
+        #[arg(long)]
+        text: PathBuf,
+        /// Write the text as scored to this file (to give `llama-perplexity -f` the same text).
+        #[arg(long)]
+        save_text: Option<PathBuf>,
+        /// Tokens per window.
+        #[arg(long, default_value_t = 512)]
+        context: usize,
+        /// Score only the first N windows.
+        #[arg(long)]
+        chunks: Option<usize>,
+    },
     /// Check the fused ops (losses, linear, convolutions, max-pool) against burn's ops, and time them
     Kernels {
         /// Where to run: cpu (flex: our native CPU paths, burn ops for the rest), wgpu[:N] or cuda[:N].
@@ -334,6 +376,18 @@ fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
         Command::Plot { run_dir } => commands::plot(&run_dir),
         Command::Eval { run_dir } => commands::eval(zoo, &run_dir),
         Command::EvalTeacher { config } => commands::eval_teacher(zoo, &config),
+        Command::Export { run_dir, teacher, format, kind, out } => {
+            let source = match (run_dir, teacher) {
+                (_, Some(config)) => crate::jobs::export::ExportSource::Teacher(config),
+                (Some(run_dir), None) => crate::jobs::export::ExportSource::Run(run_dir),
+                (None, None) => unreachable!("clap requires one"),
+            };
+            commands::export(zoo, &crate::jobs::export::ExportRequest { source, format, kind, out })
+        }
+        Command::EvalGguf { model, text, save_text, context, chunks } => commands::eval_gguf(
+            zoo,
+            &crate::jobs::export::TextScoreRequest { model, text, save_text, context, max_windows: chunks },
+        ),
         Command::Kernels { device, check, bench, repeats, batch, only, seed, verbose } => commands::kernels(
             &device,
             check,

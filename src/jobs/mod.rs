@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod check;
 pub mod eval;
+pub mod export;
 pub mod kernels;
 pub mod link;
 pub mod plot;

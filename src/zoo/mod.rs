@@ -20,6 +20,7 @@ pub use crate::config::parse_options;
 use crate::config::{check_option_keys, ConfigIssue, Overrides, RunConfig};
 use crate::error::{Error, Result};
 use crate::jobs::eval::Evaluate;
+use crate::jobs::export::{ExportRequest, Exported, TextScore, TextScoreRequest};
 
 /// A family of teachers, students and datasets that configs can name.
 ///
@@ -169,6 +170,20 @@ pub trait Zoo: Sync {
     ) -> Result<Option<Box<dyn OutputHead<B>>>> {
         let _ = (config, device);
         Ok(None)
+    }
+
+    /// Writes a trained student, or the teacher, as a file another tool runs
+    /// (`pipebd export`). None by default: the error says so.
+    fn export(&self, request: &ExportRequest) -> Result<Exported> {
+        let _ = request;
+        Err(Error::Zoo { path: None, message: "this zoo exports no models (`pipebd export`)".into() })
+    }
+
+    /// Scores a model file on a text with llama.cpp's perplexity protocol
+    /// (`pipebd eval-gguf`). None by default: the error says so.
+    fn score_model_file(&self, request: &TextScoreRequest) -> Result<TextScore> {
+        let _ = request;
+        Err(Error::Zoo { path: None, message: "this zoo scores no model files (`pipebd eval-gguf`)".into() })
     }
 
     /// Parses and validates config text: the engine's checks, then this

@@ -118,7 +118,7 @@ impl TensorType {
     }
 
     /// Elements per block and bytes per block, for the types read here.
-    fn layout(self) -> Option<(usize, usize)> {
+    pub(crate) fn layout(self) -> Option<(usize, usize)> {
         match self {
             TensorType::F32 => Some((1, 4)),
             TensorType::F16 => Some((1, 2)),
@@ -257,7 +257,14 @@ impl Gguf {
 
     /// Tensor `name` as `f32` (dequantized) with its shape, outermost first.
     pub fn tensor(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), TeacherError> {
-        let bad = |message: String| TeacherError::BadWeights { path: self.path.clone(), message };
+        let (info, bytes) = self.raw_tensor(name)?;
+        let values = dequantize(info.kind, &bytes).map_err(|e| self.bad(format!("tensor `{name}`: {e}")))?;
+        Ok((info.shape, values))
+    }
+
+    /// Tensor `name` as stored (its entry and its bytes, in its type's layout).
+    pub fn raw_tensor(&self, name: &str) -> Result<(TensorInfo, Vec<u8>), TeacherError> {
+        let bad = |message: String| self.bad(message);
         let info = self.info(name).ok_or_else(|| bad(format!("no tensor `{name}`")))?;
         let (per_block, block_bytes) = info.kind.layout().ok_or_else(|| {
             bad(format!("tensor `{name}` has ggml type {:?}, which is not read here", info.kind))
@@ -274,8 +281,11 @@ impl Gguf {
         let mut file = File::open(&self.path).map_err(|e| bad(e.to_string()))?;
         file.seek(SeekFrom::Start(start)).map_err(|e| bad(e.to_string()))?;
         file.read_exact(&mut bytes).map_err(|e| bad(format!("reading tensor `{name}`: {e}")))?;
-        let values = dequantize(info.kind, &bytes).map_err(|e| bad(format!("tensor `{name}`: {e}")))?;
-        Ok((info.shape.clone(), values))
+        Ok((info.clone(), bytes))
+    }
+
+    fn bad(&self, message: String) -> TeacherError {
+        TeacherError::BadWeights { path: self.path.clone(), message }
     }
 }
 

@@ -21,7 +21,9 @@
 #![warn(missing_docs)]
 
 pub mod blocks;
+pub mod export;
 pub mod gguf;
+pub mod gguf_write;
 pub mod minilm;
 pub mod mnist_cnn;
 pub mod smollm2;
@@ -47,6 +49,14 @@ pub enum TeacherError {
     #[error("cannot load teacher file {path}: {message}")]
     BadWeights {
         /// The weight file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// A model cannot be exported, or its file cannot be written.
+    #[error("cannot export to {path}: {message}")]
+    Export {
+        /// The file being written.
         path: PathBuf,
         /// What went wrong.
         message: String,

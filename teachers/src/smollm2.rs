@@ -28,7 +28,7 @@ use pipebd_kernels::decoder::{
 };
 use pipebd_kernels::FusedBackend;
 
-use crate::gguf::Gguf;
+use crate::gguf::{Gguf, MetaValue};
 use crate::TeacherError;
 
 /// The sizes of a Llama model, from its GGUF metadata.
@@ -61,37 +61,85 @@ pub const SMOLLM2_135M: LlamaSizes = LlamaSizes {
 };
 
 impl LlamaSizes {
-    /// Reads the sizes of a `llama` GGUF file.
+    /// Reads the sizes of a `llama` GGUF file, or of a `deci` one (per-layer
+    /// sizes, as `pipebd export` writes them): then `layer` is the first
+    /// layer with attention, with the widest feed-forward of any layer;
+    /// [`layer_configs`] has every layer's own.
     pub fn of(file: &Gguf) -> Result<Self, TeacherError> {
-        let architecture = file.get_str("general.architecture")?;
-        if architecture != "llama" {
-            return Err(TeacherError::BadWeights {
-                path: file.path().to_path_buf(),
-                message: format!("architecture `{architecture}`, expected `llama`"),
-            });
-        }
-        let hidden = file.get_usize("llama.embedding_length")?;
-        let heads = file.get_usize("llama.attention.head_count")?;
-        let layer = DecoderLayerConfig {
-            hidden,
-            mixer: MixerKind::Attention,
-            heads,
-            kv_heads: file.get_usize("llama.attention.head_count_kv")?,
-            head_dim: hidden / heads.max(1),
-            ffn: file.get_usize("llama.feed_forward_length")?,
-            rope_base: file.get_f64("llama.rope.freq_base")?,
-            eps: file.get_f64("llama.attention.layer_norm_rms_epsilon")?,
-        };
-        layer.validate().map_err(|message| TeacherError::BadWeights {
-            path: file.path().to_path_buf(),
-            message: format!("the metadata's sizes make no decoder layer: {message}"),
-        })?;
-        Ok(Self {
-            layers: file.get_usize("llama.block_count")?,
-            vocab: file.get_strings("tokenizer.ggml.tokens")?.len(),
-            layer,
-        })
+        let layers = layer_configs(file)?;
+        let attention = layers.iter().find(|l| l.mixer == MixerKind::Attention).or(layers.first());
+        let mut layer = *attention.ok_or_else(|| bad(file, "the file has no decoder layers".into()))?;
+        layer.ffn = layers.iter().map(|l| l.ffn).max().unwrap_or(0);
+        Ok(Self { layers: layers.len(), vocab: file.get_strings("tokenizer.ggml.tokens")?.len(), layer })
     }
+}
+
+/// The sizes of every decoder layer of a `llama` or `deci` GGUF file. In a
+/// `deci` file (llama.cpp's architecture for Puzzle's variable layers) the
+/// head counts and feed-forward widths may be per-layer arrays: 0 query
+/// heads is a layer without attention, query heads without key/value heads
+/// the linear mixer (`x + W RMSNorm(x)`), 0 feed-forward width no SwiGLU.
+pub fn layer_configs(file: &Gguf) -> Result<Vec<DecoderLayerConfig>, TeacherError> {
+    let architecture = file.get_str("general.architecture")?;
+    if architecture != "llama" && architecture != "deci" {
+        return Err(bad(file, format!("architecture `{architecture}`, expected `llama` or `deci`")));
+    }
+    let key = |name: &str| format!("{architecture}.{name}");
+    let layers = file.get_usize(&key("block_count"))?;
+    let per_layer = |name: &str| -> Result<Vec<usize>, TeacherError> {
+        let name = key(name);
+        match file.get(&name) {
+            Some(MetaValue::Array(items)) if items.len() == layers => {
+                items.iter().map(|v| v.as_u64().map(|v| v as usize)).collect::<Option<Vec<_>>>().ok_or_else(
+                    || bad(file, format!("metadata `{name}` holds something other than whole numbers")),
+                )
+            }
+            Some(MetaValue::Array(items)) => {
+                Err(bad(file, format!("metadata `{name}` has {} entries for {layers} layers", items.len())))
+            }
+            _ => Ok(vec![file.get_usize(&name)?; layers]),
+        }
+    };
+    let hidden = file.get_usize(&key("embedding_length"))?;
+    let heads = per_layer("attention.head_count")?;
+    let kv_heads = match file.get(&key("attention.head_count_kv")) {
+        Some(_) => per_layer("attention.head_count_kv")?,
+        None => heads.clone(),
+    };
+    let ffn = per_layer("feed_forward_length")?;
+    let first_heads = heads.iter().copied().find(|&h| h > 0).unwrap_or(1);
+    let head_dim = match file.get(&key("attention.key_length")) {
+        Some(_) => file.get_usize(&key("attention.key_length"))?,
+        None => hidden / first_heads,
+    };
+    let rope_base = match file.get(&key("rope.freq_base")) {
+        Some(_) => file.get_f64(&key("rope.freq_base"))?,
+        None => 10_000.0,
+    };
+    let eps = file.get_f64(&key("attention.layer_norm_rms_epsilon"))?;
+    (0..layers)
+        .map(|n| {
+            let mixer = match (heads[n], kv_heads[n]) {
+                (0, _) => MixerKind::None,
+                (_, 0) => MixerKind::Linear,
+                _ => MixerKind::Attention,
+            };
+            let layer = DecoderLayerConfig {
+                hidden,
+                mixer,
+                heads: heads[n],
+                kv_heads: kv_heads[n],
+                head_dim,
+                ffn: ffn[n],
+                rope_base,
+                eps,
+            };
+            layer.validate().map_err(|message| {
+                bad(file, format!("the metadata's sizes of layer {n} make no decoder layer: {message}"))
+            })?;
+            Ok(layer)
+        })
+        .collect()
 }
 
 /// The token embeddings `[vocab, hidden]`: ids to the first layer's input.
@@ -155,6 +203,8 @@ impl<B: FusedBackend> LmHead<B> {
 pub struct SmolLm2<B: FusedBackend> {
     /// The sizes read from the file.
     pub sizes: LlamaSizes,
+    /// Every decoder layer's sizes (all alike in a `llama` file).
+    pub layer_sizes: Vec<DecoderLayerConfig>,
     /// Frozen input preparation.
     pub embeddings: TokenEmbeddings<B>,
     /// The decoder layers (the blocks).
@@ -176,13 +226,16 @@ impl<B: FusedBackend> SmolLm2<B> {
             Some(_) => tensor2::<B>(&file, "output.weight", [vocab, hidden], device)?,
             None => embedding.clone(),
         };
-        let layers = (0..sizes.layers)
-            .map(|n| load_layer(&file, &sizes.layer, n, device))
+        let layer_sizes = layer_configs(&file)?;
+        let layers = layer_sizes
+            .iter()
+            .enumerate()
+            .map(|(n, size)| load_layer(&file, size, n, device))
             .collect::<Result<_, _>>()?;
         let head = LmHead::from_parts(&file, &sizes, head_weight, device)?;
         let tokenizer = SmolTokenizer::from_gguf(&file)?;
         let embeddings = TokenEmbeddings { weight: Param::from_tensor(embedding) };
-        Ok(Self { sizes, embeddings, layers, head, tokenizer })
+        Ok(Self { sizes, layer_sizes, embeddings, layers, head, tokenizer })
     }
 
     /// Runs the whole model: `[batch, tokens]` ids with their mask to
@@ -265,28 +318,36 @@ fn load_layer<B: FusedBackend>(
 ) -> Result<DecoderLayer<B>, TeacherError> {
     let name = |part: &str| format!("blk.{n}.{part}.weight");
     let (hidden, q, kv) = (size.hidden, size.heads * size.head_dim, size.kv_heads * size.head_dim);
-    let attention = CausalAttention {
-        query: linear_weight(file, &name("attn_q"), [hidden, q], device)?,
-        key: linear_weight(file, &name("attn_k"), [hidden, kv], device)?,
-        value: linear_weight(file, &name("attn_v"), [hidden, kv], device)?,
-        output: linear_weight(file, &name("attn_output"), [q, hidden], device)?,
-        heads: size.heads,
-        kv_heads: size.kv_heads,
-        head_dim: size.head_dim,
-        rope_base: size.rope_base,
+    let mixer = match size.mixer {
+        MixerKind::None => None,
+        MixerKind::Linear => {
+            Some(Mixer::Linear(linear_weight(file, &name("attn_output"), [hidden, hidden], device)?))
+        }
+        MixerKind::Attention => Some(Mixer::Attention(CausalAttention {
+            query: linear_weight(file, &name("attn_q"), [hidden, q], device)?,
+            key: linear_weight(file, &name("attn_k"), [hidden, kv], device)?,
+            value: linear_weight(file, &name("attn_v"), [hidden, kv], device)?,
+            output: linear_weight(file, &name("attn_output"), [q, hidden], device)?,
+            heads: size.heads,
+            kv_heads: size.kv_heads,
+            head_dim: size.head_dim,
+            rope_base: size.rope_base,
+        })),
     };
-    Ok(DecoderLayer {
-        attention: Some(AttentionSublayer {
-            norm: norm(file, &name("attn_norm"), size, device)?,
-            mixer: Mixer::Attention(attention),
-        }),
-        ffn: Some(SwiGlu {
+    let attention = match mixer {
+        Some(mixer) => Some(AttentionSublayer { norm: norm(file, &name("attn_norm"), size, device)?, mixer }),
+        None => None,
+    };
+    let ffn = match size.ffn {
+        0 => None,
+        width => Some(SwiGlu {
             norm: norm(file, &name("ffn_norm"), size, device)?,
-            gate: linear_weight(file, &name("ffn_gate"), [hidden, size.ffn], device)?,
-            up: linear_weight(file, &name("ffn_up"), [hidden, size.ffn], device)?,
-            down: linear_weight(file, &name("ffn_down"), [size.ffn, hidden], device)?,
+            gate: linear_weight(file, &name("ffn_gate"), [hidden, width], device)?,
+            up: linear_weight(file, &name("ffn_up"), [hidden, width], device)?,
+            down: linear_weight(file, &name("ffn_down"), [width, hidden], device)?,
         }),
-    })
+    };
+    Ok(DecoderLayer { attention, ffn })
 }
 
 /// SmolLM2's tokenizer, rebuilt from a GGUF file's vocabulary and merges.

@@ -22,6 +22,7 @@ use pipebd_teachers::TeacherBlock;
 
 use pipe_bd::config::{ConfigIssue, RunConfig};
 use pipe_bd::jobs::eval::TopOneAccuracy;
+use pipe_bd::jobs::export::{ExportRequest, Exported, TextScore, TextScoreRequest};
 use pipe_bd::zoo::{parse_options, parse_students, Workload, Zoo};
 use pipe_bd::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -41,7 +42,7 @@ fn is_text(config: &RunConfig) -> bool {
 pub const SMOLLM2: &str = "smollm2-135m";
 
 /// True for the decoder LLM teacher (on text).
-fn is_decoder(config: &RunConfig) -> bool {
+pub(crate) fn is_decoder(config: &RunConfig) -> bool {
     config.teacher.kind == SMOLLM2
 }
 
@@ -721,6 +722,16 @@ impl Zoo for Builtin {
 
     fn teacher_options(&self) -> &'static [&'static str] {
         TeacherOptions::KEYS
+    }
+
+    /// Decoder students (and SmolLM2 itself) as GGUF files for llama.cpp.
+    fn export(&self, request: &ExportRequest) -> Result<Exported> {
+        crate::export::export(request)
+    }
+
+    /// A Llama or `deci` GGUF file's perplexity, llama.cpp's way.
+    fn score_model_file(&self, request: &TextScoreRequest) -> Result<TextScore> {
+        crate::export::score_model_file(request)
     }
 
     /// `data.max_tokens` and `teacher.layers_per_block` (the probe and the

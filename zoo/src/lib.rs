@@ -15,6 +15,7 @@
 #![warn(missing_docs)]
 
 mod builtin;
+pub mod export;
 pub mod lm;
 pub mod mnist;
 pub mod text;
