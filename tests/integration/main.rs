@@ -21,6 +21,7 @@ mod config;
 mod custom_loss;
 mod decoder_steps;
 mod experiments;
+mod export;
 mod failures;
 mod idx;
 mod layers;

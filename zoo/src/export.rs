@@ -165,6 +165,9 @@ pub fn score_model_file(request: &TextScoreRequest) -> Result<TextScore> {
     if context < 4 {
         return Err(Error::Zoo { path: None, message: format!("--context {context}: at least 4 tokens") });
     }
+    if !request.model.is_file() {
+        return Err(Error::Zoo { path: Some(request.model.clone()), message: "no such model file".into() });
+    }
     let text = read_text(&request.text)?;
     if let Some(path) = &request.save_text {
         std::fs::write(path, &text).map_err(|e| Error::io("writing", path, e))?;

@@ -1,0 +1,269 @@
+//! `pipebd export --format gguf` and `pipebd eval-gguf`: the teacher written
+//! back is the original file's tensors; a student of every layer kind
+//! (pruned SwiGLU, fewer heads, the linear mixer, no attention, no SwiGLU,
+//! a skipped layer) written at F32 and read back computes its own logits;
+//! at Q8_0 every weight comes back within the quantizer's step; eval-gguf
+//! follows llama-perplexity's windows; bad requests get clear errors.
+
+use burn::backend::Flex;
+use burn::module::{Module, Param};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn::nn::Linear;
+use pipebd_kernels::decoder::{DecoderLayer, DecoderLayerConfig, Mixer, MixerKind};
+use pipebd_teachers::export::{write_deci, ExportLayer, ExportType, ZERO_FFN};
+use pipebd_teachers::gguf::{dequantize, Gguf, MetaValue, TensorType};
+use pipebd_teachers::smollm2::{SmolLm2, SMOLLM2_135M};
+
+use crate::common;
+use crate::smollm2::model_path;
+
+type Model = SmolLm2<Flex>;
+
+#[test]
+fn the_teacher_exported_at_its_own_types_is_the_original_files_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("teacher.gguf");
+    let (code, stdout, stderr) =
+        common::pipebd(&["export", "--teacher", "experiments/smollm2-chosen.toml", "--out", out.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.contains("1.000x the teacher's"), "{stdout}");
+    let (original, exported) = (Gguf::open(&model_path()).unwrap(), Gguf::open(&out).unwrap());
+    assert_eq!(exported.get_str("general.architecture").unwrap(), "deci");
+    assert_eq!(exported.tensors.len(), original.tensors.len(), "no tensor added or lost");
+    for tensor in &original.tensors {
+        let (info, bytes) = exported.raw_tensor(&tensor.name).unwrap();
+        assert_eq!((info.kind, &info.shape), (tensor.kind, &tensor.shape), "{}", tensor.name);
+        assert!(bytes == original.raw_tensor(&tensor.name).unwrap().1, "{}: other bytes", tensor.name);
+    }
+    for (key, value) in original.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")) {
+        assert_eq!(exported.get(key), Some(value), "{key}");
+    }
+    let per_layer = |v: i32| MetaValue::Array(vec![MetaValue::I32(v); 30]);
+    assert_eq!(exported.get("deci.attention.head_count"), Some(&per_layer(9)));
+    assert_eq!(exported.get("deci.attention.head_count_kv"), Some(&per_layer(3)));
+    assert_eq!(exported.get("deci.feed_forward_length"), Some(&per_layer(1536)));
+    assert_eq!(exported.get_usize("deci.rope.dimension_count").unwrap(), 64);
+    assert_eq!(exported.get_usize("deci.attention.key_length").unwrap(), 64);
+}
+
+/// A layer of `config`'s sizes with burn's random weights, scaled down so
+/// that it nudges the residual stream instead of swamping it.
+fn random_layer(config: DecoderLayerConfig) -> DecoderLayer<Flex> {
+    let layer = config.init::<Flex>(&Default::default());
+    layer.map(&mut Scale(0.05))
+}
+
+struct Scale(f32);
+
+impl burn::module::ModuleMapper<Flex> for Scale {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<Flex, D>>) -> Param<Tensor<Flex, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let scaled = if D == 1 { tensor } else { tensor.mul_scalar(self.0) };
+        Param::from_mapped_value(id, scaled, mapper)
+    }
+}
+
+/// The first `len` inputs (`dim` 0) or outputs (`dim` 1) of `linear`.
+fn narrowed(linear: &Linear<Flex>, dim: usize, len: usize) -> Linear<Flex> {
+    let mut out = linear.clone();
+    out.weight = Param::from_tensor(linear.weight.val().narrow(dim, 0, len));
+    out
+}
+
+/// The teacher with its first layers replaced by one of every kind, and
+/// the (heads, kv heads, SwiGLU width) each layer must have in the file.
+fn student_of_every_kind(teacher: &Model) -> (Vec<DecoderLayer<Flex>>, Vec<(usize, usize, usize)>) {
+    let base = SMOLLM2_135M.layer;
+    let mut layers = teacher.layers.clone();
+    let mut expected = vec![(9, 3, 1536); layers.len()];
+    // No attention in layer 0: written as a zero linear mixer.
+    layers[0].attention = None;
+    expected[0] = (9, 0, 1536);
+    // A SwiGLU pruned to 64 neurons.
+    let ffn = layers[1].ffn.as_mut().unwrap();
+    (ffn.gate, ffn.up, ffn.down) = (narrowed(&ffn.gate, 1, 64), narrowed(&ffn.up, 1, 64), narrowed(&ffn.down, 0, 64));
+    expected[1] = (9, 3, 64);
+    // The linear mixer.
+    layers[2].attention = random_layer(DecoderLayerConfig { mixer: MixerKind::Linear, ..base }).attention;
+    expected[2] = (9, 0, 1536);
+    // 6 query heads over 2 key/value heads, and no SwiGLU: a zero one stands in.
+    let Some(Mixer::Attention(attention)) = layers[3].attention.as_mut().map(|a| &mut a.mixer) else { panic!() };
+    attention.query = narrowed(&attention.query, 1, 6 * 64);
+    attention.key = narrowed(&attention.key, 1, 2 * 64);
+    attention.value = narrowed(&attention.value, 1, 2 * 64);
+    attention.output = narrowed(&attention.output, 0, 6 * 64);
+    (attention.heads, attention.kv_heads) = (6, 2);
+    layers[3].ffn = None;
+    expected[3] = (6, 2, ZERO_FFN);
+    // Attention removed.
+    layers[4].attention = None;
+    expected[4] = (0, 0, 1536);
+    // The last layer without SwiGLU.
+    layers.last_mut().unwrap().ffn = None;
+    *expected.last_mut().unwrap() = (9, 3, ZERO_FFN);
+    (layers, expected)
+}
+
+/// Logits `[sentences * tokens, vocab]` of embeddings -> `layers` -> the
+/// head of `model`, for the sentences padded to one batch.
+fn logits(model: &Model, layers: &[DecoderLayer<Flex>], sentences: &[Vec<u32>]) -> (Vec<f32>, usize) {
+    let device = Default::default();
+    let tokens = sentences.iter().map(Vec::len).max().unwrap();
+    let padded = pipebd_teachers::minilm::PaddedIds::new(sentences.iter().map(Vec::as_slice), tokens);
+    let (ids, mask) = padded.tensors::<Flex>(&device);
+    let mut hidden = model.embeddings.forward(ids);
+    for layer in layers {
+        hidden = layer.forward(hidden, mask.clone());
+    }
+    let [b, t, h] = hidden.dims();
+    let values = model.head.forward(hidden.reshape([b * t, h])).into_data().to_vec::<f32>().unwrap();
+    (values, tokens)
+}
+
+fn probe_sentences(model: &Model) -> Vec<Vec<u32>> {
+    [
+        "It's late, and they'll say we'd've known.",
+        "In 1984, 3.5 million people paid $12,000 each.",
+        "The café served a naïve crème brûlée.",
+        "The quick brown fox jumps over the lazy dog while the sun sets slowly.",
+        "Good morning",
+        "def f(x): return x**2",
+        "Wait... what?!? No -- really?! (Yes!!!)",
+        "  Two  spaces  here, and a leading one.",
+    ]
+    .iter()
+    .map(|s| model.tokenizer.encode(s, 64).unwrap())
+    .collect()
+}
+
+#[test]
+fn a_student_of_every_layer_kind_exported_at_f32_computes_its_own_logits() {
+    let device = Default::default();
+    let teacher = Model::load(&model_path(), &device).unwrap();
+    let (layers, expected) = student_of_every_kind(&teacher);
+    let file = Gguf::open(&model_path()).unwrap();
+    let export: Vec<_> = layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let keep = std::env::var_os("PIPEBD_KEEP_EXPORT").map(std::path::PathBuf::from);
+    let out = keep.clone().unwrap_or_else(|| dir.path().to_path_buf()).join("every-kind-f32.gguf");
+    let summary = write_deci(&file, &export, ExportType::F32, Some("every kind"), &out).unwrap();
+    assert_eq!(summary.notes.len(), 3, "layer 0's linear stand-in and two zero SwiGLUs: {:?}", summary.notes);
+    let back = Model::load(&out, &device).unwrap();
+    let sizes: Vec<_> = back.layer_sizes.iter().map(|l| (l.heads, l.kv_heads, l.ffn)).collect();
+    assert_eq!(sizes, expected);
+    assert_eq!(back.layer_sizes[2].mixer, MixerKind::Linear);
+    assert_eq!(back.layer_sizes[4].mixer, MixerKind::None);
+    let sentences = probe_sentences(&teacher);
+    let (want, tokens) = logits(&teacher, &layers, &sentences);
+    let (got, _) = logits(&back, &back.layers, &sentences);
+    let vocab = SMOLLM2_135M.vocab;
+    let mut worst = 0f32;
+    let mut scale = 1f32;
+    for (s, sentence) in sentences.iter().enumerate() {
+        // Real tokens only: padding rows are not defined to agree.
+        for i in 0..sentence.len() {
+            let row = (s * tokens + i) * vocab..(s * tokens + i + 1) * vocab;
+            for (a, b) in want[row.clone()].iter().zip(&got[row]) {
+                worst = worst.max((a - b).abs());
+                scale = scale.max(a.abs());
+            }
+        }
+    }
+    assert!(worst <= 1e-4 * scale, "exported logits off by {worst} (scale {scale})");
+    if let Some(keep) = keep {
+        let q = write_deci(&file, &export, ExportType::Teacher, Some("every kind"), &keep.join("every-kind-q4_1.gguf"));
+        q.unwrap();
+    }
+}
+
+#[test]
+fn a_q8_0_export_keeps_every_weight_within_the_quantizers_step() {
+    let device = Default::default();
+    let teacher = Model::load(&model_path(), &device).unwrap();
+    let (layers, _) = student_of_every_kind(&teacher);
+    let export: Vec<_> = layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
+    let file = Gguf::open(&model_path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (f32_path, q8_path) = (dir.path().join("f32.gguf"), dir.path().join("q8.gguf"));
+    write_deci(&file, &export, ExportType::F32, None, &f32_path).unwrap();
+    write_deci(&file, &export, ExportType::Q8_0, None, &q8_path).unwrap();
+    let (exact, quantized) = (Gguf::open(&f32_path).unwrap(), Gguf::open(&q8_path).unwrap());
+    for tensor in &exact.tensors {
+        let (_, want) = exact.tensor(&tensor.name).unwrap();
+        let (info, bytes) = quantized.raw_tensor(&tensor.name).unwrap();
+        let expected = if tensor.shape.len() == 1 { TensorType::F32 } else { TensorType::Q8_0 };
+        assert_eq!(info.kind, expected, "{}", tensor.name);
+        let got = dequantize(info.kind, &bytes).unwrap();
+        for (block, back) in want.chunks(32).zip(got.chunks(32)) {
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // Half a step of amax / 127, plus 127 times the f16 scale's
+            // rounding (relative 2^-11; absolute 2^-25 below f16's normals).
+            let scale_error = (amax / 127.0 * 2f32.powi(-11)).max(2f32.powi(-25));
+            let bound = amax / 254.0 + 127.0 * scale_error + 1e-9;
+            for (a, b) in block.iter().zip(back) {
+                assert!((a - b).abs() <= bound, "{}: {a} came back as {b} (bound {bound})", tensor.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn eval_gguf_scores_the_second_half_of_each_window_as_llama_perplexity_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("text.txt");
+    let sentences = "The jury said it did find that many of Georgia's registration and election laws are \
+                     outmoded or inadequate and often ambiguous. It recommended that Fulton legislators act \
+                     to have these laws studied and revised to the end of modernizing and improving them.";
+    std::fs::write(&text, sentences).unwrap();
+    let context = 16;
+    let model_file = model_path();
+    let args = ["eval-gguf", model_file.to_str().unwrap(), "--text", text.to_str().unwrap(), "--context", "16"];
+    let (code, stdout, stderr) = common::pipebd(&args);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let printed: f64 = stdout.split_whitespace().nth(1).unwrap().parse().unwrap();
+    // The same windows by hand: whole logits, log-softmax, second halves.
+    let device = Default::default();
+    let model = Model::load(&model_path(), &device).unwrap();
+    let ids = model.tokenizer.encode(sentences, usize::MAX).unwrap();
+    let windows = ids.len() / context;
+    let mut nll = 0f64;
+    for w in 0..windows {
+        let window: Vec<i64> = ids[w * context..(w + 1) * context].iter().map(|&i| i64::from(i)).collect();
+        let input = Tensor::<Flex, 2, Int>::from_data(TensorData::new(window.clone(), [1, context]), &device);
+        let logits = model.logits(input, Tensor::ones([1, context], &device));
+        let log_probs = burn::tensor::activation::log_softmax(logits, 1).into_data().to_vec::<f32>().unwrap();
+        let vocab = log_probs.len() / context;
+        for i in context / 2..context - 1 {
+            nll -= f64::from(log_probs[i * vocab + window[i + 1] as usize]);
+        }
+    }
+    let expected = (nll / (windows * (context - 1 - context / 2)) as f64).exp();
+    assert!((printed - expected).abs() <= 1e-3 * expected, "eval-gguf printed {printed}, by hand {expected}");
+    assert!(stdout.contains(&format!("{windows} windows")), "{stdout}");
+    // Too short a text for the context: llama-perplexity's rule, said plainly.
+    let args = ["eval-gguf", model_file.to_str().unwrap(), "--text", text.to_str().unwrap(), "--context", "512"];
+    let (code, _, stderr) = common::pipebd(&args);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("needs at least 1024"), "{stderr}");
+}
+
+#[test]
+fn bad_export_requests_say_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.gguf");
+    let out = out.to_str().unwrap();
+    let config = "experiments/smollm2-chosen.toml";
+    let cases: [(&[&str], &str); 5] = [
+        (&["export", "--teacher", config, "--type", "q5_k", "--out", out], "unknown export type `q5_k`"),
+        (&["export", "--teacher", config, "--format", "onnx", "--out", out], "writes `gguf`"),
+        (&["export", "--teacher", "experiments/mnist-cnn.toml", "--out", out], "not a decoder LLM"),
+        (&["export", dir.path().to_str().unwrap(), "--out", out], "report.json"),
+        (&["eval-gguf", "no/such/model.gguf", "--text", config], "no/such/model.gguf"),
+    ];
+    for (args, expected) in cases {
+        let (code, stdout, stderr) = common::pipebd(args);
+        assert_ne!(code, 0, "{args:?} succeeded: {stdout}");
+        assert!(stderr.contains(expected), "{args:?}: expected {expected:?} in: {stderr}");
+    }
+    assert!(!std::path::Path::new(out).exists(), "a refused export writes no file");
+}
