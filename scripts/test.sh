@@ -34,6 +34,7 @@ CUDARC_CUDA_VERSION=13000 cargo check --release --features cuda >"$cuda_log" 2>&
 cuda_check=$!
 trap 'kill "$cuda_check" 2>/dev/null || true' EXIT
 bash scripts/setup-data.sh
+bash scripts/setup-python.sh
 bash scripts/setup-vulkan.sh
 bash scripts/setup-mpi.sh
 phase "setup done; waiting for the CUDA type check"

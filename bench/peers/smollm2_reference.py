@@ -10,7 +10,9 @@ of Brown ca01. `pipebd_teachers::smollm2` must agree with
 tests/data/smollm2-reference.json.
 
 Pinned packages: gguf==0.19.0 (llama.cpp's reader), numpy==2.4.6, regex==2026.11.19.
-Takes about 90 s on two CPU cores.
+Takes about 90 s on two CPU cores. `--probe <file.gguf> <out.json>` writes only the
+eight sentences' probes, for any llama or deci file (an exported student: the
+per-layer heads and SwiGLU widths, the linear mixer, removed attention or SwiGLU).
 
     python -m venv .venv-gguf && .venv-gguf/bin/pip install gguf==0.19.0 numpy==2.4.6 regex==2026.11.19
     .venv-gguf/bin/python bench/peers/smollm2_reference.py \
@@ -122,23 +124,43 @@ def unpermute(w, n_head):
     return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
+def per_layer(reader, key, n_layer):
+    """A per-layer array of a deci file, or one value for every layer."""
+    f = reader.fields[key]
+    values = [f.parts[i].tolist()[0] for i in f.data]
+    return values if len(values) == n_layer else values * n_layer
+
+
 class Llama:
+    """A `llama` file, or a `deci` one (per-layer heads and SwiGLU widths:
+    0 query heads = no attention, query heads without key/value heads = the
+    linear mixer x + W rms(x), 0 width = no SwiGLU), as `pipebd export` writes."""
+
     def __init__(self, reader):
-        self.n_layer = field(reader, "llama.block_count")
-        self.n_head = field(reader, "llama.attention.head_count")
-        self.n_kv = field(reader, "llama.attention.head_count_kv")
-        self.base = field(reader, "llama.rope.freq_base")
-        self.eps = field(reader, "llama.attention.layer_norm_rms_epsilon")
-        self.head_dim = field(reader, "llama.embedding_length") // self.n_head
+        arch = field(reader, "general.architecture")
+        key = lambda name: f"{arch}.{name}"
+        self.n_layer = field(reader, key("block_count"))
+        self.heads = per_layer(reader, key("attention.head_count"), self.n_layer)
+        self.kv_heads = per_layer(reader, key("attention.head_count_kv"), self.n_layer)
+        self.ffn = per_layer(reader, key("feed_forward_length"), self.n_layer)
+        self.base = field(reader, key("rope.freq_base"))
+        self.eps = field(reader, key("attention.layer_norm_rms_epsilon"))
+        if key("attention.key_length") in reader.fields:
+            self.head_dim = field(reader, key("attention.key_length"))
+        else:
+            self.head_dim = field(reader, key("embedding_length")) // self.heads[0]
         w = {t.name: gguf.dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors}
         assert "output.weight" not in w, "expected tied embeddings"
         self.embed, self.final_norm = w["token_embd.weight"], w["output_norm.weight"]
         self.layers = []
         for n in range(self.n_layer):
             p = {k: w[f"blk.{n}.{k}.weight"] for k in
-                 ["attn_norm", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]}
-            p["attn_q"] = unpermute(w[f"blk.{n}.attn_q.weight"], self.n_head)
-            p["attn_k"] = unpermute(w[f"blk.{n}.attn_k.weight"], self.n_kv)
+                 ["attn_norm", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+                 if f"blk.{n}.{k}.weight" in w}
+            if self.kv_heads[n] > 0:
+                p["attn_q"] = unpermute(w[f"blk.{n}.attn_q.weight"], self.heads[n])
+                p["attn_k"] = unpermute(w[f"blk.{n}.attn_k.weight"], self.kv_heads[n])
+            p["n_head"], p["n_kv"], p["n_ff"] = self.heads[n], self.kv_heads[n], self.ffn[n]
             self.layers.append(p)
 
     def rms(self, x, weight):
@@ -153,11 +175,11 @@ class Llama:
         return x * np.cos(angles) + rotated * np.sin(angles)
 
     def attention(self, x, p):
-        t, d = x.shape[0], self.head_dim
+        t, d, n_head, n_kv = x.shape[0], self.head_dim, p["n_head"], p["n_kv"]
         heads = lambda y, n: y.reshape(t, n, d).transpose(1, 0, 2)
-        q = self.rope(heads(x @ p["attn_q"].T, self.n_head))
-        k = np.repeat(self.rope(heads(x @ p["attn_k"].T, self.n_kv)), self.n_head // self.n_kv, axis=0)
-        v = np.repeat(heads(x @ p["attn_v"].T, self.n_kv), self.n_head // self.n_kv, axis=0)
+        q = self.rope(heads(x @ p["attn_q"].T, n_head))
+        k = np.repeat(self.rope(heads(x @ p["attn_k"].T, n_kv)), n_head // n_kv, axis=0)
+        v = np.repeat(heads(x @ p["attn_v"].T, n_kv), n_head // n_kv, axis=0)
         scores = q @ k.transpose(0, 2, 1) / np.sqrt(d)
         scores = np.where(np.tril(np.ones((t, t), dtype=bool)), scores, -np.inf)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -167,10 +189,14 @@ class Llama:
     def logits(self, ids):
         x = self.embed[ids]
         for p in self.layers:
-            h = x + self.attention(self.rms(x, p["attn_norm"]), p)
-            hn = self.rms(h, p["ffn_norm"])
-            gate = hn @ p["ffn_gate"].T
-            x = h + (gate / (1 + np.exp(-gate)) * (hn @ p["ffn_up"].T)) @ p["ffn_down"].T
+            if p["n_head"] > 0 and p["n_kv"] == 0:
+                x = x + self.rms(x, p["attn_norm"]) @ p["attn_output"].T
+            elif p["n_head"] > 0:
+                x = x + self.attention(self.rms(x, p["attn_norm"]), p)
+            if p["n_ff"] > 0:
+                hn = self.rms(x, p["ffn_norm"])
+                gate = hn @ p["ffn_gate"].T
+                x = x + (gate / (1 + np.exp(-gate)) * (hn @ p["ffn_up"].T)) @ p["ffn_down"].T
         return self.rms(x, self.final_norm) @ self.embed.T
 
 
@@ -224,7 +250,22 @@ def probe(model, tok, text):
             "last_top20": [[int(i), r6(logits[-1, i])] for i in top]}
 
 
+def probe_only(model_path, out_path):
+    """`--probe model.gguf out.json`: only the eight sentences' probes (any
+    llama or deci file, e.g. an exported student; about 20 s)."""
+    reader = gguf.GGUFReader(model_path)
+    tok, model = Tokenizer(reader), Llama(reader)
+    result = {"model": os.path.basename(model_path), "probe_vocab_ids": PROBE_IDS,
+              "layers": [[p["n_head"], p["n_kv"], p["n_ff"]] for p in model.layers],
+              "sentences": [probe(model, tok, s) for s in SENTENCES]}
+    with open(out_path, "w") as f:
+        json.dump(result, f, separators=(",", ":"))
+
+
 def main():
+    if sys.argv[1] == "--probe":
+        probe_only(sys.argv[2], sys.argv[3])
+        return
     model_path, brown_dir, out_path = sys.argv[1:4]
     start = time.time()
     reader = gguf.GGUFReader(model_path)

@@ -45,8 +45,9 @@ pub(super) fn print_language_report(language: &crate::data::text::LanguageReport
         language.mean_kl
     );
     println!(
-        "student/teacher: {:.2}x parameters, {:.2}x FLOPs (decoder layers, {} tokens per sequence)",
-        language.params_ratio, language.flops_ratio, language.max_tokens
+        "student/teacher: {:.2}x parameters, {:.2}x FLOPs (decoder layers, {} tokens per sequence), \
+         {:.2}x FLOPs with the LM head",
+        language.params_ratio, language.flops_ratio, language.max_tokens, language.whole_model_flops_ratio
     );
 }
 

@@ -154,6 +154,11 @@ pub struct LanguageReport {
     pub params_ratio: f64,
     /// Student forward FLOPs over teacher forward FLOPs (decoder layers only).
     pub flops_ratio: f64,
+    /// The same with the LM head counted on both sides (what inference pays
+    /// per token; the head is a fifth of SmolLM2-135M's work). 0 in reports
+    /// written before it was recorded.
+    #[serde(default)]
+    pub whole_model_flops_ratio: f64,
 }
 
 /// Held-out sentences whose token count (special tokens included, cut at

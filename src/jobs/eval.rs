@@ -254,7 +254,9 @@ pub fn load_students<Z: Zoo>(
     teacher: &[BlockSpec],
 ) -> Result<(Vec<<Z::Student<CpuTrain> as AutodiffModule<CpuTrain>>::InnerModule>, Vec<BlockSpec>)> {
     let device = Default::default();
-    let students = zoo.students::<CpuTrain>(config, teacher, &device)?;
+    // The records replace the weights: the students' own init is skipped.
+    let shapes = zoo.config_for_saved_weights(config);
+    let students = zoo.students::<CpuTrain>(&shapes, teacher, &device)?;
     let blocks = students.blocks.into_iter().map(|b| b.valid()).collect();
     Ok((load_student_records(run_dir, blocks, &device)?, students.specs))
 }

@@ -172,6 +172,14 @@ pub trait Zoo: Sync {
         Ok(None)
     }
 
+    /// `config` as it builds students whose weights saved ones then replace
+    /// (a finished run's records, [`crate::jobs::eval::load_students`]): a
+    /// zoo whose students start from a costly init (pruning, a refit on
+    /// training data) returns a config that skips it. `config` by default.
+    fn config_for_saved_weights(&self, config: &RunConfig) -> RunConfig {
+        config.clone()
+    }
+
     /// Writes a trained student, or the teacher, as a file another tool runs
     /// (`pipebd export`). None by default: the error says so.
     fn export(&self, request: &ExportRequest) -> Result<Exported> {

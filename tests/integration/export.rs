@@ -267,3 +267,64 @@ fn bad_export_requests_say_what_is_wrong() {
     }
     assert!(!std::path::Path::new(out).exists(), "a refused export writes no file");
 }
+
+#[derive(serde::Deserialize)]
+struct Probes {
+    probe_vocab_ids: Vec<usize>,
+    layers: Vec<(usize, usize, usize)>,
+    sentences: Vec<Probe>,
+}
+
+#[derive(serde::Deserialize)]
+struct Probe {
+    text: String,
+    ids: Vec<u32>,
+    logits_at_probe_ids: Vec<Vec<f64>>,
+    logsumexp: Vec<f64>,
+}
+
+/// The Python of `scripts/setup-python.sh` (llama.cpp's `gguf` reader, numpy).
+fn reference_python() -> std::path::PathBuf {
+    let python = common::repo().join("data/venv-gguf/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup-python.sh", python.display());
+    python
+}
+
+#[test]
+fn llama_cpps_reader_and_a_numpy_decoder_compute_the_exported_students_logits() {
+    let device = Default::default();
+    let teacher = Model::load(&model_path(), &device).unwrap();
+    let (layers, expected) = student_of_every_kind(&teacher);
+    let file = Gguf::open(&model_path()).unwrap();
+    let export: Vec<_> = layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let (out, probes) = (dir.path().join("student.gguf"), dir.path().join("probes.json"));
+    write_deci(&file, &export, ExportType::F32, None, &out).unwrap();
+    let script = common::repo().join("bench/peers/smollm2_reference.py");
+    let done = std::process::Command::new(reference_python())
+        .args([script.as_os_str(), "--probe".as_ref(), out.as_os_str(), probes.as_os_str()])
+        .output()
+        .unwrap();
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let probes: Probes = serde_json::from_str(&std::fs::read_to_string(&probes).unwrap()).unwrap();
+    assert_eq!(probes.layers, expected, "the per-layer sizes gguf reads");
+    let ids: Vec<Vec<u32>> = probes.sentences.iter().map(|s| s.ids.clone()).collect();
+    let (ours, tokens) = logits(&teacher, &layers, &ids);
+    let vocab = SMOLLM2_135M.vocab;
+    for (s, sentence) in probes.sentences.iter().enumerate() {
+        assert_eq!(teacher.tokenizer.encode(&sentence.text, 512).unwrap(), sentence.ids, "{:?}", sentence.text);
+        let scale = sentence.logits_at_probe_ids.iter().flatten().fold(1f64, |m, v| m.max(v.abs()));
+        let mut worst = 0f64;
+        for i in 0..sentence.ids.len() {
+            let row = &ours[(s * tokens + i) * vocab..(s * tokens + i + 1) * vocab];
+            for (p, &id) in probes.probe_vocab_ids.iter().enumerate() {
+                worst = worst.max((f64::from(row[id]) - sentence.logits_at_probe_ids[i][p]).abs());
+            }
+            let max = row.iter().fold(f32::MIN, |m, &v| m.max(v)) as f64;
+            let lse = max + row.iter().map(|&v| (f64::from(v) - max).exp()).sum::<f64>().ln();
+            worst = worst.max((lse - sentence.logsumexp[i]).abs());
+        }
+        eprintln!("{:?}: largest logit gap {worst:.2e} (scale {scale:.1})", sentence.text);
+        assert!(worst <= 1e-4 * scale, "{:?}: logits off by {worst} (scale {scale})", sentence.text);
+    }
+}

@@ -55,6 +55,26 @@ fn teacher_layers(config: &RunConfig) -> usize {
     }
 }
 
+/// `config` with every student built at random (`init = "random"`, no
+/// `weights` file): the saved records replace the weights anyway, and the
+/// teacher init (pruning and a least-squares refit on the training data)
+/// would take half a minute for nothing.
+pub(crate) fn architecture_only(config: &RunConfig) -> RunConfig {
+    fn shapes_only(table: &mut toml::Table) {
+        table.remove("weights");
+        let kind = table.get("kind").and_then(|k| k.as_str());
+        if table.contains_key("init") || matches!(kind, Some("decoder" | "encoder")) {
+            table.insert("init".into(), toml::Value::String("random".into()));
+        }
+        if let Some(toml::Value::Array(candidates)) = table.get_mut("candidates") {
+            candidates.iter_mut().filter_map(toml::Value::as_table_mut).for_each(shapes_only);
+        }
+    }
+    let mut shapes = config.clone();
+    shapes.students.iter_mut().for_each(shapes_only);
+    shapes
+}
+
 /// [`pipe_bd::jobs::run::run`] with the built-in zoo, compiled once in this
 /// library (see [`crate::cli`]): callers outside it should prefer this to
 /// `run(&Builtin, ...)`.
@@ -722,6 +742,11 @@ impl Zoo for Builtin {
 
     fn teacher_options(&self) -> &'static [&'static str] {
         TeacherOptions::KEYS
+    }
+
+    /// Students built at random: pruning and the refit are skipped.
+    fn config_for_saved_weights(&self, config: &RunConfig) -> RunConfig {
+        architecture_only(config)
     }
 
     /// Decoder students (and SmolLM2 itself) as GGUF files for llama.cpp.

@@ -219,6 +219,9 @@ impl<B: FusedBackend> Evaluate<B> for NextTokenScores<B> {
         let sum = |specs: &[BlockSpec], f: fn(&BlockSpec) -> f64| specs.iter().map(f).sum::<f64>();
         let ratio = |f: fn(&BlockSpec) -> f64| sum(student.specs, f) / sum(teacher.specs, f);
         let predicted = tally.predicted.max(1) as f64;
+        // The head's multiply-adds for a sequence: [hidden, vocab] per token.
+        let head = 2.0 * self.max_tokens as f64 * self.head.weight.dims().iter().product::<usize>() as f64;
+        let flops = |specs: &[BlockSpec]| sum(specs, |s| s.flops as f64) + head;
         Ok(Score {
             teacher_accuracy: 0.0,
             student_accuracy: tally.agree as f64 / predicted,
@@ -234,6 +237,7 @@ impl<B: FusedBackend> Evaluate<B> for NextTokenScores<B> {
                 mean_kl: tally.kl / predicted,
                 params_ratio: ratio(|s| s.params as f64),
                 flops_ratio: ratio(|s| s.flops as f64),
+                whole_model_flops_ratio: flops(student.specs) / flops(teacher.specs),
             }),
         })
     }
