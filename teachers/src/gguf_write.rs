@@ -145,7 +145,7 @@ impl GgufWriter {
 /// written here or a count that is not whole blocks.
 pub fn stored_bytes(kind: TensorType, elements: usize) -> Result<usize, String> {
     let (per_block, block_bytes) = layout(kind)?;
-    if elements % per_block != 0 {
+    if !elements.is_multiple_of(per_block) {
         return Err(format!("{elements} values are not whole {kind:?} blocks of {per_block}"));
     }
     Ok(elements / per_block * block_bytes)
@@ -158,7 +158,7 @@ fn layout(kind: TensorType) -> Result<(usize, usize), String> {
 /// Whether rows of `row_len` values can be stored as `kind` (block types
 /// quantize each row in blocks of 32).
 pub fn fits_rows(kind: TensorType, row_len: usize) -> bool {
-    layout(kind).map(|(per_block, _)| row_len % per_block == 0).unwrap_or(false)
+    layout(kind).map(|(per_block, _)| row_len.is_multiple_of(per_block)).unwrap_or(false)
 }
 
 /// `values` stored as `kind` (ggml's reference quantizers for the block

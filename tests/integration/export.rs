@@ -7,8 +7,8 @@
 
 use burn::backend::Flex;
 use burn::module::{Module, Param};
-use burn::tensor::{Int, Tensor, TensorData};
 use burn::nn::Linear;
+use burn::tensor::{Int, Tensor, TensorData};
 use pipebd_kernels::decoder::{DecoderLayer, DecoderLayerConfig, Mixer, MixerKind};
 use pipebd_teachers::export::{write_deci, ExportLayer, ExportType, ZERO_FFN};
 use pipebd_teachers::gguf::{dequantize, Gguf, MetaValue, TensorType};
@@ -23,8 +23,13 @@ type Model = SmolLm2<Flex>;
 fn the_teacher_exported_at_its_own_types_is_the_original_files_tensors() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("teacher.gguf");
-    let (code, stdout, stderr) =
-        common::pipebd(&["export", "--teacher", "experiments/smollm2-chosen.toml", "--out", out.to_str().unwrap()]);
+    let (code, stdout, stderr) = common::pipebd(&[
+        "export",
+        "--teacher",
+        "experiments/smollm2-chosen.toml",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{stdout}{stderr}");
     assert!(stdout.contains("1.000x the teacher's"), "{stdout}");
     let (original, exported) = (Gguf::open(&model_path()).unwrap(), Gguf::open(&out).unwrap());
@@ -70,9 +75,12 @@ fn narrowed(linear: &Linear<Flex>, dim: usize, len: usize) -> Linear<Flex> {
     out
 }
 
+/// Query heads, key/value heads and SwiGLU width of a layer as written.
+type LayerCounts = (usize, usize, usize);
+
 /// The teacher with its first layers replaced by one of every kind, and
 /// the (heads, kv heads, SwiGLU width) each layer must have in the file.
-fn student_of_every_kind(teacher: &Model) -> (Vec<DecoderLayer<Flex>>, Vec<(usize, usize, usize)>) {
+fn student_of_every_kind(teacher: &Model) -> (Vec<DecoderLayer<Flex>>, Vec<LayerCounts>) {
     let base = SMOLLM2_135M.layer;
     let mut layers = teacher.layers.clone();
     let mut expected = vec![(9, 3, 1536); layers.len()];
@@ -81,13 +89,16 @@ fn student_of_every_kind(teacher: &Model) -> (Vec<DecoderLayer<Flex>>, Vec<(usiz
     expected[0] = (9, 0, 1536);
     // A SwiGLU pruned to 64 neurons.
     let ffn = layers[1].ffn.as_mut().unwrap();
-    (ffn.gate, ffn.up, ffn.down) = (narrowed(&ffn.gate, 1, 64), narrowed(&ffn.up, 1, 64), narrowed(&ffn.down, 0, 64));
+    (ffn.gate, ffn.up, ffn.down) =
+        (narrowed(&ffn.gate, 1, 64), narrowed(&ffn.up, 1, 64), narrowed(&ffn.down, 0, 64));
     expected[1] = (9, 3, 64);
     // The linear mixer.
     layers[2].attention = random_layer(DecoderLayerConfig { mixer: MixerKind::Linear, ..base }).attention;
     expected[2] = (9, 0, 1536);
     // 6 query heads over 2 key/value heads, and no SwiGLU: a zero one stands in.
-    let Some(Mixer::Attention(attention)) = layers[3].attention.as_mut().map(|a| &mut a.mixer) else { panic!() };
+    let Some(Mixer::Attention(attention)) = layers[3].attention.as_mut().map(|a| &mut a.mixer) else {
+        panic!()
+    };
     attention.query = narrowed(&attention.query, 1, 6 * 64);
     attention.key = narrowed(&attention.key, 1, 2 * 64);
     attention.value = narrowed(&attention.value, 1, 2 * 64);
@@ -142,7 +153,8 @@ fn a_student_of_every_layer_kind_exported_at_f32_computes_its_own_logits() {
     let teacher = Model::load(&model_path(), &device).unwrap();
     let (layers, expected) = student_of_every_kind(&teacher);
     let file = Gguf::open(&model_path()).unwrap();
-    let export: Vec<_> = layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
+    let export: Vec<_> =
+        layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
     let dir = tempfile::tempdir().unwrap();
     let keep = std::env::var_os("PIPEBD_KEEP_EXPORT").map(std::path::PathBuf::from);
     let out = keep.clone().unwrap_or_else(|| dir.path().to_path_buf()).join("every-kind-f32.gguf");
@@ -171,7 +183,13 @@ fn a_student_of_every_layer_kind_exported_at_f32_computes_its_own_logits() {
     }
     assert!(worst <= 1e-4 * scale, "exported logits off by {worst} (scale {scale})");
     if let Some(keep) = keep {
-        let q = write_deci(&file, &export, ExportType::Teacher, Some("every kind"), &keep.join("every-kind-q4_1.gguf"));
+        let q = write_deci(
+            &file,
+            &export,
+            ExportType::Teacher,
+            Some("every kind"),
+            &keep.join("every-kind-q4_1.gguf"),
+        );
         q.unwrap();
     }
 }
@@ -181,7 +199,8 @@ fn a_q8_0_export_keeps_every_weight_within_the_quantizers_step() {
     let device = Default::default();
     let teacher = Model::load(&model_path(), &device).unwrap();
     let (layers, _) = student_of_every_kind(&teacher);
-    let export: Vec<_> = layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
+    let export: Vec<_> =
+        layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
     let file = Gguf::open(&model_path()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (f32_path, q8_path) = (dir.path().join("f32.gguf"), dir.path().join("q8.gguf"));
@@ -217,7 +236,8 @@ fn eval_gguf_scores_the_second_half_of_each_window_as_llama_perplexity_does() {
     std::fs::write(&text, sentences).unwrap();
     let context = 16;
     let model_file = model_path();
-    let args = ["eval-gguf", model_file.to_str().unwrap(), "--text", text.to_str().unwrap(), "--context", "16"];
+    let args =
+        ["eval-gguf", model_file.to_str().unwrap(), "--text", text.to_str().unwrap(), "--context", "16"];
     let (code, stdout, stderr) = common::pipebd(&args);
     assert_eq!(code, 0, "{stdout}{stderr}");
     let printed: f64 = stdout.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -241,7 +261,8 @@ fn eval_gguf_scores_the_second_half_of_each_window_as_llama_perplexity_does() {
     assert!((printed - expected).abs() <= 1e-3 * expected, "eval-gguf printed {printed}, by hand {expected}");
     assert!(stdout.contains(&format!("{windows} windows")), "{stdout}");
     // Too short a text for the context: llama-perplexity's rule, said plainly.
-    let args = ["eval-gguf", model_file.to_str().unwrap(), "--text", text.to_str().unwrap(), "--context", "512"];
+    let args =
+        ["eval-gguf", model_file.to_str().unwrap(), "--text", text.to_str().unwrap(), "--context", "512"];
     let (code, _, stderr) = common::pipebd(&args);
     assert_ne!(code, 0);
     assert!(stderr.contains("needs at least 1024"), "{stderr}");
@@ -271,7 +292,7 @@ fn bad_export_requests_say_what_is_wrong() {
 #[derive(serde::Deserialize)]
 struct Probes {
     probe_vocab_ids: Vec<usize>,
-    layers: Vec<(usize, usize, usize)>,
+    layers: Vec<LayerCounts>,
     sentences: Vec<Probe>,
 }
 
@@ -296,7 +317,8 @@ fn llama_cpps_reader_and_a_numpy_decoder_compute_the_exported_students_logits() 
     let teacher = Model::load(&model_path(), &device).unwrap();
     let (layers, expected) = student_of_every_kind(&teacher);
     let file = Gguf::open(&model_path()).unwrap();
-    let export: Vec<_> = layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
+    let export: Vec<_> =
+        layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
     let dir = tempfile::tempdir().unwrap();
     let (out, probes) = (dir.path().join("student.gguf"), dir.path().join("probes.json"));
     write_deci(&file, &export, ExportType::F32, None, &out).unwrap();
@@ -312,7 +334,12 @@ fn llama_cpps_reader_and_a_numpy_decoder_compute_the_exported_students_logits() 
     let (ours, tokens) = logits(&teacher, &layers, &ids);
     let vocab = SMOLLM2_135M.vocab;
     for (s, sentence) in probes.sentences.iter().enumerate() {
-        assert_eq!(teacher.tokenizer.encode(&sentence.text, 512).unwrap(), sentence.ids, "{:?}", sentence.text);
+        assert_eq!(
+            teacher.tokenizer.encode(&sentence.text, 512).unwrap(),
+            sentence.ids,
+            "{:?}",
+            sentence.text
+        );
         let scale = sentence.logits_at_probe_ids.iter().flatten().fold(1f64, |m, v| m.max(v.abs()));
         let mut worst = 0f64;
         for i in 0..sentence.ids.len() {
