@@ -19,18 +19,21 @@ use crate::smollm2::model_path;
 
 type Model = SmolLm2<Flex>;
 
+/// `pipebd export --teacher` of the SmolLM2 config at `kind` into `dir`:
+/// the file and what the command printed.
+fn export_teacher(dir: &std::path::Path, kind: &str) -> (std::path::PathBuf, String) {
+    let out = dir.join(format!("teacher-{kind}.gguf"));
+    let config = "experiments/smollm2-chosen.toml";
+    let (code, stdout, stderr) =
+        common::pipebd(&["export", "--teacher", config, "--type", kind, "--out", out.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    (out, stdout)
+}
+
 #[test]
 fn the_teacher_exported_at_its_own_types_is_the_original_files_tensors() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("teacher.gguf");
-    let (code, stdout, stderr) = common::pipebd(&[
-        "export",
-        "--teacher",
-        "experiments/smollm2-chosen.toml",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{stdout}{stderr}");
+    let (out, stdout) = export_teacher(dir.path(), "teacher");
     assert!(stdout.contains("1.000x the teacher's"), "{stdout}");
     let (original, exported) = (Gguf::open(&model_path()).unwrap(), Gguf::open(&out).unwrap());
     assert_eq!(exported.get_str("general.architecture").unwrap(), "deci");
@@ -49,6 +52,16 @@ fn the_teacher_exported_at_its_own_types_is_the_original_files_tensors() {
     assert_eq!(exported.get("deci.feed_forward_length"), Some(&per_layer(1536)));
     assert_eq!(exported.get_usize("deci.rope.dimension_count").unwrap(), 64);
     assert_eq!(exported.get_usize("deci.attention.key_length").unwrap(), 64);
+    // At F32 every tensor holds exactly the values the teacher computes with.
+    let exported = Gguf::open(&export_teacher(dir.path(), "f32").0).unwrap();
+    for tensor in &original.tensors {
+        assert_eq!(exported.info(&tensor.name).unwrap().kind, TensorType::F32, "{}", tensor.name);
+        assert!(
+            exported.tensor(&tensor.name).unwrap() == original.tensor(&tensor.name).unwrap(),
+            "{}",
+            tensor.name
+        );
+    }
 }
 
 /// A layer of `config`'s sizes with burn's random weights, scaled down so
@@ -147,18 +160,32 @@ fn probe_sentences(model: &Model) -> Vec<Vec<u32>> {
     .collect()
 }
 
-#[test]
-fn a_student_of_every_layer_kind_exported_at_f32_computes_its_own_logits() {
-    let device = Default::default();
-    let teacher = Model::load(&model_path(), &device).unwrap();
+/// The teacher, the student of every kind, the counts its layers must have
+/// in the file, and what writing it at `kind` to `out` reported.
+struct EveryKind {
+    teacher: Model,
+    layers: Vec<DecoderLayer<Flex>>,
+    expected: Vec<LayerCounts>,
+    summary: pipebd_teachers::export::ExportSummary,
+}
+
+fn export_every_kind(kind: ExportType, out: &std::path::Path) -> EveryKind {
+    let teacher = Model::load(&model_path(), &Default::default()).unwrap();
     let (layers, expected) = student_of_every_kind(&teacher);
     let file = Gguf::open(&model_path()).unwrap();
     let export: Vec<_> =
         layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
+    let summary = write_deci(&file, &export, kind, Some("every kind"), out).unwrap();
+    EveryKind { teacher, layers, expected, summary }
+}
+
+#[test]
+fn a_student_of_every_layer_kind_exported_at_f32_computes_its_own_logits() {
+    let device = Default::default();
     let dir = tempfile::tempdir().unwrap();
     let keep = std::env::var_os("PIPEBD_KEEP_EXPORT").map(std::path::PathBuf::from);
     let out = keep.clone().unwrap_or_else(|| dir.path().to_path_buf()).join("every-kind-f32.gguf");
-    let summary = write_deci(&file, &export, ExportType::F32, Some("every kind"), &out).unwrap();
+    let EveryKind { teacher, layers, expected, summary } = export_every_kind(ExportType::F32, &out);
     assert_eq!(summary.notes.len(), 3, "layer 0's linear stand-in and two zero SwiGLUs: {:?}", summary.notes);
     let back = Model::load(&out, &device).unwrap();
     let sizes: Vec<_> = back.layer_sizes.iter().map(|l| (l.heads, l.kv_heads, l.ffn)).collect();
@@ -183,29 +210,19 @@ fn a_student_of_every_layer_kind_exported_at_f32_computes_its_own_logits() {
     }
     assert!(worst <= 1e-4 * scale, "exported logits off by {worst} (scale {scale})");
     if let Some(keep) = keep {
-        let q = write_deci(
-            &file,
-            &export,
-            ExportType::Teacher,
-            Some("every kind"),
-            &keep.join("every-kind-q4_1.gguf"),
-        );
-        q.unwrap();
+        // For llama.cpp by hand (its random linear mixer drawn again).
+        export_every_kind(ExportType::Teacher, &keep.join("every-kind-q4_1.gguf"));
     }
 }
 
 #[test]
 fn a_q8_0_export_keeps_every_weight_within_the_quantizers_step() {
-    let device = Default::default();
-    let teacher = Model::load(&model_path(), &device).unwrap();
-    let (layers, _) = student_of_every_kind(&teacher);
-    let export: Vec<_> =
-        layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
-    let file = Gguf::open(&model_path()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (f32_path, q8_path) = (dir.path().join("f32.gguf"), dir.path().join("q8.gguf"));
-    write_deci(&file, &export, ExportType::F32, None, &f32_path).unwrap();
-    write_deci(&file, &export, ExportType::Q8_0, None, &q8_path).unwrap();
+    let EveryKind { layers, .. } = export_every_kind(ExportType::F32, &f32_path);
+    let export: Vec<_> =
+        layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
+    write_deci(&Gguf::open(&model_path()).unwrap(), &export, ExportType::Q8_0, None, &q8_path).unwrap();
     let (exact, quantized) = (Gguf::open(&f32_path).unwrap(), Gguf::open(&q8_path).unwrap());
     for tensor in &exact.tensors {
         let (_, want) = exact.tensor(&tensor.name).unwrap();
@@ -313,15 +330,9 @@ fn reference_python() -> std::path::PathBuf {
 
 #[test]
 fn llama_cpps_reader_and_a_numpy_decoder_compute_the_exported_students_logits() {
-    let device = Default::default();
-    let teacher = Model::load(&model_path(), &device).unwrap();
-    let (layers, expected) = student_of_every_kind(&teacher);
-    let file = Gguf::open(&model_path()).unwrap();
-    let export: Vec<_> =
-        layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
     let dir = tempfile::tempdir().unwrap();
     let (out, probes) = (dir.path().join("student.gguf"), dir.path().join("probes.json"));
-    write_deci(&file, &export, ExportType::F32, None, &out).unwrap();
+    let EveryKind { teacher, layers, expected, .. } = export_every_kind(ExportType::F32, &out);
     let script = common::repo().join("bench/peers/smollm2_reference.py");
     let done = std::process::Command::new(reference_python())
         .args([script.as_os_str(), "--probe".as_ref(), out.as_os_str(), probes.as_os_str()])
