@@ -20,6 +20,13 @@ pub enum LossKind {
     /// states only): the embedding a sentence encoder is scored on. Used as
     /// the stitched pass's output loss (`train.stitched_output_loss`).
     PooledCosine,
+    /// Normalized MSE, `|s - t|^2 / (|t|^2 + eps)` per sequence (its real
+    /// tokens) or per sample, averaged: the same scale for every block
+    /// whatever the norm of its states (Puzzle's BLD loss).
+    Nmse,
+    /// Normalized MSE per token vector, averaged over the real tokens (token
+    /// states; per sample for other outputs).
+    NmseToken,
 }
 
 impl LossKind {
@@ -39,7 +46,7 @@ impl LossKind {
     /// states (`[tokens, hidden]`).
     pub fn accepts(self, output: &[usize]) -> bool {
         match self {
-            LossKind::Mse => true,
+            LossKind::Mse | LossKind::Nmse | LossKind::NmseToken => true,
             LossKind::SoftTargetCrossEntropy => output.len() == 1,
             LossKind::PooledCosine => output.len() == 2,
         }
@@ -51,6 +58,8 @@ impl LossKind {
             LossKind::Mse => "mse",
             LossKind::SoftTargetCrossEntropy => "soft-target-cross-entropy",
             LossKind::PooledCosine => "pooled-cosine",
+            LossKind::Nmse => "nmse",
+            LossKind::NmseToken => "nmse-token",
         }
     }
 }
@@ -99,6 +108,22 @@ impl Loss {
                 Ok(loss::masked_mse(s, t, mask))
             }
             (LossKind::Mse, Activation::Maps(s), Activation::Maps(t)) => Ok(loss::mse(s, t)),
+            (
+                LossKind::Nmse,
+                Activation::Tokens { hidden: s, mask },
+                Activation::Tokens { hidden: t, .. },
+            ) => Ok(loss::masked_nmse(s, t, mask)),
+            (
+                LossKind::NmseToken,
+                Activation::Tokens { hidden: s, mask },
+                Activation::Tokens { hidden: t, .. },
+            ) => Ok(loss::masked_nmse_token(s, t, mask)),
+            (LossKind::Nmse | LossKind::NmseToken, Activation::Flat(s), Activation::Flat(t)) => {
+                Ok(loss::nmse(s, t))
+            }
+            (LossKind::Nmse | LossKind::NmseToken, Activation::Maps(s), Activation::Maps(t)) => {
+                Ok(loss::nmse(s, t))
+            }
             (LossKind::SoftTargetCrossEntropy, Activation::Flat(s), Activation::Flat(t)) => {
                 let temperature = self.temperature;
                 if temperature == 1.0 {

@@ -49,6 +49,54 @@ pub fn masked_mse<B: FusedBackend>(
     mse(student * weights.clone(), teacher * weights).mul_scalar(tokens as f32)
 }
 
+/// Added to the teacher's squared norm in the normalized MSEs, so that a
+/// zero target (a padding row, a dead channel) divides by no zero.
+pub const NMSE_EPSILON: f32 = 1e-6;
+
+/// Normalized MSE over the real tokens (ModelOpt puzzletron's relative L2,
+/// `sum((s - t)^2) / (sum(t^2) + eps)`), per sequence over its real tokens,
+/// then averaged over the sequences: each block's loss has the same scale
+/// whatever the norm of its states (a decoder's last layers carry states a
+/// hundred times larger than its first). Per sequence rather than per whole
+/// batch so that, as for [`masked_mse`], replicas that each take a share of
+/// the batch and weight their loss by it add up to the whole batch's loss.
+/// Shapes as [`masked_mse`]. Burn ops (autodiff gives the backward).
+pub fn masked_nmse<B: FusedBackend>(
+    student: Tensor<B, 3>,
+    teacher: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+) -> Tensor<B, 1> {
+    let mask = mask.unsqueeze_dim::<3>(2);
+    let error = ((student - teacher.clone()) * mask.clone()).powi_scalar(2).sum_dim(2).sum_dim(1);
+    let norm = (teacher * mask).powi_scalar(2).sum_dim(2).sum_dim(1).add_scalar(NMSE_EPSILON);
+    (error / norm).mean()
+}
+
+/// Normalized MSE per token vector, `|s - t|^2 / (|t|^2 + eps)`, averaged
+/// over each sequence's real tokens, then over the sequences: every token
+/// counts alike, however large its state (the few tokens that carry a
+/// model's massive activations do not dominate). Shapes as [`masked_mse`].
+pub fn masked_nmse_token<B: FusedBackend>(
+    student: Tensor<B, 3>,
+    teacher: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+) -> Tensor<B, 1> {
+    let [batch, tokens, _] = student.dims();
+    let error = (student - teacher.clone()).powi_scalar(2).sum_dim(2).reshape([batch, tokens]);
+    let norm = teacher.powi_scalar(2).sum_dim(2).reshape([batch, tokens]).add_scalar(NMSE_EPSILON);
+    let real = mask.clone().sum_dim(1).clamp_min(1.0);
+    ((error / norm * mask).sum_dim(1) / real).mean()
+}
+
+/// Normalized MSE of whole samples (flat vectors or feature maps): each
+/// sample's `|s - t|^2 / (|t|^2 + eps)`, averaged over the batch.
+pub fn nmse<B: FusedBackend, const D: usize>(student: Tensor<B, D>, teacher: Tensor<B, D>) -> Tensor<B, 1> {
+    let batch = student.dims()[0];
+    let error = (student - teacher.clone()).powi_scalar(2).reshape([batch as i32, -1]).sum_dim(1);
+    let norm = teacher.powi_scalar(2).reshape([batch as i32, -1]).sum_dim(1).add_scalar(NMSE_EPSILON);
+    (error / norm).mean()
+}
+
 /// One minus the cosine between the mean-pooled sentence embeddings of the
 /// student and the teacher, averaged over the batch: `student` and `teacher`
 /// are `[batch, tokens, hidden]`, `mask` is `[batch, tokens]` (1 for real
@@ -133,6 +181,52 @@ mod tests {
             .into_scalar()
         };
         assert!((0.5 * half(0) + 0.5 * half(1) - whole).abs() < 1e-5);
+    }
+
+    #[test]
+    fn normalized_mses_divide_by_the_teachers_norm_per_sequence_or_token() {
+        let device = Default::default();
+        // Sequence 1: tokens t = (3, 4) and (0, 1) [padding: (9, 9)], student
+        // off by (1, 0) on the first and (0, 1) on the second; sequence 2: one
+        // real token t = (2, 0), student off by (0, 1).
+        let teacher =
+            Tensor::<Flex, 3>::from_floats([[[3.0, 4.0], [0.0, 1.0]], [[2.0, 0.0], [9.0, 9.0]]], &device);
+        let student =
+            Tensor::<Flex, 3>::from_floats([[[4.0, 4.0], [0.0, 2.0]], [[2.0, 1.0], [0.0, 0.0]]], &device);
+        let mask = Tensor::<Flex, 2>::from_floats([[1.0, 1.0], [1.0, 0.0]], &device);
+        let eps = f64::from(NMSE_EPSILON);
+        // Per sequence: (1 + 1) / (25 + 1) and 1 / 4.
+        let per_sequence = (2.0 / (26.0 + eps) + 1.0 / (4.0 + eps)) / 2.0;
+        let got = f64::from(masked_nmse(student.clone(), teacher.clone(), mask.clone()).into_scalar());
+        assert!((got - per_sequence).abs() < 1e-6, "nmse {got}, by hand {per_sequence}");
+        // Per token: (1/25 + 1/1) / 2 for the first sequence, 1/4 for the second.
+        let per_token = ((1.0 / (25.0 + eps) + 1.0 / (1.0 + eps)) / 2.0 + 1.0 / (4.0 + eps)) / 2.0;
+        let got = f64::from(masked_nmse_token(student.clone(), teacher.clone(), mask.clone()).into_scalar());
+        assert!((got - per_token).abs() < 1e-6, "nmse-token {got}, by hand {per_token}");
+        // Scaling both sides leaves them unchanged (the point of them).
+        let scaled =
+            masked_nmse(student.clone().mul_scalar(100.0), teacher.clone().mul_scalar(100.0), mask.clone());
+        assert!((f64::from(scaled.into_scalar()) - per_sequence).abs() < 1e-5);
+        // Whole samples: sequence 1 = 2 / 26, sequence 2 (padding included) = (1 + 162) / (4 + 162).
+        let whole = (2.0 / (26.0 + eps) + 163.0 / (166.0 + eps)) / 2.0;
+        let got = f64::from(nmse(student, teacher).into_scalar());
+        assert!((got - whole).abs() < 1e-6, "nmse of samples {got}, by hand {whole}");
+    }
+
+    #[test]
+    fn the_normalized_mse_gradient_is_twice_the_error_over_the_teachers_norm_on_real_tokens_only() {
+        type B = burn::backend::Autodiff<Flex>;
+        let device = Default::default();
+        let teacher = Tensor::<B, 3>::from_floats([[[3.0, 4.0], [5.0, 5.0]]], &device);
+        let student = Tensor::<B, 3>::from_floats([[[4.0, 4.0], [1.0, 2.0]]], &device).require_grad();
+        let mask = Tensor::<B, 2>::from_floats([[1.0, 0.0]], &device);
+        let grads = masked_nmse(student.clone(), teacher, mask).backward();
+        let grad = student.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
+        // d/ds |s - t|^2 / (|t|^2 + eps) = 2 (s - t) / (|t|^2 + eps) on the real token.
+        let expected = [2.0 / (25.0 + NMSE_EPSILON), 0.0, 0.0, 0.0];
+        for (g, e) in grad.iter().zip(expected) {
+            assert!((g - e).abs() < 1e-7, "{grad:?} vs {expected:?}");
+        }
     }
 
     #[test]

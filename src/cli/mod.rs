@@ -466,9 +466,10 @@ impl ProgressView {
             ),
             None => String::new(),
         };
-        let losses: Vec<String> = p.losses.iter().map(|l| format!("{l:.4}")).collect();
+        let losses: Vec<String> = p.losses.iter().map(|&l| print::loss_text(l.into())).collect();
         let phase = if p.phases > 1 { format!("phase {}/{} ", p.phase + 1, p.phases) } else { String::new() };
-        let output = p.output_loss.map(|l| format!(" output {l:.4}")).unwrap_or_default();
+        let output =
+            p.output_loss.map(|l| format!(" output {}", print::loss_text(l.into()))).unwrap_or_default();
         let message =
             format!("{speed}{phase}epoch {}/{} losses [{}]{output}", p.epoch + 1, p.epochs, losses.join(" "));
         if let Some(bar) = &self.bar {

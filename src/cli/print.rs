@@ -151,14 +151,14 @@ pub(super) fn print_blocks(blocks: &[crate::report::BlockReport]) {
     for b in blocks {
         let cheaper = b.flops_reduction.map_or("-".to_string(), |r| format!("{r:.1}x"));
         println!(
-            "{:>5}  {:<teacher$}  {:<student$}  {:>17}  {:>19}  {:>7}  {:.5}",
+            "{:>5}  {:<teacher$}  {:<student$}  {:>17}  {:>19}  {:>7}  {}",
             b.block,
             b.teacher,
             b.student,
             format!("{}/{}", b.teacher_params, b.params),
             format!("{}/{}", count(b.teacher_flops), count(b.flops)),
             cheaper,
-            b.final_loss
+            loss_text(b.final_loss.into())
         );
     }
 }
@@ -254,7 +254,7 @@ pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path
         println!("worker {} ({}, slot {}): busy {:.0}%", w.worker, w.role, w.slot, 100.0 * w.busy_fraction);
     }
     if let Some(s) = &report.stitched {
-        let losses: Vec<String> = s.final_losses.iter().map(|l| format!("{l:.5}")).collect();
+        let losses: Vec<String> = s.final_losses.iter().map(|&l| loss_text(l.into())).collect();
         println!(
             "then stitched ({} gradients): {} epoch{}, {} steps at lr {:.3e} in {:.1}s ({:.1} samples/s); \
              final losses [{}]",
@@ -365,5 +365,15 @@ pub(super) fn print_pareto(points: &[crate::jobs::search::ParetoPoint]) {
             "{:>14} {:>10.4} {:>12} {:>10} {:>12.3} {last}",
             p.choice, p.loss, p.flops, p.params, p.latency_ms
         );
+    }
+}
+
+/// A loss as printed: four decimals, or four significant digits where
+/// decimals would hide it (a normalized MSE of 6e-6 is not 0.0000).
+pub(super) fn loss_text(loss: f64) -> String {
+    if loss == 0.0 || (1e-3..1e4).contains(&loss.abs()) || !loss.is_finite() {
+        format!("{loss:.4}")
+    } else {
+        format!("{loss:.3e}")
     }
 }

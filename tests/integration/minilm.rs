@@ -300,3 +300,24 @@ fn the_torch_generator_is_refused_for_minilm_students() {
     let error = pipe_bd::zoo::Zoo::check(&pipebd_zoo::Builtin, &config).unwrap_err().to_string();
     assert!(error.contains("generator") && error.contains("native"), "{error}");
 }
+
+#[test]
+fn teacher_block_loss_sets_every_mse_block_and_is_checked() {
+    use pipebd_core::LossKind;
+    let mut config = config(None, 16);
+    assert!(Builtin.teacher_specs(&config).unwrap().iter().all(|s| s.loss == LossKind::Mse));
+    for (name, kind) in [("nmse", LossKind::Nmse), ("nmse-token", LossKind::NmseToken)] {
+        config.teacher.options.insert("block_loss".into(), toml::Value::String(name.into()));
+        Builtin.check(&config).unwrap();
+        let teacher = Builtin.teacher_specs(&config).unwrap();
+        assert!(teacher.iter().all(|s| s.loss == kind), "{name}: {teacher:?}");
+        let students = Builtin.student_specs(&config, &teacher).unwrap();
+        assert!(
+            students.iter().all(|s| s.loss == kind),
+            "{name}: the students train on their teacher's loss"
+        );
+    }
+    config.teacher.options.insert("block_loss".into(), toml::Value::String("l1".into()));
+    let error = Builtin.check(&config).unwrap_err().to_string();
+    assert!(error.contains("`l1`, expected one of `mse`, `nmse`, `nmse-token`"), "{error}");
+}

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, OutputHead, Students, Teacher};
+use pipebd_core::{
+    check_against_teacher, check_block_count, BlockSpec, LossKind, OutputHead, Students, Teacher,
+};
 use pipebd_kernels::decoder::{DecoderLayer, MixerKind};
 use pipebd_kernels::encoder::EncoderLayer;
 use pipebd_kernels::encoder::{top_indices, NeuronStatistics};
@@ -138,11 +140,39 @@ pub struct TeacherOptions {
     /// block replaces two teacher layers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers_per_block: Option<Vec<usize>>,
+    /// The loss of every block whose default is the MSE: `mse`, `nmse`
+    /// (normalized per sequence: every block's loss on the same scale,
+    /// Puzzle's BLD loss) or `nmse-token` (normalized per token vector).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_loss: Option<BlockLoss>,
+}
+
+/// The losses `teacher.block_loss` may name: those that compare any two
+/// block outputs of one shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BlockLoss {
+    /// [`LossKind::Mse`].
+    Mse,
+    /// [`LossKind::Nmse`].
+    Nmse,
+    /// [`LossKind::NmseToken`].
+    NmseToken,
+}
+
+impl From<BlockLoss> for LossKind {
+    fn from(loss: BlockLoss) -> Self {
+        match loss {
+            BlockLoss::Mse => LossKind::Mse,
+            BlockLoss::Nmse => LossKind::Nmse,
+            BlockLoss::NmseToken => LossKind::NmseToken,
+        }
+    }
 }
 
 impl TeacherOptions {
     /// The keys, as [`Zoo::teacher_options`] declares them.
-    const KEYS: &'static [&'static str] = &["tokenizer", "layers_per_block"];
+    const KEYS: &'static [&'static str] = &["tokenizer", "layers_per_block", "block_loss"];
 
     /// `config`'s `[teacher]` options (checked when the config was loaded).
     pub fn of(config: &RunConfig) -> Result<Self> {
@@ -156,6 +186,16 @@ pub fn tokenizer_path(config: &RunConfig) -> Result<PathBuf> {
     Ok(TeacherOptions::of(config)?
         .tokenizer
         .unwrap_or_else(|| weights.parent().unwrap_or(Path::new(".")).join("tokenizer.json")))
+}
+
+/// `specs` with `teacher.block_loss` in place of each MSE (the students
+/// and the search's scores take their loss from the teacher's specs).
+pub fn with_block_loss(config: &RunConfig, specs: Vec<BlockSpec>) -> Result<Vec<BlockSpec>> {
+    let Some(kind) = TeacherOptions::of(config)?.block_loss.map(LossKind::from) else { return Ok(specs) };
+    Ok(specs
+        .into_iter()
+        .map(|spec| if spec.loss == LossKind::Mse { spec.with_loss(kind) } else { spec })
+        .collect())
 }
 
 /// Text teacher layers per block: `teacher.layers_per_block`, or one each.
@@ -180,7 +220,7 @@ pub fn build_smollm2<B: FusedBackend>(config: &RunConfig, device: &B::Device) ->
     let model = SmolLm2::<B>::load(&config.teacher.weights, device).lift()?;
     check_smollm2_sizes(&model.sizes, &config.teacher.weights)?;
     let groups = layers_per_block(config)?;
-    let specs = decoder_specs(&model.sizes, &groups, max_tokens(config)?);
+    let specs = with_block_loss(config, decoder_specs(&model.sizes, &groups, max_tokens(config)?))?;
     let blocks = decoder_blocks(model.layers, &groups);
     Ok(Smollm2Parts {
         tokenizer: model.tokenizer,
@@ -222,7 +262,7 @@ pub fn build_minilm<B: FusedBackend>(
     drop(rng);
     let groups = layers_per_block(config)?;
     let blocks = minilm_blocks(layers, &groups);
-    let specs = minilm_specs(&groups, max_tokens(config)?);
+    let specs = with_block_loss(config, minilm_specs(&groups, max_tokens(config)?))?;
     Ok((embeddings, Teacher::new(blocks, specs)?))
 }
 
@@ -237,7 +277,9 @@ pub fn build_teacher<B: FusedBackend>(
     if is_text(config) {
         return Ok(build_minilm(config, device)?.1);
     }
-    mnist_teacher(&config.teacher.weights, device)
+    let teacher = mnist_teacher(&config.teacher.weights, device)?;
+    let specs = with_block_loss(config, teacher.specs.clone())?;
+    Ok(Teacher::new(teacher.blocks, specs)?)
 }
 
 /// The pretrained MNIST CNN teacher (`scripts/setup-data.sh` installs its
@@ -766,6 +808,7 @@ impl Zoo for Builtin {
         BTreeMap::from([
             ("data.max_tokens".to_string(), option(&config.data.options, "max_tokens")),
             ("teacher.layers_per_block".to_string(), option(&config.teacher.options, "layers_per_block")),
+            ("teacher.block_loss".to_string(), option(&config.teacher.options, "block_loss")),
         ])
     }
 
@@ -855,16 +898,17 @@ impl Zoo for Builtin {
 
     fn teacher_specs(&self, config: &RunConfig) -> Result<Vec<BlockSpec>> {
         if is_decoder(config) {
-            return Ok(decoder_specs(&SMOLLM2_135M, &layers_per_block(config)?, max_tokens(config)?));
+            let specs = decoder_specs(&SMOLLM2_135M, &layers_per_block(config)?, max_tokens(config)?);
+            return with_block_loss(config, specs);
         }
         if is_text(config) {
-            return Ok(minilm_specs(&layers_per_block(config)?, max_tokens(config)?));
+            return with_block_loss(config, minilm_specs(&layers_per_block(config)?, max_tokens(config)?));
         }
         // An initialised (random) teacher, for its shapes: its draws must not
         // land inside a concurrent seeded build.
         let _rng = pipe_bd::rng::burn_rng_lock();
         let blocks = MnistCnn::<burn::backend::Flex>::init(&Default::default()).into_blocks();
-        Ok(mnist_specs(&blocks))
+        with_block_loss(config, mnist_specs(&blocks))
     }
 
     fn student_specs(&self, config: &RunConfig, teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {

@@ -24,8 +24,8 @@ use std::process::ExitCode;
 
 pub use builtin::{
     build_minilm, build_smollm2, build_teacher, eval_builtin_run, layers_per_block, max_tokens,
-    mnist_teacher, run_builtin, tokenizer_path, Builtin, BuiltinTeacher, DataOptions, Smollm2Parts,
-    TeacherOptions, DEFAULT_MAX_TOKENS, SMOLLM2,
+    mnist_teacher, run_builtin, tokenizer_path, BlockLoss, Builtin, BuiltinTeacher, DataOptions,
+    Smollm2Parts, TeacherOptions, DEFAULT_MAX_TOKENS, SMOLLM2,
 };
 /// The built-in student zoo (`pipebd-students`), for a zoo that reuses its blocks.
 pub use pipebd_students as students;
