@@ -135,6 +135,10 @@ pub struct RunReport {
     pub steps_run: usize,
     /// Wall time of the whole run (loading, training, evaluation, saving).
     pub wall_seconds: f64,
+    /// This process's peak resident memory over the run, in bytes (Linux's
+    /// `VmHWM`; under MPI, rank 0's); `None` where the system does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_memory_bytes: Option<u64>,
     /// Where the time before the first step went.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub startup: Option<Startup>,
@@ -196,4 +200,13 @@ pub fn write_metrics(dir: &Path, rows: &[MetricRow]) -> Result<()> {
         text.push_str(&format!("{},{},{},{},{}\n", r.epoch, r.step, r.block, r.loss, r.lr));
     }
     crate::fsio::write_atomic(&dir.join("metrics.csv"), text.as_bytes())
+}
+
+/// This process's peak resident memory so far, in bytes: `VmHWM` of
+/// `/proc/self/status` (Linux); `None` elsewhere or if it cannot be read.
+pub fn peak_memory_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -250,6 +250,9 @@ pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path
             report.steps_run, report.train_seconds, report.samples_per_second, report.wall_seconds
         );
     }
+    if let Some(bytes) = report.peak_memory_bytes {
+        println!("peak memory {:.2} GB (resident, this process)", bytes as f64 / 1e9);
+    }
     for w in &report.workers {
         println!("worker {} ({}, slot {}): busy {:.0}%", w.worker, w.role, w.slot, 100.0 * w.busy_fraction);
     }

@@ -296,6 +296,7 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             steps: log.steps,
             steps_run: log.steps_run,
             wall_seconds: start.elapsed().as_secs_f64(),
+            peak_memory_bytes: crate::report::peak_memory_bytes(),
             startup: Some(startup),
             train_seconds: log.seconds,
             samples_per_second: log.samples as f64 / log.seconds.max(1e-9),

@@ -62,6 +62,10 @@ fn per_block_loss_decreases_and_saved_student_reloads_with_the_same_score() {
     {
         assert!(json.get(field).is_some(), "report.json lacks `{field}`");
     }
+    // The peak memory: a process that held burn, the teacher and MNIST's
+    // images takes tens of MB (kilobytes taken for bytes would read ~1000x less).
+    let peak = json["peak_memory_bytes"].as_u64().expect("report.json has peak_memory_bytes on Linux");
+    assert!(peak > 20_000_000, "peak memory {peak} bytes is less than the process must hold");
     for block in json["blocks"].as_array().unwrap() {
         for field in ["params", "flops", "final_loss"] {
             assert!(block.get(field).is_some(), "report.json blocks[] lack `{field}`");
