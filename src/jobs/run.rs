@@ -175,12 +175,19 @@ fn receive_plan(transport: &dyn Transport) -> Result<Plan> {
             PLAN_WAIT.as_secs()
         ),
     })?;
+    plan_from_bytes(&bytes)
+}
+
+/// The plan (or rank 0's failure to choose one) in a `Tag::Plan` message.
+#[doc(hidden)]
+pub fn plan_from_bytes(bytes: &[u8]) -> Result<Plan> {
     let bad = |e: String| Error::Transport { message: format!("rank 0's plan does not decode: {e}") };
-    let mut message: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+    let mut message: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
     if let Some(error) = message.get("error").and_then(|e| e.as_str()) {
         return Err(Error::Peer { rank: 0, message: format!("could not choose a plan: {error}") });
     }
-    serde_json::from_value(message["plan"].take()).map_err(|e| bad(e.to_string()))
+    let plan = message.get_mut("plan").ok_or_else(|| bad("no `plan` in the message".into()))?;
+    serde_json::from_value(plan.take()).map_err(|e| bad(e.to_string()))
 }
 
 /// The students of `config`, built (and initialised) by `zoo` with their

@@ -193,7 +193,7 @@ impl PhaseEnd {
         Ok(Self { states, rows, spans, workers, checkpoints_written })
     }
 
-    fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
         w.u64(self.states.len() as u64);
         for (k, state) in &self.states {
@@ -208,7 +208,7 @@ impl PhaseEnd {
         w.0
     }
 
-    fn decode(bytes: &[u8]) -> Result<Self> {
+    pub(super) fn decode(bytes: &[u8]) -> Result<Self> {
         let mut r = Reader::new(bytes, "end of phase");
         let count = r.u64()? as usize;
         let mut states = Vec::with_capacity(count.min(1024));
@@ -228,7 +228,7 @@ impl PhaseEnd {
     }
 }
 
-fn encode_progress(msg: &ProgressMsg) -> Vec<u8> {
+pub(super) fn encode_progress(msg: &ProgressMsg) -> Vec<u8> {
     let mut w = Writer::default();
     w.u64(msg.stage as u64).u64(msg.step as u64).u64(msg.losses.len() as u64);
     for (block, loss) in &msg.losses {
@@ -237,7 +237,7 @@ fn encode_progress(msg: &ProgressMsg) -> Vec<u8> {
     w.0
 }
 
-fn decode_progress(bytes: &[u8]) -> Result<ProgressMsg> {
+pub(super) fn decode_progress(bytes: &[u8]) -> Result<ProgressMsg> {
     let mut r = Reader::new(bytes, "progress");
     let stage = r.u64()? as usize;
     let step = r.u64()? as usize;

@@ -38,6 +38,8 @@
 
 mod cluster;
 mod context;
+#[doc(hidden)]
+pub mod frames;
 pub mod launch;
 mod messages;
 #[cfg(feature = "mpi")]

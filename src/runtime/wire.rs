@@ -68,7 +68,7 @@ impl<'a> Reader<'a> {
     }
     fn short(&self) -> Error {
         Error::Transport {
-            message: format!("a {} message ended early (corrupt, or another version)", self.what),
+            message: format!("{} message ended early (corrupt, or another version)", article(self.what)),
         }
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
@@ -104,14 +104,15 @@ impl<'a> Reader<'a> {
         if rank != D {
             return Err(Error::Transport {
                 message: format!(
-                    "a {} message holds a rank-{rank} tensor where rank {D} was expected",
-                    self.what
+                    "{} message holds a rank-{rank} tensor where rank {D} was expected",
+                    article(self.what)
                 ),
             });
         }
         let shape: Vec<usize> = (0..D).map(|_| self.u64().map(|d| d as usize)).collect::<Result<_>>()?;
         let raw = self.bytes()?;
-        if Some(raw.len()) != shape.iter().product::<usize>().checked_mul(4) {
+        let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if Some(raw.len()) != elements.and_then(|n| n.checked_mul(4)) {
             return Err(self.short());
         }
         let data = if cfg!(target_endian = "little") {
@@ -126,9 +127,17 @@ impl<'a> Reader<'a> {
             Ok(())
         } else {
             Err(Error::Transport {
-                message: format!("a {} message has {} bytes too many", self.what, self.bytes.len()),
+                message: format!("{} message has {} bytes too many", article(self.what), self.bytes.len()),
             })
         }
+    }
+}
+
+/// `a what` or `an what`.
+fn article(what: &str) -> String {
+    match what.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        true => format!("an {what}"),
+        false => format!("a {what}"),
     }
 }
 
@@ -440,6 +449,12 @@ mod tests {
         // A truncated message is an error, not a panic.
         let mut short = Reader::new(&w.0[..w.0.len() - 3], "activation");
         assert!(decode_activation::<Flex>(&mut short, &device).is_err());
+        // A shape whose product overflows to the 0 bytes sent (fuzzing's
+        // finding) is refused, not built.
+        let mut lying = Writer::default();
+        lying.u64(1).u64(3).u64(1 << 62).u64(4).u64(4).bytes(&[]);
+        let error = decode_activation::<Flex>(&mut Reader::new(&lying.0, "activation"), &device).unwrap_err();
+        assert!(error.to_string().contains("an activation message ended early"), "{error}");
     }
 
     #[test]

@@ -255,7 +255,20 @@ pub fn read(
     }
     let mut contents = BTreeMap::new();
     for entry in &manifest.files {
+        // Only the files a checkpoint holds, inside its folder: a damaged
+        // name must not make the reader open `/dev/zero` or `../../x`.
+        if ![WEIGHTS, OPTIMIZER, ARCH_OPTIMIZER].contains(&entry.name.as_str()) {
+            return Err(damaged(
+                &manifest_path,
+                format!("lists a file {:?}, not one of {WEIGHTS}, {OPTIMIZER}, {ARCH_OPTIMIZER}", entry.name),
+            ));
+        }
         let path = folder.join(&entry.name);
+        let on_disk = std::fs::metadata(&path).map_err(|e| damaged(&path, format!("unreadable: {e}")))?.len();
+        if on_disk != entry.bytes {
+            let how = if on_disk < entry.bytes { "truncated" } else { "longer than written" };
+            return Err(damaged(&path, format!("{how}: {on_disk} bytes, the manifest says {}", entry.bytes)));
+        }
         let bytes = std::fs::read(&path).map_err(|e| damaged(&path, format!("unreadable: {e}")))?;
         if bytes.len() as u64 != entry.bytes {
             return Err(damaged(

@@ -693,13 +693,17 @@ impl StudentBlockConfig {
         })
     }
 
-    /// Checks that every size of the block is at least 1 (and the kernel
-    /// side one the zoo has).
+    /// Checks that every size of the block is at least 1 and at most
+    /// [`MAX_SIZE`], that no two of them multiply past [`MAX_PRODUCT`] (a
+    /// typo must be refused, not allocated), and that the kernel side is one
+    /// the zoo has.
     fn check_sizes(&self) -> Result<(), String> {
-        if let Self::Decoder { rope_base, eps, .. } = *self {
+        if let Self::Decoder { rope_base, eps, heads, kv_heads, head_dim, ffn, .. } = *self {
             if !(rope_base > 0.0 && eps > 0.0) {
                 return Err(format!("`rope_base` and `eps` must be positive, got {rope_base} and {eps}"));
             }
+            let sizes = [("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim), ("ffn", ffn)];
+            check_bounds(&sizes)?;
             // The width does not matter to these checks.
             return self.decoder_config(1).map_or(Ok(()), |config| config.validate());
         }
@@ -723,7 +727,7 @@ impl StudentBlockConfig {
         };
         match sizes.iter().find(|(_, value)| *value == 0) {
             Some((name, _)) => Err(format!("`{name}` must be at least 1")),
-            None => Ok(()),
+            None => check_bounds(sizes),
         }
     }
 
@@ -823,6 +827,33 @@ fn image_shape(shape: &[usize]) -> Option<[usize; 3]> {
         [c, h, w] => Some([*c, *h, *w]),
         _ => None,
     }
+}
+
+/// The largest size a student block's field may have (channels, neurons,
+/// heads, classes, ...): far above any block here, far below what would
+/// not fit in memory.
+pub const MAX_SIZE: usize = 1 << 16;
+
+/// The largest product of two of a block's sizes (e.g. `width` x
+/// `out_channels`, `heads` x `head_dim`): bounds each weight tensor to a
+/// few hundred MB whatever the input's channels.
+pub const MAX_PRODUCT: usize = 1 << 24;
+
+/// Refuses sizes past [`MAX_SIZE`] and pairs past [`MAX_PRODUCT`].
+fn check_bounds(sizes: &[(&str, usize)]) -> Result<(), String> {
+    if let Some((name, value)) = sizes.iter().find(|(_, v)| *v > MAX_SIZE) {
+        return Err(format!("`{name}` = {value} is larger than {MAX_SIZE}, the most a block may have"));
+    }
+    for (i, (a, x)) in sizes.iter().enumerate() {
+        for (b, y) in &sizes[i + 1..] {
+            if x * y > MAX_PRODUCT {
+                return Err(format!(
+                    "`{a}` x `{b}` = {x} x {y} is larger than {MAX_PRODUCT}: a block this size would not fit in memory"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1093,5 +1124,29 @@ mod tests {
         };
         let err = config.init::<Flex>(3, &[32, 14, 14], &Default::default()).unwrap_err();
         assert_eq!(err.to_string(), "student block 3 (bottleneck): `rank` must be at least 1");
+    }
+
+    /// Fuzzing's findings (issue 55): a size typed far too large was
+    /// allocated (64 GB for `out_channels = 1000000000`, a capacity
+    /// overflow panic for `rank = 2^63 - 1`); it is refused, naming it.
+    #[test]
+    fn sizes_too_large_to_allocate_are_refused_naming_the_field() {
+        let device = Default::default();
+        let bottleneck = |rank, out_channels| StudentBlockConfig::Bottleneck {
+            rank,
+            out_channels,
+            inner_relu: false,
+            downsample: Downsample::Pool,
+        };
+        let err =
+            bottleneck(usize::MAX >> 1, 8).init::<Flex>(2, &[32, 14, 14], &device).unwrap_err().to_string();
+        assert!(err.contains("`rank` = 9223372036854775807 is larger than 65536"), "{err}");
+        let err = bottleneck(8192, 8192).init::<Flex>(2, &[32, 14, 14], &device).unwrap_err().to_string();
+        assert!(err.contains("`rank` x `out_channels` = 8192 x 8192"), "{err}");
+        // The largest allowed sizes still pass the check (not built here).
+        assert!(bottleneck(MAX_SIZE, 256).check_sizes().is_ok());
+        let decoder: StudentBlockConfig = toml::from_str("kind = \"decoder\"\nffn = 1000000000000").unwrap();
+        let err = decoder.check_sizes().unwrap_err();
+        assert!(err.contains("`ffn` = 1000000000000 is larger than 65536"), "{err}");
     }
 }

@@ -145,9 +145,10 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    /// Its number of elements.
+    /// Its number of elements (`usize::MAX` for a shape whose product
+    /// overflows: no file can hold it, and the reader refuses it).
     pub fn len(&self) -> usize {
-        self.shape.iter().product()
+        self.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).unwrap_or(usize::MAX)
     }
 
     /// Whether it has no elements.
@@ -188,8 +189,10 @@ impl Gguf {
         let tensors = header.tensors;
         for tensor in &tensors {
             let Some((per_block, bytes)) = tensor.kind.layout() else { continue };
-            let end = data_start + tensor.offset + (tensor.len() / per_block * bytes) as u64;
-            if end > file_len {
+            let size = (tensor.len() / per_block).checked_mul(bytes).map(|n| n as u64);
+            let end = size.and_then(|n| data_start.checked_add(tensor.offset)?.checked_add(n));
+            if end.is_none_or(|end| end > file_len) {
+                let end = end.map_or_else(|| "beyond 2^64".to_string(), |e| e.to_string());
                 return Err(bad(format!(
                     "tensor `{}` ends at byte {end}, past the end of the file ({file_len} bytes): truncated?",
                     tensor.name
@@ -390,7 +393,13 @@ impl<R: Read> Reader<R> {
             7 => MetaValue::Bool(self.bytes::<1>()?[0] != 0),
             8 => MetaValue::String(self.string()?),
             9 => {
+                let at = self.position;
                 let item_type = self.u32()?;
+                if item_type == 9 {
+                    // GGUF writers (ggml's, gguf-py) write no arrays of
+                    // arrays; reading them would recurse once per 12 bytes.
+                    return Err(format!("at byte {at}: an array of arrays (not read here)"));
+                }
                 let n = self.count(1, "array items")?;
                 let items = (0..n).map(|_| self.value(item_type)).collect::<Result<Vec<_>, _>>()?;
                 MetaValue::Array(items)
@@ -440,7 +449,9 @@ impl<R: Read> Reader<R> {
         if alignment == 0 {
             return Err("`general.alignment` is 0".into());
         }
-        let data_start = self.position.div_ceil(alignment) * alignment;
+        let data_start = self.position.div_ceil(alignment).checked_mul(alignment).ok_or_else(|| {
+            format!("`general.alignment` {alignment} puts the data section past 2^64 bytes")
+        })?;
         Ok(Header { version, metadata, tensors, data_start })
     }
 }
@@ -619,5 +630,38 @@ mod tests {
         assert!(error.contains("cannot fit"), "{error}");
         let missing = Gguf::open(Path::new("/no/such/model.gguf")).unwrap_err();
         assert!(matches!(missing, TeacherError::MissingWeights { .. }));
+    }
+
+    /// Fuzzing's findings (issue 55): a header that nests arrays 200,000
+    /// deep (the reader recursed once per 12 bytes and overflowed its
+    /// stack), an alignment whose rounding overflows, and a tensor whose
+    /// shape's product overflows are refused with the reason.
+    #[test]
+    fn refuses_nested_arrays_overflowing_alignments_and_shapes() {
+        let mut nested = Vec::new();
+        for _ in 0..200_000 {
+            nested.extend(9u32.to_le_bytes());
+            nested.extend(1u64.to_le_bytes());
+        }
+        nested.extend(4u32.to_le_bytes());
+        nested.extend(1u64.to_le_bytes());
+        nested.extend(7u32.to_le_bytes());
+        let mut w = Writer::default();
+        w.meta("deep", 9, &nested);
+        let file = write(&w.finish());
+        let error = Gguf::open(file.path()).unwrap_err().to_string();
+        assert!(error.contains("array of arrays"), "{error}");
+
+        let mut w = Writer::default();
+        w.meta("general.alignment", 10, &(u64::MAX - 3).to_le_bytes());
+        let file = write(&w.finish());
+        let error = Gguf::open(file.path()).unwrap_err().to_string();
+        assert!(error.contains("general.alignment"), "{error}");
+
+        let mut w = Writer::default();
+        w.tensor("huge", &[1 << 32, 1 << 32, 1 << 2], 0, &[0; 16]);
+        let file = write(&w.finish());
+        let error = Gguf::open(file.path()).unwrap_err().to_string();
+        assert!(error.contains("`huge`") && error.contains("past the end of the file"), "{error}");
     }
 }

@@ -291,3 +291,24 @@ fn check_refuses_minilm_weights_that_are_missing_or_not_safetensors() {
     let needles = ["cut.safetensors", "truncated"];
     check_refuses(dir.path(), "minilm-cut.toml", &minilm_config(&cut), &needles);
 }
+
+/// The configs the fuzzer found (`tests/data/fuzz/config`: student sizes
+/// that were allocated, aborting, or overflowed a capacity, panicking,
+/// before being refused): each is refused with exit code 2, naming the file
+/// and the size.
+#[test]
+fn check_refuses_every_config_the_fuzzer_found() {
+    let dir = common::repo().join("tests/data/fuzz/config");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "{files:?}");
+    for file in &files {
+        let name = file.file_name().unwrap().to_str().unwrap();
+        assert_refused(name, common::pipebd(&["check", text(file)]), &[name, "is larger than"]);
+    }
+}

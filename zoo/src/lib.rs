@@ -16,6 +16,8 @@
 
 mod builtin;
 pub mod export;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod lm;
 pub mod mnist;
 pub mod text;

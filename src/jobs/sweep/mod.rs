@@ -114,6 +114,17 @@ fn file_name(path: &Path) -> String {
     path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
 }
 
+/// A TOML error's message, with its line when the parser gives one (its
+/// short message alone is empty for some errors).
+fn toml_message(e: &toml::de::Error) -> String {
+    let short = e.message().trim();
+    match e.span() {
+        Some(span) if !short.is_empty() => format!("{short} (at byte {})", span.start),
+        _ if !short.is_empty() => short.to_string(),
+        _ => e.to_string().trim().replace('\n', " "),
+    }
+}
+
 fn config_error(path: &Path, message: String) -> Error {
     Error::Config { path: path.to_path_buf(), line: None, field: None, message }
 }
@@ -214,17 +225,40 @@ pub fn read_rows(path: &Path, keys: &[String]) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// Runs every point of the sweep at `path` not yet in its `sweep.csv`,
-/// then draws `sweep.png`. `say` receives progress lines.
-pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
+/// The most points a sweep may have: a grid beyond it is refused before
+/// any point is expanded (a typo such as `[1, 2, ..., 1000]` in three
+/// fields would otherwise expand a billion configs).
+pub const MAX_POINTS: usize = 1_000;
+
+/// A sweep file read and checked: every point's config built and checked
+/// by the zoo, nothing run or written.
+pub struct LoadedSweep {
+    /// The sweep file's settings.
+    pub sweep: SweepConfig,
+    /// The swept fields, in grid order.
+    pub keys: Vec<String>,
+    /// Every point with its config.
+    pub points: Vec<(Point, RunConfig)>,
+}
+
+/// Reads the sweep at `path` and its base config and checks every point's
+/// config (what `pipebd sweep` does before running any point).
+pub fn load<Z: Zoo>(zoo: &Z, path: &Path) -> Result<LoadedSweep> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| config_error(path, format!("cannot read the sweep file: {e}")))?;
-    let sweep: SweepConfig =
-        toml::from_str(&text).map_err(|e| config_error(path, e.message().to_string()))?;
+    let sweep: SweepConfig = toml::from_str(&text).map_err(|e| config_error(path, toml_message(&e)))?;
     if sweep.grid.is_empty() || sweep.grid.values().any(|v| v.is_empty()) {
         return Err(config_error(
             path,
             "`[grid]` needs at least one field, each with at least one value".into(),
+        ));
+    }
+    let count = sweep.grid.values().try_fold(1usize, |n, v| n.checked_mul(v.len()));
+    if count.is_none_or(|n| n > MAX_POINTS) {
+        let sizes: Vec<String> = sweep.grid.iter().map(|(k, v)| format!("{k}: {}", v.len())).collect();
+        return Err(config_error(
+            path,
+            format!("`[grid]` has more than {MAX_POINTS} points ({}): split the sweep", sizes.join(" x ")),
         ));
     }
     let base_path = path.parent().unwrap_or(Path::new(".")).join(&sweep.base);
@@ -232,12 +266,21 @@ pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<
         config_error(path, format!("cannot read the base config {}: {e}", base_path.display()))
     })?;
     let base: toml::Table =
-        toml::from_str(&base_text).map_err(|e| config_error(&base_path, e.message().to_string()))?;
+        toml::from_str(&base_text).map_err(|e| config_error(&base_path, toml_message(&e)))?;
     let keys: Vec<String> = sweep.grid.keys().cloned().collect();
-    let points = expand(&sweep.grid);
-    // Check every point's config before running any.
-    let configs = points.iter().map(|p| apply(zoo, &base, p, &base_path)).collect::<Result<Vec<_>>>()?;
+    let mut points = Vec::new();
+    for point in expand(&sweep.grid) {
+        let config = apply(zoo, &base, &point, &base_path)?;
+        points.push((point, config));
+    }
+    Ok(LoadedSweep { sweep, keys, points })
+}
 
+/// Runs every point of the sweep at `path` not yet in its `sweep.csv`,
+/// then draws `sweep.png`. `say` receives progress lines.
+pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
+    // Check every point's config before running any.
+    let LoadedSweep { sweep, keys, points } = load(zoo, path)?;
     std::fs::create_dir_all(&sweep.out).map_err(|e| Error::io("creating directory", &sweep.out, e))?;
     let csv_path = sweep.out.join("sweep.csv");
     let mut rows = read_rows(&csv_path, &keys)?;
@@ -248,7 +291,7 @@ pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<
         text.push('\n');
     }
     crate::fsio::write_atomic(&csv_path, text.as_bytes())?;
-    for (i, (point, config)) in points.iter().zip(&configs).enumerate() {
+    for (i, (point, config)) in points.iter().enumerate() {
         let id = point.id();
         if rows.iter().any(|r| r.id == id) {
             say(&format!("[{}/{}] {id}: already done", i + 1, points.len()));

@@ -1,0 +1,532 @@
+//! `pipebd-fuzz`: mutation fuzzing of every file and frame pipe-bd reads,
+//! on stable Rust.
+//!
+//! Each target (see `--list`) starts from valid inputs (the experiments'
+//! configs, files our own writers produce, committed seeds) and feeds
+//! mutated copies to the very function `pipebd` calls on that file. A
+//! worker process runs the inputs; this process supervises it, so that a
+//! panic, an abort (an allocation past the ceiling: what a header merely
+//! claims), a crash or a hang (an input running over `--hang-ms`) is
+//! recorded with the input that caused it (under `--out`), and the fuzzing
+//! goes on with the next input. Inputs are a function of `--seed`, the
+//! target and their number, so every finding replays.
+//!
+//! ```sh
+//! cargo run --release -p pipebd-fuzz -- --minutes 10          # every target
+//! cargo run --release -p pipebd-fuzz -- --targets gguf --inputs 100000 --check
+//! ```
+
+mod alloc;
+mod mutate;
+mod targets;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+#[global_allocator]
+static ALLOCATOR: alloc::Counting = alloc::Counting;
+
+/// Fuzz pipe-bd's readers with mutated copies of valid inputs.
+#[derive(Parser, Debug)]
+#[command(name = "pipebd-fuzz", version)]
+struct Args {
+    /// Comma-separated targets (default: all; `--list` names them).
+    #[arg(long, value_delimiter = ',')]
+    targets: Vec<String>,
+    /// Inputs per target (default: as many as `--minutes` allow).
+    #[arg(long)]
+    inputs: Option<u64>,
+    /// Minutes in all, shared evenly by the targets (default 1; with
+    /// `--inputs`, a limit).
+    #[arg(long)]
+    minutes: Option<f64>,
+    /// The seed every input derives from.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// An input running longer than this is a hang (milliseconds).
+    #[arg(long, default_value_t = 2000)]
+    hang_ms: u64,
+    /// Where the findings (inputs that panicked, crashed or hung) and
+    /// summary.json go.
+    #[arg(long, default_value = "runs/fuzz")]
+    out: PathBuf,
+    /// Exit with 1 if any input panicked, crashed, hung, or was read wrong.
+    #[arg(long)]
+    check: bool,
+    /// List the targets and exit.
+    #[arg(long)]
+    list: bool,
+    /// Run inputs `--from`..`--to` of one target (what the supervisor starts).
+    #[arg(long, hide = true)]
+    worker: Option<String>,
+    #[arg(long, hide = true, default_value_t = 0)]
+    from: u64,
+    #[arg(long, hide = true, default_value_t = 0)]
+    to: u64,
+    #[arg(long, hide = true)]
+    work: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Some(target) = &args.worker {
+        return worker(&args, target);
+    }
+    if args.list {
+        for t in targets::all() {
+            println!("{:16} {}", t.name, t.what);
+        }
+        return ExitCode::SUCCESS;
+    }
+    match supervise(&args) {
+        Ok(clean) if clean || !args.check => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
+        Err(message) => {
+            eprintln!("pipebd-fuzz: error: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+// ---------------------------------------------------------------- worker
+
+/// The bytes a reader may hold for an input of `len` bytes: twice the file,
+/// plus room for what a valid file of the seeds' sizes needs (a tokenizer,
+/// a small model, a plot).
+fn allowance(len: usize, heavy: bool) -> usize {
+    let room: usize = if heavy { (4 << 30) + (512 << 20) } else { 512 << 20 };
+    len.saturating_mul(2).saturating_add(room)
+}
+
+fn worker(args: &Args, name: &str) -> ExitCode {
+    let say = |line: String| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    };
+    let Some(target) = targets::all().into_iter().find(|t| t.name == name) else {
+        say(format!("fatal unknown target {name}"));
+        return ExitCode::from(3);
+    };
+    let work = args.work.clone().unwrap_or_else(|| std::env::temp_dir().join("pipebd-fuzz"));
+    let input = work.join(target.file);
+    if let Err(e) = std::fs::create_dir_all(input.parent().unwrap_or(&work)) {
+        say(format!("fatal {}: {e}", work.display()));
+        return ExitCode::from(3);
+    }
+    let mut corpus = match (target.seeds)(&work) {
+        Ok(seeds) if !seeds.is_empty() => seeds,
+        Ok(_) => {
+            say(format!("fatal target {name} has no seeds"));
+            return ExitCode::from(3);
+        }
+        Err(e) => {
+            say(format!("fatal seeds of {name}: {e}"));
+            return ExitCode::from(3);
+        }
+    };
+    // A panic's message goes to the supervisor, not to stderr.
+    std::panic::set_hook(Box::new(|info| {
+        let message = match info.payload().downcast_ref::<&str>() {
+            Some(s) => s.to_string(),
+            None => info.payload().downcast_ref::<String>().cloned().unwrap_or_default(),
+        };
+        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        LAST_PANIC.with(|p| *p.borrow_mut() = format!("{message}{at}"));
+    }));
+    let mut classes = BTreeSet::new();
+    say(format!("ready {}", corpus.len()));
+    for i in args.from..args.to {
+        let mut rng = mutate::Rng::for_input(args.seed, name, i);
+        let seed = corpus[rng.below(corpus.len())].clone();
+        let data = if i == args.from && args.from == 0 {
+            seed
+        } else {
+            mutate::mutate(&mut rng, &seed, &corpus, target.text)
+        };
+        if let Err(e) = std::fs::write(&input, &data) {
+            say(format!("fatal {}: {e}", input.display()));
+            return ExitCode::from(3);
+        }
+        say(format!("start {i}"));
+        let baseline = alloc::start_input(allowance(data.len(), target.heavy));
+        let started = Instant::now();
+        let result = std::panic::catch_unwind(|| (target.run)(&input, &work));
+        let ms = started.elapsed().as_millis();
+        let peak = alloc::peak_above(baseline);
+        alloc::no_ceiling();
+        let (kind, text) = match result {
+            Ok(targets::Outcome::Accepted) => ("ok", String::new()),
+            Ok(targets::Outcome::Refused(message)) => ("err", message),
+            Ok(targets::Outcome::Wrong(message)) => ("wrong", message),
+            Err(_) => ("panic", LAST_PANIC.with(|p| p.borrow().clone())),
+        };
+        let text = text.replace(['\n', '\r'], " ");
+        // Inputs that reach an error not seen before join the corpus (a
+        // cheap stand-in for coverage feedback).
+        if kind == "err" && classes.insert(error_class(&text, &work)) && corpus.len() < 512 {
+            corpus.push(data.clone());
+        }
+        say(format!("done {i} {ms} {peak} {} {kind} {text}", data.len()));
+        if kind == "panic" || kind == "wrong" {
+            // The supervisor keeps this input (still in place) and starts a
+            // fresh worker: a panic may leave locks poisoned behind it.
+            return ExitCode::from(RESTART);
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// The worker's exit code after a panic or a wrong read: start another.
+const RESTART: u8 = 4;
+
+thread_local! {
+    static LAST_PANIC: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+/// An error message with its numbers and the work folder taken out: errors
+/// of one kind at other places count once.
+fn error_class(message: &str, work: &Path) -> String {
+    let message = message.replace(&work.display().to_string(), "<work>");
+    let mut out = String::new();
+    let mut in_number = false;
+    for c in message.chars() {
+        if c.is_ascii_digit() {
+            if !in_number {
+                out.push('#');
+            }
+            in_number = true;
+        } else {
+            in_number = false;
+            out.push(c);
+        }
+    }
+    out.chars().take(120).collect()
+}
+
+// ------------------------------------------------------------ supervisor
+
+/// What one target gave.
+#[derive(Debug, Default, serde::Serialize)]
+struct Tally {
+    target: String,
+    inputs: u64,
+    accepted: u64,
+    refused: u64,
+    distinct_errors: usize,
+    errors_naming_the_file: u64,
+    panics: u64,
+    crashes: u64,
+    hangs: u64,
+    wrong: u64,
+    slowest_ms: u64,
+    peak_bytes: u64,
+    peak_over_input: f64,
+    seconds: f64,
+    samples: Vec<String>,
+    findings: Vec<String>,
+}
+
+/// Runs every chosen target; returns whether nothing went wrong.
+fn supervise(args: &Args) -> Result<bool, String> {
+    let all = targets::all();
+    let chosen: Vec<&targets::Target> = if args.targets.is_empty() {
+        all.iter().collect()
+    } else {
+        args.targets
+            .iter()
+            .map(|name| {
+                all.iter().find(|t| t.name == name).ok_or_else(|| {
+                    let names: Vec<&str> = all.iter().map(|t| t.name).collect();
+                    format!("unknown target `{name}` (known: {})", names.join(", "))
+                })
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let minutes = args.minutes.unwrap_or(if args.inputs.is_some() { f64::INFINITY } else { 1.0 });
+    let per_target = Duration::from_secs_f64((minutes * 60.0 / chosen.len() as f64).min(1e9));
+    let inputs = args.inputs.unwrap_or(u64::MAX);
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut tallies = Vec::new();
+    for target in chosen {
+        let tally = fuzz_target(&exe, args, target, inputs, per_target)?;
+        eprintln!(
+            "fuzz: {:16} {:>9} inputs in {:>5.0} s: {} accepted, {} refused ({} distinct errors, {:.0}% name the file), {} panics, {} crashes, {} hangs, {} wrong; slowest {} ms, peak {:.1} MB",
+            tally.target,
+            tally.inputs,
+            tally.seconds,
+            tally.accepted,
+            tally.refused,
+            tally.distinct_errors,
+            100.0 * tally.errors_naming_the_file as f64 / tally.refused.max(1) as f64,
+            tally.panics,
+            tally.crashes,
+            tally.hangs,
+            tally.wrong,
+            tally.slowest_ms,
+            tally.peak_bytes as f64 / 1e6
+        );
+        tallies.push(tally);
+    }
+    print_summary(&tallies);
+    let json = serde_json::to_string_pretty(&tallies).map_err(|e| e.to_string())?;
+    let summary = args.out.join("summary.json");
+    std::fs::write(&summary, json).map_err(|e| format!("{}: {e}", summary.display()))?;
+    eprintln!("fuzz: wrote {} (findings under {})", summary.display(), args.out.join("findings").display());
+    Ok(tallies.iter().all(|t| t.panics + t.crashes + t.hangs + t.wrong == 0))
+}
+
+fn print_summary(tallies: &[Tally]) {
+    println!(
+        "| target | inputs | inputs/s | accepted | refused | distinct errors | name the file | panics | crashes | hangs | wrong | slowest ms | peak MB |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for t in tallies {
+        println!(
+            "| {} | {} | {:.0} | {} | {} | {} | {:.0}% | {} | {} | {} | {} | {} | {:.1} |",
+            t.target,
+            t.inputs,
+            t.inputs as f64 / t.seconds.max(1e-9),
+            t.accepted,
+            t.refused,
+            t.distinct_errors,
+            100.0 * t.errors_naming_the_file as f64 / t.refused.max(1) as f64,
+            t.panics,
+            t.crashes,
+            t.hangs,
+            t.wrong,
+            t.slowest_ms,
+            t.peak_bytes as f64 / 1e6
+        );
+    }
+}
+
+/// A started worker: its process, its stdout lines and its stderr's tail.
+struct Running {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    stderr: std::thread::JoinHandle<String>,
+}
+
+fn start_worker(
+    exe: &Path,
+    args: &Args,
+    target: &str,
+    from: u64,
+    to: u64,
+    work: &Path,
+) -> Result<Running, String> {
+    let mut child = Command::new(exe)
+        .args(["--worker", target, "--seed", &args.seed.to_string()])
+        .args(["--from", &from.to_string(), "--to", &to.to_string()])
+        .arg("--work")
+        .arg(work)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start a worker ({}): {e}", exe.display()))?;
+    let stdout = child.stdout.take().ok_or("no worker stdout")?;
+    let mut stderr = child.stderr.take().ok_or("no worker stderr")?;
+    let (send, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if send.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        let start = text.len().saturating_sub(2000);
+        text[text.floor_char_boundary(start)..].to_string()
+    });
+    Ok(Running { child, lines, stderr })
+}
+
+fn fuzz_target(
+    exe: &Path,
+    args: &Args,
+    target: &targets::Target,
+    inputs: u64,
+    budget: Duration,
+) -> Result<Tally, String> {
+    let started = Instant::now();
+    let mut tally = Tally { target: target.name.to_string(), ..Default::default() };
+    let mut classes = BTreeSet::new();
+    let mut samples: BTreeMap<String, String> = BTreeMap::new();
+    let work = std::env::temp_dir().join(format!("pipebd-fuzz-{}-{}", std::process::id(), target.name));
+    let findings = args.out.join("findings").join(target.name);
+    let hang_ms = if target.heavy { 5 * args.hang_ms } else { args.hang_ms };
+    let hang = Duration::from_millis(hang_ms);
+    let mut next = 0u64;
+    let mut last_report = Instant::now();
+    let file_name =
+        Path::new(target.file).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    while next < inputs && started.elapsed() < budget {
+        let _ = std::fs::remove_dir_all(&work);
+        std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+        let mut running = start_worker(exe, args, target.name, next, inputs, &work)?;
+        let mut current: Option<(u64, Instant)> = None;
+        let mut ready = false;
+        let end = loop {
+            let wait = match current {
+                Some((_, at)) => hang.saturating_sub(at.elapsed()).max(Duration::from_millis(1)),
+                None => Duration::from_secs(if ready { 10 } else { 120 }),
+            };
+            if started.elapsed() >= budget {
+                let _ = running.child.kill();
+                break None;
+            }
+            match running.lines.recv_timeout(wait.min(Duration::from_secs(1))) {
+                Ok(line) => {
+                    let (word, rest) = line.split_once(' ').unwrap_or((line.as_str(), ""));
+                    match word {
+                        "ready" => ready = true,
+                        "fatal" => return Err(format!("target {}: {rest}", target.name)),
+                        "start" => current = Some((rest.parse().unwrap_or(next), Instant::now())),
+                        "done" => {
+                            current = None;
+                            let mut parts = rest.splitn(6, ' ');
+                            let mut number = || parts.next().and_then(|p| p.parse::<u64>().ok()).unwrap_or(0);
+                            let (i, ms, peak, len) = (number(), number(), number(), number());
+                            let kind = parts.next().unwrap_or("");
+                            let text = parts.next().unwrap_or("").to_string();
+                            next = i + 1;
+                            tally.inputs += 1;
+                            tally.slowest_ms = tally.slowest_ms.max(ms);
+                            tally.peak_bytes = tally.peak_bytes.max(peak);
+                            tally.peak_over_input =
+                                tally.peak_over_input.max(peak as f64 / len.max(1) as f64);
+                            match kind {
+                                "ok" => tally.accepted += 1,
+                                "err" => {
+                                    tally.refused += 1;
+                                    if text.contains(&file_name) || text.contains(&work.display().to_string())
+                                    {
+                                        tally.errors_naming_the_file += 1;
+                                    }
+                                    let class = error_class(&text, &work);
+                                    if classes.insert(class.clone()) && samples.len() < 12 {
+                                        samples.insert(
+                                            class,
+                                            text.replace(&work.display().to_string(), "<work>"),
+                                        );
+                                    }
+                                }
+                                "wrong" => {
+                                    tally.wrong += 1;
+                                    save_finding(&findings, &work, target, i, "wrong", &text, &mut tally);
+                                }
+                                _ => {
+                                    tally.panics += 1;
+                                    save_finding(&findings, &work, target, i, "panic", &text, &mut tally);
+                                }
+                            }
+                            if ms > hang_ms {
+                                tally.hangs += 1;
+                                save_finding(
+                                    &findings,
+                                    &work,
+                                    target,
+                                    i,
+                                    "slow",
+                                    &format!("{ms} ms"),
+                                    &mut tally,
+                                );
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Some((i, at)) = current {
+                        if at.elapsed() >= hang {
+                            let _ = running.child.kill();
+                            let _ = running.child.wait();
+                            tally.hangs += 1;
+                            let note = format!("still running after {hang_ms} ms");
+                            save_finding(&findings, &work, target, i, "hang", &note, &mut tally);
+                            tally.inputs += 1;
+                            next = i + 1;
+                            break None;
+                        }
+                    } else if !ready && last_report.elapsed() > Duration::from_secs(120) {
+                        let _ = running.child.kill();
+                        return Err(format!("target {}: the worker did not start in 120 s", target.name));
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break Some(running.child.wait()),
+            }
+            if last_report.elapsed() > Duration::from_secs(15) {
+                last_report = Instant::now();
+                eprintln!(
+                    "fuzz: {} {} inputs ({:.0}/s), {} panics, {} crashes, {} hangs",
+                    target.name,
+                    tally.inputs,
+                    tally.inputs as f64 / started.elapsed().as_secs_f64(),
+                    tally.panics,
+                    tally.crashes,
+                    tally.hangs
+                );
+            }
+        };
+        let stderr = running.stderr.join().unwrap_or_default();
+        if let Some(status) = end {
+            let status = status.map_err(|e| e.to_string())?;
+            if let Some((i, _)) = current {
+                // The worker died inside an input: an abort or a crash.
+                tally.crashes += 1;
+                tally.inputs += 1;
+                let note = format!("worker ended with {status}: {}", stderr.trim());
+                save_finding(&findings, &work, target, i, "crash", &note, &mut tally);
+                next = i + 1;
+            } else if status.code() == Some(RESTART as i32) {
+                continue;
+            } else if !status.success() {
+                return Err(format!(
+                    "target {}: the worker ended with {status}: {}",
+                    target.name,
+                    stderr.trim()
+                ));
+            } else {
+                break;
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    tally.distinct_errors = classes.len();
+    tally.samples = samples.into_values().collect();
+    tally.seconds = started.elapsed().as_secs_f64();
+    Ok(tally)
+}
+
+/// Keeps the input of a finding (`<kind>-<number>.<file>`) and what it did.
+fn save_finding(
+    findings: &Path,
+    work: &Path,
+    target: &targets::Target,
+    i: u64,
+    kind: &str,
+    note: &str,
+    tally: &mut Tally,
+) {
+    let name =
+        Path::new(target.file).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = findings.join(format!("{kind}-{i}-{name}"));
+    let _ = std::fs::create_dir_all(findings);
+    let _ = std::fs::copy(work.join(target.file), &stem);
+    let _ = std::fs::write(stem.with_extension("txt"), format!("{kind}: {note}\n"));
+    eprintln!("fuzz: {} input {i}: {kind}: {note} (input kept in {})", target.name, stem.display());
+    if tally.findings.len() < 50 {
+        tally.findings.push(format!("{kind} {i}: {note}"));
+    }
+}
