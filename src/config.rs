@@ -496,7 +496,7 @@ impl RunConfig {
 
     /// The text of the config file at `path`.
     pub fn read_text(path: &Path) -> Result<String> {
-        std::fs::read_to_string(path).map_err(|e| Error::Config {
+        crate::fsio::read_small_text(path).map_err(|e| Error::Config {
             path: path.to_path_buf(),
             line: None,
             field: None,

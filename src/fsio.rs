@@ -33,3 +33,22 @@ pub fn sync_dir(dir: &Path) {
         let _ = d.sync_all();
     }
 }
+
+/// The most bytes a config or sweep file may have (a config of 150
+/// candidate blocks is about 15 KB).
+pub const MAX_TEXT_FILE: u64 = 16 << 20;
+
+/// Reads a small text file (a config, a sweep): a regular file of at most
+/// [`MAX_TEXT_FILE`] bytes, so that a path such as `/dev/zero` or a FIFO is
+/// refused instead of read forever.
+pub fn read_small_text(path: &Path) -> std::io::Result<String> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"));
+    }
+    if meta.len() > MAX_TEXT_FILE {
+        let message = format!("{} bytes, more than the {MAX_TEXT_FILE} a config may have", meta.len());
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, message));
+    }
+    std::fs::read_to_string(path)
+}

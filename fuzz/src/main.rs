@@ -71,6 +71,8 @@ struct Args {
     to: u64,
     #[arg(long, hide = true)]
     work: Option<PathBuf>,
+    #[arg(long, hide = true)]
+    findings: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -141,6 +143,13 @@ fn worker(args: &Args, name: &str) -> ExitCode {
         LAST_PANIC.with(|p| *p.borrow_mut() = format!("{message}{at}"));
     }));
     let mut classes = BTreeSet::new();
+    // The slowest input and the one that made the reader hold the most
+    // memory are kept (`slowest-*`, `hungriest-*` in the findings).
+    let (mut slowest, mut hungriest) = (0u128, 0usize);
+    let findings = args.findings.clone().unwrap_or_else(|| work.join("findings"));
+    let _ = std::fs::create_dir_all(&findings);
+    let file_name =
+        Path::new(target.file).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     say(format!("ready {}", corpus.len()));
     for i in args.from..args.to {
         let mut rng = mutate::Rng::for_input(args.seed, name, i);
@@ -168,6 +177,14 @@ fn worker(args: &Args, name: &str) -> ExitCode {
             Err(_) => ("panic", LAST_PANIC.with(|p| p.borrow().clone())),
         };
         let text = text.replace(['\n', '\r'], " ");
+        if ms > slowest && i > args.from {
+            slowest = ms;
+            let _ = std::fs::write(findings.join(format!("slowest-{file_name}")), &data);
+        }
+        if peak > hungriest && i > args.from {
+            hungriest = peak;
+            let _ = std::fs::write(findings.join(format!("hungriest-{file_name}")), &data);
+        }
         // Inputs that reach an error not seen before join the corpus (a
         // cheap stand-in for coverage feedback).
         if kind == "err" && classes.insert(error_class(&text, &work)) && corpus.len() < 512 {
@@ -230,6 +247,8 @@ struct Tally {
     peak_over_input: f64,
     seconds: f64,
     samples: Vec<String>,
+    /// Refusals that do not name the file (a few).
+    unnamed: Vec<String>,
     findings: Vec<String>,
 }
 
@@ -328,6 +347,8 @@ fn start_worker(
         .args(["--from", &from.to_string(), "--to", &to.to_string()])
         .arg("--work")
         .arg(work)
+        .arg("--findings")
+        .arg(args.out.join("findings").join(target))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -413,6 +434,8 @@ fn fuzz_target(
                                     if text.contains(&file_name) || text.contains(&work.display().to_string())
                                     {
                                         tally.errors_naming_the_file += 1;
+                                    } else if tally.unnamed.len() < 5 {
+                                        tally.unnamed.push(text.clone());
                                     }
                                     let class = error_class(&text, &work);
                                     if classes.insert(class.clone()) && samples.len() < 12 {

@@ -634,8 +634,8 @@ mod tests {
 
     /// Fuzzing's findings (issue 55): a header that nests arrays 200,000
     /// deep (the reader recursed once per 12 bytes and overflowed its
-    /// stack), an alignment whose rounding overflows, and a tensor whose
-    /// shape's product overflows are refused with the reason.
+    /// stack), an alignment that puts the data past 2^64 bytes, and a
+    /// tensor whose shape's product overflows are refused with the reason.
     #[test]
     fn refuses_nested_arrays_overflowing_alignments_and_shapes() {
         let mut nested = Vec::new();
@@ -654,9 +654,10 @@ mod tests {
 
         let mut w = Writer::default();
         w.meta("general.alignment", 10, &(u64::MAX - 3).to_le_bytes());
+        w.tensor("t", &[4], 0, &[0; 16]);
         let file = write(&w.finish());
         let error = Gguf::open(file.path()).unwrap_err().to_string();
-        assert!(error.contains("general.alignment"), "{error}");
+        assert!(error.contains("`t` ends at byte beyond 2^64"), "{error}");
 
         let mut w = Writer::default();
         w.tensor("huge", &[1 << 32, 1 << 32, 1 << 2], 0, &[0; 16]);

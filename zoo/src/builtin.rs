@@ -398,6 +398,12 @@ fn init_student_blocks<B: FusedBackend>(
     Ok((blocks, specs))
 }
 
+/// A student block's config that the teacher cannot serve: the user's
+/// error (`pipebd` exits with 2 and names the config file).
+fn config_block_error(block: usize, message: impl std::fmt::Display) -> Error {
+    Error::Student(format!("student block {block}: {message}").into())
+}
+
 /// Fails unless student `k` (zero-based), if it is an `encoder` with
 /// `init = "teacher"`, fits inside the teacher layer it is pruned from.
 fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
@@ -409,7 +415,7 @@ fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
     };
     let size = minilm::layer_config();
     if heads > size.heads || head_dim != size.head_dim || ffn > size.ffn {
-        return Err(Error::block(
+        return Err(config_block_error(
             k + 1,
             format!(
                 "init = \"teacher\" needs heads <= {}, head_dim = {} and ffn <= {} (the teacher layer's), \
@@ -429,14 +435,14 @@ fn check_decoder_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
     let teacher = SMOLLM2_135M.layer;
     let Some(size) = student.decoder_config(teacher.hidden) else { return Ok(()) };
     // A layer that cannot exist is the clearer error.
-    size.validate().map_err(|message| Error::block(k + 1, message))?;
+    size.validate().map_err(|message| config_block_error(k + 1, message))?;
     let group = teacher.heads / teacher.kv_heads;
     let attention_fits = size.mixer != MixerKind::Attention
         || (size.kv_heads <= teacher.kv_heads
             && size.heads / size.kv_heads.max(1) <= group
             && size.head_dim == teacher.head_dim);
     if !attention_fits || size.ffn > teacher.ffn {
-        return Err(Error::block(
+        return Err(config_block_error(
             k + 1,
             format!(
                 "init = \"teacher\" needs kv_heads <= {}, heads / kv_heads <= {group}, head_dim = {} and \

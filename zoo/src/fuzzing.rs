@@ -13,8 +13,12 @@ use crate::{Builtin, Lift};
 /// `pipebd check <path>`: the config read, parsed, checked by the zoo and
 /// preflighted (devices, shapes, schedule, the files it names).
 pub fn check_config(path: &Path) -> Result<()> {
-    let config = Builtin.load_config(path, Overrides::default())?;
-    pipe_bd::jobs::check::preflight(&Builtin, &config).map(drop)
+    let check = || -> Result<()> {
+        let config = Builtin.load_config(path, Overrides::default())?;
+        pipe_bd::jobs::check::preflight(&Builtin, &config).map(drop)
+    };
+    // As the command line does: errors about the config name its file.
+    check().map_err(|e| e.in_config(path))
 }
 
 /// What `pipebd sweep <path>` reads and checks before running any point.
