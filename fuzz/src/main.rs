@@ -373,6 +373,154 @@ fn start_worker(
     Ok(Running { child, lines, stderr })
 }
 
+/// One target's fuzzing under way: its counts and where its findings go.
+struct Progress<'a> {
+    target: &'a targets::Target,
+    work: PathBuf,
+    findings: PathBuf,
+    hang_ms: u64,
+    tally: Tally,
+    classes: BTreeSet<String>,
+    samples: BTreeMap<String, String>,
+}
+
+impl Progress<'_> {
+    /// Counts a worker's `done <i> <ms> <peak> <len> <kind> <text>`;
+    /// returns the input after it.
+    fn done(&mut self, rest: &str) -> u64 {
+        let mut parts = rest.splitn(6, ' ');
+        let mut number = || parts.next().and_then(|p| p.parse::<u64>().ok()).unwrap_or(0);
+        let (i, ms, peak, len) = (number(), number(), number(), number());
+        let kind = parts.next().unwrap_or("");
+        let text = parts.next().unwrap_or("").to_string();
+        let tally = &mut self.tally;
+        tally.inputs += 1;
+        tally.slowest_ms = tally.slowest_ms.max(ms);
+        tally.peak_bytes = tally.peak_bytes.max(peak);
+        tally.peak_over_input = tally.peak_over_input.max(peak as f64 / len.max(1) as f64);
+        match kind {
+            "ok" => tally.accepted += 1,
+            "err" => self.refused(&text),
+            "wrong" => {
+                self.tally.wrong += 1;
+                self.finding(i, "wrong", &text);
+            }
+            _ => {
+                self.tally.panics += 1;
+                self.finding(i, "panic", &text);
+            }
+        }
+        if ms > self.hang_ms {
+            self.tally.hangs += 1;
+            self.finding(i, "slow", &format!("{ms} ms"));
+        }
+        i + 1
+    }
+
+    fn refused(&mut self, text: &str) {
+        let work = self.work.display().to_string();
+        let file_name = Path::new(self.target.file).file_name().unwrap_or_default().to_string_lossy();
+        self.tally.refused += 1;
+        if text.contains(file_name.as_ref()) || text.contains(&work) {
+            self.tally.errors_naming_the_file += 1;
+        } else if self.tally.unnamed.len() < 5 {
+            self.tally.unnamed.push(text.to_string());
+        }
+        let class = error_class(text, &self.work);
+        if self.classes.insert(class.clone()) && self.samples.len() < 12 {
+            self.samples.insert(class, text.replace(&work, "<work>"));
+        }
+    }
+
+    /// Keeps the input of a finding (`<kind>-<number>-<file>`) and what it did.
+    fn finding(&mut self, i: u64, kind: &str, note: &str) {
+        let name = Path::new(self.target.file).file_name().unwrap_or_default().to_string_lossy();
+        let kept = self.findings.join(format!("{kind}-{i}-{name}"));
+        let _ = std::fs::create_dir_all(&self.findings);
+        let _ = std::fs::copy(self.work.join(self.target.file), &kept);
+        let _ = std::fs::write(kept.with_extension("txt"), format!("{kind}: {note}\n"));
+        eprintln!("fuzz: {} input {i}: {kind}: {note} (input kept in {})", self.target.name, kept.display());
+        if self.tally.findings.len() < 50 {
+            self.tally.findings.push(format!("{kind} {i}: {note}"));
+        }
+    }
+}
+
+/// How a worker's run ended.
+enum WorkerEnd {
+    /// It exited (with this status) while on input `.1`, if any.
+    Exited(std::process::ExitStatus, Option<u64>),
+    /// It was killed: a hang, or the time was up.
+    Killed,
+}
+
+/// Follows one worker until it exits, hangs or the time is up.
+fn follow(
+    progress: &mut Progress<'_>,
+    running: &mut Running,
+    next: &mut u64,
+    deadline: Instant,
+) -> Result<WorkerEnd, String> {
+    let hang = Duration::from_millis(progress.hang_ms);
+    let (mut current, mut ready) = (None::<(u64, Instant)>, false);
+    let (started, mut last_report) = (Instant::now(), Instant::now());
+    loop {
+        if Instant::now() >= deadline {
+            let _ = running.child.kill();
+            return Ok(WorkerEnd::Killed);
+        }
+        match running.lines.recv_timeout(Duration::from_millis(200)) {
+            Ok(line) => {
+                let (word, rest) = line.split_once(' ').unwrap_or((line.as_str(), ""));
+                match word {
+                    "ready" => ready = true,
+                    "fatal" => {
+                        let _ = running.child.kill();
+                        return Err(format!("target {}: {rest}", progress.target.name));
+                    }
+                    "start" => current = Some((rest.parse().unwrap_or(*next), Instant::now())),
+                    "done" => {
+                        current = None;
+                        *next = progress.done(rest);
+                    }
+                    _ => {}
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => match current {
+                Some((i, at)) if at.elapsed() >= hang => {
+                    let _ = running.child.kill();
+                    let _ = running.child.wait();
+                    progress.tally.hangs += 1;
+                    progress.tally.inputs += 1;
+                    progress.finding(i, "hang", &format!("still running after {} ms", progress.hang_ms));
+                    *next = i + 1;
+                    return Ok(WorkerEnd::Killed);
+                }
+                None if !ready && started.elapsed() > Duration::from_secs(120) => {
+                    let _ = running.child.kill();
+                    return Err(format!(
+                        "target {}: the worker did not start in 120 s",
+                        progress.target.name
+                    ));
+                }
+                _ => {}
+            },
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let status = running.child.wait().map_err(|e| e.to_string())?;
+                return Ok(WorkerEnd::Exited(status, current.map(|c| c.0)));
+            }
+        }
+        if last_report.elapsed() > Duration::from_secs(15) {
+            last_report = Instant::now();
+            let t = &progress.tally;
+            eprintln!(
+                "fuzz: {} {} inputs, {} panics, {} crashes, {} hangs",
+                progress.target.name, t.inputs, t.panics, t.crashes, t.hangs
+            );
+        }
+    }
+}
+
 fn fuzz_target(
     exe: &Path,
     args: &Args,
@@ -381,175 +529,47 @@ fn fuzz_target(
     budget: Duration,
 ) -> Result<Tally, String> {
     let started = Instant::now();
-    let mut tally = Tally { target: target.name.to_string(), ..Default::default() };
-    let mut classes = BTreeSet::new();
-    let mut samples: BTreeMap<String, String> = BTreeMap::new();
-    let work = std::env::temp_dir().join(format!("pipebd-fuzz-{}-{}", std::process::id(), target.name));
-    let findings = args.out.join("findings").join(target.name);
-    let hang_ms = if target.heavy { 5 * args.hang_ms } else { args.hang_ms };
-    let hang = Duration::from_millis(hang_ms);
+    let mut progress = Progress {
+        target,
+        work: std::env::temp_dir().join(format!("pipebd-fuzz-{}-{}", std::process::id(), target.name)),
+        findings: args.out.join("findings").join(target.name),
+        hang_ms: if target.heavy { 5 * args.hang_ms } else { args.hang_ms },
+        tally: Tally { target: target.name.to_string(), ..Default::default() },
+        classes: BTreeSet::new(),
+        samples: BTreeMap::new(),
+    };
+    let work = progress.work.clone();
     let mut next = 0u64;
-    let mut last_report = Instant::now();
-    let file_name =
-        Path::new(target.file).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     while next < inputs && started.elapsed() < budget {
         let _ = std::fs::remove_dir_all(&work);
         std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
         let mut running = start_worker(exe, args, target.name, next, inputs, &work)?;
-        let mut current: Option<(u64, Instant)> = None;
-        let mut ready = false;
-        let end = loop {
-            let wait = match current {
-                Some((_, at)) => hang.saturating_sub(at.elapsed()).max(Duration::from_millis(1)),
-                None => Duration::from_secs(if ready { 10 } else { 120 }),
-            };
-            if started.elapsed() >= budget {
-                let _ = running.child.kill();
-                break None;
-            }
-            match running.lines.recv_timeout(wait.min(Duration::from_secs(1))) {
-                Ok(line) => {
-                    let (word, rest) = line.split_once(' ').unwrap_or((line.as_str(), ""));
-                    match word {
-                        "ready" => ready = true,
-                        "fatal" => return Err(format!("target {}: {rest}", target.name)),
-                        "start" => current = Some((rest.parse().unwrap_or(next), Instant::now())),
-                        "done" => {
-                            current = None;
-                            let mut parts = rest.splitn(6, ' ');
-                            let mut number = || parts.next().and_then(|p| p.parse::<u64>().ok()).unwrap_or(0);
-                            let (i, ms, peak, len) = (number(), number(), number(), number());
-                            let kind = parts.next().unwrap_or("");
-                            let text = parts.next().unwrap_or("").to_string();
-                            next = i + 1;
-                            tally.inputs += 1;
-                            tally.slowest_ms = tally.slowest_ms.max(ms);
-                            tally.peak_bytes = tally.peak_bytes.max(peak);
-                            tally.peak_over_input =
-                                tally.peak_over_input.max(peak as f64 / len.max(1) as f64);
-                            match kind {
-                                "ok" => tally.accepted += 1,
-                                "err" => {
-                                    tally.refused += 1;
-                                    if text.contains(&file_name) || text.contains(&work.display().to_string())
-                                    {
-                                        tally.errors_naming_the_file += 1;
-                                    } else if tally.unnamed.len() < 5 {
-                                        tally.unnamed.push(text.clone());
-                                    }
-                                    let class = error_class(&text, &work);
-                                    if classes.insert(class.clone()) && samples.len() < 12 {
-                                        samples.insert(
-                                            class,
-                                            text.replace(&work.display().to_string(), "<work>"),
-                                        );
-                                    }
-                                }
-                                "wrong" => {
-                                    tally.wrong += 1;
-                                    save_finding(&findings, &work, target, i, "wrong", &text, &mut tally);
-                                }
-                                _ => {
-                                    tally.panics += 1;
-                                    save_finding(&findings, &work, target, i, "panic", &text, &mut tally);
-                                }
-                            }
-                            if ms > hang_ms {
-                                tally.hangs += 1;
-                                save_finding(
-                                    &findings,
-                                    &work,
-                                    target,
-                                    i,
-                                    "slow",
-                                    &format!("{ms} ms"),
-                                    &mut tally,
-                                );
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Some((i, at)) = current {
-                        if at.elapsed() >= hang {
-                            let _ = running.child.kill();
-                            let _ = running.child.wait();
-                            tally.hangs += 1;
-                            let note = format!("still running after {hang_ms} ms");
-                            save_finding(&findings, &work, target, i, "hang", &note, &mut tally);
-                            tally.inputs += 1;
-                            next = i + 1;
-                            break None;
-                        }
-                    } else if !ready && last_report.elapsed() > Duration::from_secs(120) {
-                        let _ = running.child.kill();
-                        return Err(format!("target {}: the worker did not start in 120 s", target.name));
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break Some(running.child.wait()),
-            }
-            if last_report.elapsed() > Duration::from_secs(15) {
-                last_report = Instant::now();
-                eprintln!(
-                    "fuzz: {} {} inputs ({:.0}/s), {} panics, {} crashes, {} hangs",
-                    target.name,
-                    tally.inputs,
-                    tally.inputs as f64 / started.elapsed().as_secs_f64(),
-                    tally.panics,
-                    tally.crashes,
-                    tally.hangs
-                );
-            }
-        };
+        let end = follow(&mut progress, &mut running, &mut next, started + budget)?;
         let stderr = running.stderr.join().unwrap_or_default();
-        if let Some(status) = end {
-            let status = status.map_err(|e| e.to_string())?;
-            if let Some((i, _)) = current {
+        match end {
+            WorkerEnd::Killed => {}
+            WorkerEnd::Exited(status, Some(i)) => {
                 // The worker died inside an input: an abort or a crash.
-                tally.crashes += 1;
-                tally.inputs += 1;
-                let note = format!("worker ended with {status}: {}", stderr.trim());
-                save_finding(&findings, &work, target, i, "crash", &note, &mut tally);
+                progress.tally.crashes += 1;
+                progress.tally.inputs += 1;
+                progress.finding(i, "crash", &format!("worker ended with {status}: {}", stderr.trim()));
                 next = i + 1;
-            } else if status.code() == Some(RESTART as i32) {
-                continue;
-            } else if !status.success() {
+            }
+            WorkerEnd::Exited(status, None) if status.code() == Some(RESTART as i32) => {}
+            WorkerEnd::Exited(status, None) if status.success() => break,
+            WorkerEnd::Exited(status, None) => {
                 return Err(format!(
                     "target {}: the worker ended with {status}: {}",
                     target.name,
                     stderr.trim()
                 ));
-            } else {
-                break;
             }
         }
     }
     let _ = std::fs::remove_dir_all(&work);
-    tally.distinct_errors = classes.len();
-    tally.samples = samples.into_values().collect();
+    let mut tally = progress.tally;
+    tally.distinct_errors = progress.classes.len();
+    tally.samples = progress.samples.into_values().collect();
     tally.seconds = started.elapsed().as_secs_f64();
     Ok(tally)
-}
-
-/// Keeps the input of a finding (`<kind>-<number>.<file>`) and what it did.
-fn save_finding(
-    findings: &Path,
-    work: &Path,
-    target: &targets::Target,
-    i: u64,
-    kind: &str,
-    note: &str,
-    tally: &mut Tally,
-) {
-    let name =
-        Path::new(target.file).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let stem = findings.join(format!("{kind}-{i}-{name}"));
-    let _ = std::fs::create_dir_all(findings);
-    let _ = std::fs::copy(work.join(target.file), &stem);
-    let _ = std::fs::write(stem.with_extension("txt"), format!("{kind}: {note}\n"));
-    eprintln!("fuzz: {} input {i}: {kind}: {note} (input kept in {})", target.name, stem.display());
-    if tally.findings.len() < 50 {
-        tally.findings.push(format!("{kind} {i}: {note}"));
-    }
 }

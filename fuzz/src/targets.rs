@@ -59,6 +59,13 @@ pub struct Target {
 
 /// Every target, in the order the summary lists them.
 pub fn all() -> Vec<Target> {
+    let mut all = input_targets();
+    all.extend(run_folder_targets());
+    all
+}
+
+/// The readers of what a run starts from: configs, sweeps, models, data.
+fn input_targets() -> Vec<Target> {
     vec![
         Target {
             name: "config",
@@ -105,6 +112,12 @@ pub fn all() -> Vec<Target> {
             seeds: idx_label_seeds,
             run: |p, _| pipebd_zoo::fuzzing::read_idx_labels(p).into(),
         },
+    ]
+}
+
+/// The readers of what a run writes and reads back, and of rank frames.
+fn run_folder_targets() -> Vec<Target> {
+    vec![
         Target {
             name: "metrics",
             what: "metrics.csv",
