@@ -8,15 +8,21 @@ same 199 held-out Brown sentences. The rows:
 
   a   refit init -> head-KL pass only (today's recipe)
   b   refit init -> BLD (nmse) -> head-KL pass
-  c   the search's BLD-trained candidates (nmse, smollm2-search) -> head-KL pass
-  d   b with the block losses kept in the stitched pass (weight from `probe-d`)
+  c   the search's BLD-trained candidates -> head-KL pass (needs `--search`: a run
+      of experiments/smollm2-search.toml with `teacher.block_loss = "nmse"`,
+      Adam 5e-4 and epsilon 1e-12, into runs/smollm2-search-nmse)
+  d   b with the block losses kept in the stitched pass (`--block-weight`, 1)
 
 Steps are set from each phase's step cost measured on this machine (flags
 below) so that every row spends the same minutes; the minutes each phase
 really took come from its report.json. Configs are written next to their run.
 
-  python3 bench/ablation/smollm2_ablation.py run a b c d --minutes 20
+  python3 bench/ablation/smollm2_ablation.py run a b c d --minutes 15 --bld-lr 5e-4 --epsilon 1e-12
   python3 bench/ablation/smollm2_ablation.py table      # runs/ablation-53/table.md
+
+Probes: `init` (the refit init scored), `bld:<lr>[:<epsilon>]` (60 BLD
+steps, then scored), `w:<weight>` (60 BLD + 60 KL steps with the block
+losses at that weight).
 """
 
 import argparse
