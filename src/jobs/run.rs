@@ -232,7 +232,6 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         // (and a single-path search to train alpha on).
         let (trained_on, held_out) =
             held_out_split(train.as_ref(), config.has_candidates().then_some(config.search.held_out));
-
         let identity = self.zoo.checkpoint_identity(config);
         let runtime = runtime_settings_for(
             config,
@@ -268,7 +267,6 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
         let predicted_step_seconds = self
             .costs
             .and_then(|costs| predicted_step_seconds(config, self.plan, costs, log.steps, devices.len()));
-
         let trained = inference_blocks(&students);
         let score = score(
             evaluation.as_deref(),

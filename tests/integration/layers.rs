@@ -176,7 +176,9 @@ fn long_functions(text: &str, limit: usize) -> Vec<String> {
 fn no_function_is_longer_than_a_hundred_lines() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    for dir in ["src", "zoo", "core", "kernels", "teachers", "students", "fuzz", "tests", "examples", "benches"] {
+    for dir in
+        ["src", "zoo", "core", "kernels", "teachers", "students", "fuzz", "tests", "examples", "benches"]
+    {
         if root.join(dir).is_dir() {
             rust_files(&root.join(dir), &mut files);
         }
