@@ -15,25 +15,11 @@ static CEILING: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if !reserve(layout.size()) {
-            return std::ptr::null_mut();
-        }
-        let p = System.alloc(layout);
-        if p.is_null() {
-            CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-        }
-        p
+        counted(layout.size(), || unsafe { System.alloc(layout) })
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if !reserve(layout.size()) {
-            return std::ptr::null_mut();
-        }
-        let p = System.alloc_zeroed(layout);
-        if p.is_null() {
-            CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-        }
-        p
+        counted(layout.size(), || unsafe { System.alloc_zeroed(layout) })
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
@@ -55,6 +41,18 @@ unsafe impl GlobalAlloc for Counting {
         }
         p
     }
+}
+
+/// `allocate`'s block of `size` bytes, counted; null past the ceiling.
+fn counted(size: usize, allocate: impl FnOnce() -> *mut u8) -> *mut u8 {
+    if !reserve(size) {
+        return std::ptr::null_mut();
+    }
+    let p = allocate();
+    if p.is_null() {
+        CURRENT.fetch_sub(size, Ordering::Relaxed);
+    }
+    p
 }
 
 /// Counts `size` more bytes held, unless that passes the ceiling.

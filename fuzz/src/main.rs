@@ -122,7 +122,7 @@ fn worker(args: &Args, name: &str) -> ExitCode {
         say(format!("fatal {}: {e}", work.display()));
         return ExitCode::from(3);
     }
-    let mut corpus = match (target.seeds)(&work) {
+    let mut corpus = match target.valid_inputs(&work) {
         Ok(seeds) if !seeds.is_empty() => seeds,
         Ok(_) => {
             say(format!("fatal target {name} has no seeds"));
@@ -148,8 +148,7 @@ fn worker(args: &Args, name: &str) -> ExitCode {
     let (mut slowest, mut hungriest) = (0u128, 0usize);
     let findings = args.findings.clone().unwrap_or_else(|| work.join("findings"));
     let _ = std::fs::create_dir_all(&findings);
-    let file_name =
-        Path::new(target.file).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let file_name = target.file_name();
     say(format!("ready {}", corpus.len()));
     for i in args.from..args.to {
         let mut rng = mutate::Rng::for_input(args.seed, name, i);
@@ -419,9 +418,9 @@ impl Progress<'_> {
 
     fn refused(&mut self, text: &str) {
         let work = self.work.display().to_string();
-        let file_name = Path::new(self.target.file).file_name().unwrap_or_default().to_string_lossy();
+        let file_name = self.target.file_name();
         self.tally.refused += 1;
-        if text.contains(file_name.as_ref()) || text.contains(&work) {
+        if text.contains(&file_name) || text.contains(&work) {
             self.tally.errors_naming_the_file += 1;
         } else if self.tally.unnamed.len() < 5 {
             self.tally.unnamed.push(text.to_string());
@@ -434,7 +433,7 @@ impl Progress<'_> {
 
     /// Keeps the input of a finding (`<kind>-<number>-<file>`) and what it did.
     fn finding(&mut self, i: u64, kind: &str, note: &str) {
-        let name = Path::new(self.target.file).file_name().unwrap_or_default().to_string_lossy();
+        let name = self.target.file_name();
         let kept = self.findings.join(format!("{kind}-{i}-{name}"));
         let _ = std::fs::create_dir_all(&self.findings);
         let _ = std::fs::copy(self.work.join(self.target.file), &kept);

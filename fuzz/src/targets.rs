@@ -51,10 +51,37 @@ pub struct Target {
     pub heavy: bool,
     /// The file name the input is written to inside the work folder.
     pub file: &'static str,
-    /// Prepares the work folder and returns the valid inputs.
-    pub seeds: fn(&Path) -> Result<Vec<Vec<u8>>, String>,
+    /// Prepares the work folder and returns the valid inputs (`None`: the
+    /// committed seed of the same name, `fuzz/seeds/<file>`).
+    pub seeds: Option<fn(&Path) -> Result<Vec<Vec<u8>>, String>>,
     /// Reads the input at `path` (inside `work`) as `pipebd` would.
     pub run: fn(&Path, &Path) -> Outcome,
+}
+
+impl Target {
+    /// Prepares the work folder and returns the valid inputs.
+    pub fn valid_inputs(&self, work: &Path) -> Result<Vec<Vec<u8>>, String> {
+        match self.seeds {
+            Some(seeds) => seeds(work),
+            None => seed_files(&[self.file]),
+        }
+    }
+
+    /// The name of the file the input is written to.
+    pub fn file_name(&self) -> String {
+        Path::new(self.file).file_name().unwrap_or_default().to_string_lossy().into_owned()
+    }
+}
+
+/// A target of a text file a run writes, whose valid input is the committed
+/// seed of that name.
+fn committed(
+    name: &'static str,
+    what: &'static str,
+    file: &'static str,
+    run: fn(&Path, &Path) -> Outcome,
+) -> Target {
+    Target { name, what, text: true, heavy: false, file, seeds: None, run }
 }
 
 /// Every target, in the order the summary lists them.
@@ -73,7 +100,7 @@ fn input_targets() -> Vec<Target> {
             text: true,
             heavy: true,
             file: "run.toml",
-            seeds: config_seeds,
+            seeds: Some(config_seeds),
             run: |p, _| user_refusal(pipebd_zoo::fuzzing::check_config(p)),
         },
         Target {
@@ -82,7 +109,7 @@ fn input_targets() -> Vec<Target> {
             text: true,
             heavy: true,
             file: "sweep.toml",
-            seeds: sweep_seeds,
+            seeds: Some(sweep_seeds),
             run: |p, _| user_refusal(pipebd_zoo::fuzzing::check_sweep(p)),
         },
         Target {
@@ -91,7 +118,7 @@ fn input_targets() -> Vec<Target> {
             text: false,
             heavy: false,
             file: "model.gguf",
-            seeds: gguf_seeds,
+            seeds: Some(gguf_seeds),
             run: |p, _| pipebd_zoo::fuzzing::load_gguf_model(p).into(),
         },
         Target {
@@ -100,7 +127,7 @@ fn input_targets() -> Vec<Target> {
             text: false,
             heavy: false,
             file: "images-idx3-ubyte",
-            seeds: idx_image_seeds,
+            seeds: Some(idx_image_seeds),
             run: |p, _| pipebd_zoo::fuzzing::read_idx_images(p).into(),
         },
         Target {
@@ -109,7 +136,7 @@ fn input_targets() -> Vec<Target> {
             text: false,
             heavy: false,
             file: "labels-idx1-ubyte",
-            seeds: idx_label_seeds,
+            seeds: Some(idx_label_seeds),
             run: |p, _| pipebd_zoo::fuzzing::read_idx_labels(p).into(),
         },
     ]
@@ -118,58 +145,26 @@ fn input_targets() -> Vec<Target> {
 /// The readers of what a run writes and reads back, and of rank frames.
 fn run_folder_targets() -> Vec<Target> {
     vec![
-        Target {
-            name: "metrics",
-            what: "metrics.csv",
-            text: true,
-            heavy: false,
-            file: "metrics.csv",
-            seeds: |_| seed_files(&["metrics.csv"]),
-            run: |p, _| pipe_bd::jobs::plot::losses::read_metrics(p).into(),
-        },
-        Target {
-            name: "report",
-            what: "report.json",
-            text: true,
-            heavy: false,
-            file: "report.json",
-            seeds: |_| seed_files(&["report.json"]),
-            run: |_, w| pipe_bd::report::RunReport::read(w).into(),
-        },
-        Target {
-            name: "search",
-            what: "search.json",
-            text: true,
-            heavy: false,
-            file: "search.json",
-            seeds: |_| seed_files(&["search.json"]),
-            run: |p, _| pipe_bd::jobs::search::SearchScores::read(p).into(),
-        },
-        Target {
-            name: "trace",
-            what: "trace.json (pipebd plot's timeline)",
-            text: true,
-            heavy: false,
-            file: "trace.json",
-            seeds: |_| seed_files(&["trace.json"]),
-            run: |p, _| pipe_bd::jobs::plot::timeline::Timeline::read(p).into(),
-        },
-        Target {
-            name: "profile",
-            what: "profile caches (pipebd profile)",
-            text: true,
-            heavy: false,
-            file: "profile.json",
-            seeds: |_| seed_files(&["profile.json"]),
-            run: |p, _| pipe_bd::jobs::profile::Profile::read(p).into(),
-        },
+        committed("metrics", "metrics.csv", "metrics.csv", |p, _| {
+            pipe_bd::jobs::plot::losses::read_metrics(p).into()
+        }),
+        committed("report", "report.json", "report.json", |_, w| pipe_bd::report::RunReport::read(w).into()),
+        committed("search", "search.json", "search.json", |p, _| {
+            pipe_bd::jobs::search::SearchScores::read(p).into()
+        }),
+        committed("trace", "trace.json (pipebd plot's timeline)", "trace.json", |p, _| {
+            pipe_bd::jobs::plot::timeline::Timeline::read(p).into()
+        }),
+        committed("profile", "profile caches (pipebd profile)", "profile.json", |p, _| {
+            pipe_bd::jobs::profile::Profile::read(p).into()
+        }),
         Target {
             name: "plot",
             what: "run folders drawn by pipebd plot (metrics.csv)",
             text: true,
             heavy: false,
             file: "metrics.csv",
-            seeds: plot_seeds,
+            seeds: Some(plot_seeds),
             run: |_, w| pipe_bd::jobs::plot::plot_run(w).into(),
         },
         Target {
@@ -178,7 +173,7 @@ fn run_folder_targets() -> Vec<Target> {
             text: true,
             heavy: false,
             file: "checkpoints/block-01/step-00000041/manifest.json",
-            seeds: manifest_seeds,
+            seeds: Some(manifest_seeds),
             run: read_checkpoint,
         },
         Target {
@@ -187,7 +182,7 @@ fn run_folder_targets() -> Vec<Target> {
             text: false,
             heavy: false,
             file: "checkpoints/block-01/step-00000041/weights.mpk",
-            seeds: weights_seeds,
+            seeds: Some(weights_seeds),
             run: read_checkpoint_weights,
         },
         Target {
@@ -196,7 +191,7 @@ fn run_folder_targets() -> Vec<Target> {
             text: false,
             heavy: false,
             file: "frame.bin",
-            seeds: frame_seeds,
+            seeds: Some(frame_seeds),
             run: decode_frame,
         },
     ]

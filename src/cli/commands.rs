@@ -234,8 +234,7 @@ pub(super) fn kernels(
 
 /// `pipebd check`.
 pub(super) fn check<Z: Zoo>(zoo: &Z, config: &Path) -> Result<(), Error> {
-    let config = zoo.load_config(config, Overrides::default())?;
-    crate::jobs::check::preflight(zoo, &config)?;
+    let config = crate::jobs::check::check_file(zoo, config)?;
     println!("{}: ok", config.name);
     Ok(())
 }

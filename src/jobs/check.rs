@@ -11,6 +11,17 @@ use crate::error::{Error, Result};
 use crate::plan::{flops_cost, Plan, Schedule};
 use crate::zoo::Zoo;
 
+/// `pipebd check <path>`: the config file read, parsed and [`preflight`]ed;
+/// errors about the config name its file (as every command's do).
+pub fn check_file<Z: Zoo>(zoo: &Z, path: &Path) -> Result<RunConfig> {
+    let check = || -> Result<RunConfig> {
+        let config = zoo.load_config(path, crate::config::Overrides::default())?;
+        preflight(zoo, &config)?;
+        Ok(config)
+    };
+    check().map_err(|e| e.in_config(path))
+}
+
 /// Checks a config before any heavy work: the zoo's config checks, devices
 /// usable, student shapes matching the teacher's, schedule buildable, and
 /// the files it names there and readable ([`Zoo::check_inputs`]). Returns

@@ -4,8 +4,6 @@
 
 use std::path::Path;
 
-use pipe_bd::config::Overrides;
-use pipe_bd::zoo::Zoo;
 use pipe_bd::Result;
 
 use crate::{Builtin, Lift};
@@ -13,12 +11,7 @@ use crate::{Builtin, Lift};
 /// `pipebd check <path>`: the config read, parsed, checked by the zoo and
 /// preflighted (devices, shapes, schedule, the files it names).
 pub fn check_config(path: &Path) -> Result<()> {
-    let check = || -> Result<()> {
-        let config = Builtin.load_config(path, Overrides::default())?;
-        pipe_bd::jobs::check::preflight(&Builtin, &config).map(drop)
-    };
-    // As the command line does: errors about the config name its file.
-    check().map_err(|e| e.in_config(path))
+    pipe_bd::jobs::check::check_file(&Builtin, path).map(drop)
 }
 
 /// What `pipebd sweep <path>` reads and checks before running any point.
