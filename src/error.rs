@@ -48,6 +48,36 @@ pub enum Error {
     /// teacher's, a data set that cannot produce a batch.
     #[error(transparent)]
     Core(#[from] pipebd_core::Error),
+    /// The run was asked to stop (SIGINT, SIGTERM, or
+    /// [`crate::runtime::interrupt::Interrupt::request`]): the steps in
+    /// flight were finished and every block's checkpoint written.
+    #[error(
+        "interrupted by {}: every block has completed {completed_steps}{} of {total_steps} steps; {}{}",
+        crate::runtime::interrupt::signal_name(*signal),
+        if most_steps > completed_steps { format!(" to {most_steps}") } else { String::new() },
+        match checkpoints {
+            Some(dir) => format!("their checkpoints are in {}", dir.display()),
+            None => "no checkpoints were written (the run has none)".to_string(),
+        },
+        match resume_command {
+            Some(command) => format!("\nresume with:\n  {command}"),
+            None => String::new(),
+        }
+    )]
+    Interrupted {
+        /// The signal number (2 SIGINT, 15 SIGTERM).
+        signal: i32,
+        /// Steps done by the block that has done the fewest.
+        completed_steps: usize,
+        /// Steps done by the block that has done the most.
+        most_steps: usize,
+        /// Steps of the whole run.
+        total_steps: usize,
+        /// The checkpoint folder the run resumes from.
+        checkpoints: Option<PathBuf>,
+        /// The command that resumes the run (filled in by the command line).
+        resume_command: Option<String>,
+    },
     /// Training a block diverged or failed.
     #[error("block {block}, step {step}: {message}")]
     Training {

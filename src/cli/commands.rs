@@ -22,13 +22,28 @@ pub(super) fn run<Z: Zoo>(
     let config = zoo.load_config(config, overrides)?;
     let transport = crate::runtime::launch::open(transport)?;
     let rank = transport.as_ref().map_or(0, |t| t.rank());
+    let ranks = transport.as_ref().map_or(1, |t| t.ranks());
+    let interrupt = crate::runtime::interrupt::Interrupt::new();
+    super::signals::stop_on_signals(&interrupt, rank == 0)?;
     let mut view = ProgressView::new(quiet || rank != 0, config.train.batch_size);
     let mut observer = |p: &Progress| view.show(p);
-    let flags = crate::jobs::run::RunFlags { trace, resume, max_failures };
+    let flags = crate::jobs::run::RunFlags { trace, resume, max_failures, interrupt: interrupt.clone() };
     let report = crate::jobs::run::run_rank(zoo, &config, &out, &flags, transport.clone(), &mut observer);
     view.finish();
+    let report = report.map_err(|e| match e {
+        Error::Interrupted { signal, completed_steps, most_steps, total_steps, checkpoints, .. } => {
+            let resume_command =
+                checkpoints.as_ref().map(|_| super::signals::resume_command(&out, ranks)).filter(|_| rank == 0);
+            Error::Interrupted { signal, completed_steps, most_steps, total_steps, checkpoints, resume_command }
+        }
+        other => other,
+    });
     if let Some(transport) = transport {
-        close_transport(transport, report.is_err());
+        close_transport(transport, report.as_ref().is_err_and(|e| !matches!(e, Error::Interrupted { .. })));
+    }
+    if let (Ok(_), Some(signal)) = (&report, interrupt.requested()) {
+        let name = crate::runtime::interrupt::signal_name(signal);
+        eprintln!("pipebd: {name} came after the last step: the run is complete");
     }
     let Some(report) = report? else {
         return Ok(());

@@ -19,6 +19,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 mod commands;
 mod print;
+mod signals;
 
 /// Pipelined parallel blockwise knowledge distillation.
 #[derive(Parser)]
@@ -282,11 +283,15 @@ pub fn run_with<Z: Zoo>(zoo: Z) -> ExitCode {
     match execute(&zoo, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            match crate::runtime::launch::launcher_rank() {
-                Some(rank) => eprintln!("error (rank {rank}): {e}"),
-                None => eprintln!("error: {e}"),
-            }
-            if e.is_user_error() {
+            // One write, so that the lines of several ranks never mix.
+            let message = match crate::runtime::launch::launcher_rank() {
+                Some(rank) => format!("error (rank {rank}): {e}\n"),
+                None => format!("error: {e}\n"),
+            };
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), message.as_bytes());
+            if let Error::Interrupted { signal, .. } = &e {
+                ExitCode::from((128 + signal).clamp(1, 255) as u8)
+            } else if e.is_user_error() {
                 ExitCode::from(2)
             } else {
                 ExitCode::from(1)

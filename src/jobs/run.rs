@@ -45,6 +45,9 @@ pub struct RunFlags {
     pub resume: Option<PathBuf>,
     /// Override `runtime.max_failures`.
     pub max_failures: Option<usize>,
+    /// Stop after the steps in flight when this is requested (the command
+    /// line routes SIGINT and SIGTERM here).
+    pub interrupt: crate::runtime::interrupt::Interrupt,
 }
 
 /// The runtime settings of a run, built here once: the config's
@@ -64,6 +67,7 @@ pub fn runtime_settings_for(
     let mut runtime = config.runtime_settings();
     runtime.checkpoints = Some(config.checkpoint_policy(out_dir.join("checkpoints"), zoo_identity));
     runtime.resume_from = flags.resume.clone();
+    runtime.interrupt = flags.interrupt.clone();
     runtime.faults.extend(crate::fault::from_env()?);
     if let Some(max) = flags.max_failures {
         runtime.max_failures = max;

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use pipebd_core::StudentModule;
 use pipebd_kernels::DistillBackend;
 
+use super::interrupt::Interrupt;
 use super::messages::ProgressMsg;
-use super::sync::{Stop, POLL};
+use super::sync::{StepGate, Stop, POLL};
 use super::transport::{Tag, Transport};
 use super::wire::{decode_state, encode_state, Reader, Writer};
 use crate::error::{Error, Result};
@@ -31,10 +32,32 @@ pub(super) struct ClusterWatch {
     silence_limit: f64,
     /// The stop signal was raised here and told to the others (or came from them).
     announced: bool,
+    /// Agreeing on the step an interrupted phase stops at.
+    agreement: StopAgreement,
+}
+
+/// One phase's agreement on where an interrupted run stops: each rank
+/// closes its step gate, proposes one past the highest step started on it,
+/// and opens the gate at the highest proposal once it has every rank's.
+struct StopAgreement {
+    interrupt: Interrupt,
+    phase: usize,
+    first_step: usize,
+    proposed: Option<usize>,
+    /// The other ranks' proposals for this phase.
+    proposals: BTreeMap<usize, usize>,
 }
 
 impl ClusterWatch {
-    pub(super) fn new(transport: Arc<dyn Transport>, silence_limit: f64) -> Self {
+    /// The watch of phase `phase`, whose first step is `first_step`, over
+    /// the other ranks of `transport`; an interrupt (requested here or
+    /// received from a rank) is agreed on and set in `interrupt`.
+    pub(super) fn new(
+        transport: Arc<dyn Transport>,
+        silence_limit: f64,
+        interrupt: Interrupt,
+        (phase, first_step): (usize, usize),
+    ) -> Self {
         let me = transport.rank();
         let others: Vec<usize> = (0..transport.ranks()).filter(|&r| r != me).collect();
         let now = Instant::now();
@@ -45,6 +68,7 @@ impl ClusterWatch {
             last_sent: None,
             silence_limit,
             announced: false,
+            agreement: StopAgreement { interrupt, phase, first_step, proposed: None, proposals: BTreeMap::new() },
         }
     }
 
@@ -56,7 +80,10 @@ impl ClusterWatch {
     /// and stop messages, raises `stop` for a peer's failure or silence,
     /// tells the others about a failure here, and returns the progress
     /// messages that reached rank 0.
-    pub(super) fn tick(&mut self, stop: &Stop) -> Vec<ProgressMsg> {
+    pub(super) fn tick(&mut self, stop: &Stop, gate: &StepGate) -> Vec<ProgressMsg> {
+        if let Err(error) = self.agree_on_interrupt(gate) {
+            stop.raise(error);
+        }
         match self.exchange(stop) {
             Ok(progress) => progress,
             Err(error) => {
@@ -103,6 +130,44 @@ impl ClusterWatch {
         Ok(progress)
     }
 
+    /// Takes the other ranks' interrupt messages, proposes this rank's stop
+    /// step once the run is interrupted (here or elsewhere), and opens the
+    /// gate at the highest proposal once every rank's is in.
+    fn agree_on_interrupt(&mut self, gate: &StepGate) -> Result<()> {
+        let agreement = &mut self.agreement;
+        while let Some((rank, bytes)) = self.transport.receive_any(Tag::Interrupt, Duration::ZERO)? {
+            let (phase, signal, proposal) = decode_interrupt(&bytes).map_err(|message| Error::Peer {
+                rank,
+                message: format!("sent a damaged interrupt message: {message}"),
+            })?;
+            agreement.interrupt.request(signal);
+            // A proposal of an earlier phase reached this one late: the
+            // interrupt stands, the proposal is that phase's.
+            if phase == agreement.phase {
+                agreement.proposals.insert(rank, proposal);
+            }
+        }
+        let Some(signal) = agreement.interrupt.requested() else {
+            return Ok(());
+        };
+        let proposed = match agreement.proposed {
+            Some(step) => step,
+            None => {
+                let step = gate.close(agreement.first_step);
+                agreement.proposed = Some(step);
+                let message = encode_interrupt(agreement.phase, signal, step);
+                for &rank in &self.others {
+                    self.transport.post(rank, Tag::Interrupt, message.clone())?;
+                }
+                step
+            }
+        };
+        if agreement.proposals.len() == self.others.len() {
+            gate.stop_at(agreement.proposals.values().copied().fold(proposed, usize::max));
+        }
+        Ok(())
+    }
+
     /// Posts `bytes` under `tag` to every other rank.
     fn post_others(&self, tag: Tag, bytes: &[u8]) -> Result<()> {
         for &rank in &self.others {
@@ -135,12 +200,13 @@ impl ClusterWatch {
         &mut self,
         mine: &PhaseEnd,
         stop: &Stop,
+        gate: &StepGate,
         on_progress: &mut dyn FnMut(ProgressMsg),
     ) -> Result<Option<Vec<PhaseEnd>>> {
         self.post_others(Tag::PhaseEnd, &mine.encode())?;
         let mut ends = BTreeMap::new();
         while ends.len() < self.others.len() {
-            for msg in self.tick(stop) {
+            for msg in self.tick(stop, gate) {
                 on_progress(msg);
             }
             if stop.is_raised() {
@@ -156,7 +222,7 @@ impl ClusterWatch {
             }
             std::thread::sleep(POLL / 4);
         }
-        for msg in self.tick(stop) {
+        for msg in self.tick(stop, gate) {
             on_progress(msg);
         }
         Ok(Some(ends.into_values().collect()))
@@ -171,6 +237,10 @@ pub(super) struct PhaseEnd {
     pub(super) spans: Vec<Span>,
     pub(super) workers: Vec<WorkerSummary>,
     pub(super) checkpoints_written: usize,
+    /// The signal that had interrupted the run on this rank when it sent
+    /// its end (0: none). Every rank reads the same ends, so every rank
+    /// agrees whether the run goes on to its next phase.
+    pub(super) interrupted: i32,
 }
 
 impl PhaseEnd {
@@ -183,6 +253,7 @@ impl PhaseEnd {
         spans: Vec<Span>,
         workers: Vec<WorkerSummary>,
         checkpoints_written: usize,
+        interrupted: Option<i32>,
     ) -> Result<Self> {
         let mut states = Vec::new();
         for &k in blocks {
@@ -190,7 +261,7 @@ impl PhaseEnd {
                 states.push((k, trainer.save_state()?));
             }
         }
-        Ok(Self { states, rows, spans, workers, checkpoints_written })
+        Ok(Self { states, rows, spans, workers, checkpoints_written, interrupted: interrupted.unwrap_or(0) })
     }
 
     pub(super) fn encode(&self) -> Vec<u8> {
@@ -204,7 +275,8 @@ impl PhaseEnd {
         w.bytes(&json(serde_json::to_vec(&self.rows)))
             .bytes(&json(serde_json::to_vec(&self.spans)))
             .bytes(&json(serde_json::to_vec(&self.workers)))
-            .u64(self.checkpoints_written as u64);
+            .u64(self.checkpoints_written as u64)
+            .u64(self.interrupted.max(0) as u64);
         w.0
     }
 
@@ -223,8 +295,9 @@ impl PhaseEnd {
         let spans = serde_json::from_slice(r.bytes()?).map_err(bad)?;
         let workers = serde_json::from_slice(r.bytes()?).map_err(bad)?;
         let checkpoints_written = r.u64()? as usize;
+        let interrupted = r.u64()?.min(i32::MAX as u64) as i32;
         r.finish()?;
-        Ok(Self { states, rows, spans, workers, checkpoints_written })
+        Ok(Self { states, rows, spans, workers, checkpoints_written, interrupted })
     }
 }
 
@@ -248,4 +321,36 @@ pub(super) fn decode_progress(bytes: &[u8]) -> Result<ProgressMsg> {
     }
     r.finish()?;
     Ok(ProgressMsg { stage, step, losses })
+}
+
+/// An interrupt message: the phase, the signal, the proposed stop step.
+pub(super) fn encode_interrupt(phase: usize, signal: i32, step: usize) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(phase as u64).u64(signal.max(1) as u64).u64(step as u64);
+    w.0
+}
+
+pub(super) fn decode_interrupt(bytes: &[u8]) -> std::result::Result<(usize, i32, usize), String> {
+    let mut r = Reader::new(bytes, "interrupt");
+    let mut read = || r.u64().map_err(|e| e.to_string());
+    let (phase, signal, step) = (read()?, read()?, read()?);
+    r.finish().map_err(|e| e.to_string())?;
+    let signal = i32::try_from(signal).ok().filter(|&s| s > 0).ok_or(format!("signal {signal} is not one"))?;
+    Ok((phase as usize, signal, step as usize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interrupt_messages_round_trip_and_damaged_ones_are_refused() {
+        let bytes = encode_interrupt(2, 15, 41);
+        assert_eq!(decode_interrupt(&bytes), Ok((2, 15, 41)));
+        assert!(decode_interrupt(&bytes[..bytes.len() - 1]).is_err());
+        assert!(decode_interrupt(&encode_interrupt(2, 15, 41)[..8]).is_err());
+        let mut zero_signal = bytes.clone();
+        zero_signal[8..16].fill(0);
+        assert!(decode_interrupt(&zero_signal).is_err());
+    }
 }

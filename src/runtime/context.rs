@@ -34,4 +34,6 @@ pub(super) struct PhaseContext<'a, B: DistillBackend, T: Block<B::InnerBackend>>
     pub(super) identities: &'a [BTreeMap<String, serde_json::Value>],
     /// Note when every stage has completed this many steps.
     pub(super) recovery_target: Option<usize>,
+    /// Where the phase stops when the run is interrupted.
+    pub(super) gate: &'a super::sync::StepGate,
 }

@@ -6,7 +6,7 @@ use burn::backend::Flex;
 use burn::tensor::Tensor;
 use pipebd_core::Activation;
 
-use super::cluster::{decode_progress, encode_progress, PhaseEnd};
+use super::cluster::{decode_interrupt, decode_progress, encode_interrupt, encode_progress, PhaseEnd};
 use super::messages::ProgressMsg;
 use super::wire::{decode_activation, decode_state, encode_activation, encode_state, Reader, Writer};
 use crate::error::Result;
@@ -26,12 +26,20 @@ pub enum FrameKind {
     Activation,
     /// Rank 0's `auto` plan, or its failure to choose one.
     Plan,
+    /// An interrupted rank's proposed stop step.
+    Interrupt,
 }
 
 impl FrameKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FrameKind; 5] =
-        [FrameKind::Progress, FrameKind::PhaseEnd, FrameKind::State, FrameKind::Activation, FrameKind::Plan];
+    pub const ALL: [FrameKind; 6] = [
+        FrameKind::Progress,
+        FrameKind::PhaseEnd,
+        FrameKind::State,
+        FrameKind::Activation,
+        FrameKind::Plan,
+        FrameKind::Interrupt,
+    ];
 
     /// A short name (`progress`, `phase-end`, ...).
     pub fn name(self) -> &'static str {
@@ -41,6 +49,7 @@ impl FrameKind {
             FrameKind::State => "state",
             FrameKind::Activation => "activation",
             FrameKind::Plan => "plan",
+            FrameKind::Interrupt => "interrupt",
         }
     }
 }
@@ -62,6 +71,9 @@ pub fn decode(kind: FrameKind, bytes: &[u8]) -> Result<()> {
             reader.finish()
         }
         FrameKind::Plan => crate::jobs::run::plan_from_bytes(bytes).map(drop),
+        FrameKind::Interrupt => decode_interrupt(bytes)
+            .map(drop)
+            .map_err(|message| crate::Error::Transport { message: format!("an interrupt message: {message}") }),
     }
 }
 
@@ -84,7 +96,8 @@ pub fn samples() -> Result<Vec<(FrameKind, Vec<u8>)>> {
         duration_us: 20,
     }];
     let workers: Vec<WorkerSummary> = Vec::new();
-    let end = PhaseEnd { states: vec![(2, state.clone())], rows, spans, workers, checkpoints_written: 3 };
+    let end =
+        PhaseEnd { states: vec![(2, state.clone())], rows, spans, workers, checkpoints_written: 3, interrupted: 15 };
     let mut state_frame = Writer::default();
     encode_state(&mut state_frame, &state);
     let device = Default::default();
@@ -100,6 +113,7 @@ pub fn samples() -> Result<Vec<(FrameKind, Vec<u8>)>> {
         (FrameKind::State, state_frame.0),
         (FrameKind::Activation, activation.0),
         (FrameKind::Plan, plan),
+        (FrameKind::Interrupt, encode_interrupt(1, 2, 17)),
     ])
 }
 

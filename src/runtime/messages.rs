@@ -47,7 +47,17 @@ pub(super) struct Peer {
 /// transport).
 pub(super) enum Sink<M> {
     Local(Sender<M>),
-    Remote(Peer),
+    Remote(Peer, Window),
+}
+
+/// How many boundary activations a sender may have posted to another rank
+/// that its receiver has not yet taken: the channel capacity of a link in
+/// one process, kept across processes with a credit message per activation
+/// taken, so that a fast stage cannot run ahead of a slow one on another
+/// rank and fill that rank's memory with queued activations.
+pub(super) struct Window {
+    pub(super) capacity: usize,
+    pub(super) in_flight: std::cell::Cell<usize>,
 }
 
 /// Where a worker receives one kind of message from.

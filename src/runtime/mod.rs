@@ -40,6 +40,7 @@ mod cluster;
 mod context;
 #[doc(hidden)]
 pub mod frames;
+pub mod interrupt;
 pub mod launch;
 mod messages;
 #[cfg(feature = "mpi")]
@@ -103,6 +104,10 @@ pub struct RuntimeSettings {
     /// A failure anywhere ends the run on every rank (no re-plan within the
     /// run; `resume_from` continues it, on any number of ranks).
     pub transport: Option<Arc<dyn transport::Transport>>,
+    /// Ask the run to stop after the steps in flight (Ctrl-C, SIGTERM): every
+    /// block's checkpoint is written and the run returns
+    /// [`Error::Interrupted`]; `resume_from` continues it.
+    pub interrupt: interrupt::Interrupt,
 }
 
 impl Default for RuntimeSettings {
@@ -118,6 +123,7 @@ impl Default for RuntimeSettings {
             costs: None,
             memory_per_device: None,
             transport: None,
+            interrupt: interrupt::Interrupt::new(),
         }
     }
 }
@@ -329,6 +335,7 @@ where
     let mut phase_index = 0;
     while phase_index < plan.phases.len() {
         let description = plan.describe();
+        let gate = sync::StepGate::new();
         let context = PhaseContext {
             phase: &plan.phases[phase_index],
             phase_index,
@@ -347,10 +354,16 @@ where
             first_worker: record.workers.len(),
             identities: &identities,
             recovery_target: record.awaiting_recovery.map(|(_, target)| target),
+            gate: &gate,
         };
         let outcome = run_phase(&context, &mut trainers, observer)?;
+        let interrupted = outcome.interrupted;
         let Some(failure) = record.absorb(outcome) else {
             phase_index += 1;
+            let done = trainers.iter().flatten().all(|t| t.step >= total_steps);
+            if let Some(signal) = interrupted.filter(|_| !done) {
+                return Err(interrupted_error(signal, &trainers, total_steps, runtime));
+            }
             continue;
         };
         plan = record.recover(failure, &plan, phase_index, &recovery, &mut trainers)?;
@@ -367,6 +380,25 @@ where
         resilience,
         final_plan: plan,
     })
+}
+
+/// The error of a run interrupted by `signal`, with the steps its blocks
+/// had completed and where their checkpoints are.
+fn interrupted_error<B: DistillBackend, S: StudentModule<B>>(
+    signal: i32,
+    trainers: &[Option<BlockTrainer<B, S>>],
+    total_steps: usize,
+    runtime: &RuntimeSettings,
+) -> Error {
+    let steps = trainers.iter().flatten().map(|t| t.step);
+    Error::Interrupted {
+        signal,
+        completed_steps: steps.clone().min().unwrap_or(0),
+        most_steps: steps.max().unwrap_or(0),
+        total_steps,
+        checkpoints: runtime.checkpoints.as_ref().map(|policy| policy.dir.clone()),
+        resume_command: None,
+    }
 }
 
 /// What a run has recorded over its phases so far.

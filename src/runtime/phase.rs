@@ -33,6 +33,9 @@ pub(super) struct PhaseOutcome {
     pub(super) target_reached_at: Option<Instant>,
     /// The worker failure that ended the phase early.
     pub(super) failure: Option<PhaseFailure>,
+    /// The signal that interrupted the run, when the run must not go on to
+    /// its next phase (agreed by every rank in a run over processes).
+    pub(super) interrupted: Option<i32>,
 }
 
 /// A phase ended by a failed worker; the surviving trainers are back in place.
@@ -80,7 +83,10 @@ where
         .runtime
         .transport
         .clone()
-        .map(|t| ClusterWatch::new(t, context.runtime.timeout.as_secs_f64()));
+        .map(|t| {
+            let silence = context.runtime.timeout.as_secs_f64();
+            ClusterWatch::new(t, silence, context.runtime.interrupt.clone(), (context.phase_index, start_step))
+        });
     let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
     let stages = context.phase.stages.len();
     let threads = threads_per_worker(context.runtime.threads_per_worker, count);
@@ -113,7 +119,8 @@ where
             .collect();
         drop(progress_tx);
         let mut forward = |msg| tally.take(msg, context, observer, &mut block_steps);
-        watchdog(&progress_rx, watch.as_mut(), &heartbeats, &who, &stop, stall_limit, &mut forward);
+        let watched = Watched { heartbeats: &heartbeats, who: &who, stall_limit, first_step: start_step };
+        watchdog(context, &progress_rx, watch.as_mut(), &watched, &stop, &mut forward);
         handles.into_iter().map(|h| h.join()).collect()
     });
 
@@ -136,6 +143,9 @@ where
     }
     let first = first.or_else(|| stop.take());
     outcome.target_reached_at = tally.target_reached_at;
+    if watch.is_none() {
+        outcome.interrupted = context.runtime.interrupt.requested();
+    }
     if let Some((error, detected_at)) = first {
         let completed = tally.reported;
         outcome.failure = Some(PhaseFailure { error, detected_at, lost_blocks, block_steps, completed });
@@ -166,15 +176,15 @@ fn phase_barrier<B: DistillBackend, T: Block<B::InnerBackend>>(
 /// Forwards progress (this process's, and across ranks the others') to
 /// `forward` until every worker has hung up, and raises the stop signal for
 /// a worker silent for longer than `stall_limit` seconds.
-fn watchdog(
+fn watchdog<B: DistillBackend, T: Block<B::InnerBackend>>(
+    context: &PhaseContext<'_, B, T>,
     progress: &crossbeam_channel::Receiver<ProgressMsg>,
     mut watch: Option<&mut ClusterWatch>,
-    heartbeats: &[Heartbeat],
-    who: &[(usize, usize, usize)],
+    watched: &Watched<'_>,
     stop: &Stop,
-    stall_limit: f64,
     forward: &mut dyn FnMut(ProgressMsg),
 ) {
+    let Watched { heartbeats, who, stall_limit, first_step } = *watched;
     loop {
         let mut arrived = Vec::new();
         let mut hung_up = false;
@@ -189,7 +199,10 @@ fn watchdog(
                     stop.raise(e);
                 }
             }
-            arrived.extend(watch.tick(stop));
+            arrived.extend(watch.tick(stop, context.gate));
+        } else if context.runtime.interrupt.requested().is_some() && !context.gate.is_closed() {
+            // Within one process the stop step is known at once.
+            context.gate.stop_at(context.gate.close(first_step));
         }
         for msg in arrived {
             forward(msg);
@@ -217,6 +230,17 @@ fn watchdog(
     }
 }
 
+/// What the watchdog watches: the workers' heartbeats and who they are
+/// (stage, replica, slot), how long one may stay silent, and the phase's
+/// first step.
+#[derive(Clone, Copy)]
+struct Watched<'a> {
+    heartbeats: &'a [Heartbeat],
+    who: &'a [(usize, usize, usize)],
+    stall_limit: f64,
+    first_step: usize,
+}
+
 /// The phase's outcome from its workers' results: their rows, spans and
 /// summaries, and their trainers back in `trainers`, but for the failed
 /// worker's, whose blocks are returned as lost.
@@ -232,6 +256,7 @@ fn collect_results<B: DistillBackend, S: StudentModule<B>>(
         checkpoints_written: 0,
         target_reached_at: None,
         failure: None,
+        interrupted: None,
     };
     let mut lost_blocks = Vec::new();
     for (i, result) in results.into_iter().enumerate() {
@@ -289,8 +314,9 @@ where
         outcome.spans.clone(),
         outcome.workers.clone(),
         outcome.checkpoints_written,
+        context.runtime.interrupt.requested(),
     )?;
-    let ends = match watch.finish_phase(&mine, stop, on_progress) {
+    let ends = match watch.finish_phase(&mine, stop, context.gate, on_progress) {
         Ok(Some(ends)) => ends,
         Ok(None) => return Ok(()),
         Err(e) => {
@@ -299,6 +325,13 @@ where
         }
     };
     let device = &context.devices[watch.rank().min(context.devices.len() - 1)];
+    // Every rank reads the same ends (its own and the others'), in rank order.
+    let mut signals = ends.iter().map(|end| end.interrupted).collect::<Vec<_>>();
+    signals.insert(watch.rank().min(signals.len()), mine.interrupted);
+    outcome.interrupted = signals.into_iter().find(|&s| s > 0);
+    if let Some(signal) = outcome.interrupted {
+        context.runtime.interrupt.request(signal);
+    }
     for end in ends {
         for (k, state) in end.states {
             let trainer = trainers.get_mut(k).and_then(|t| t.as_mut()).ok_or_else(|| Error::Transport {

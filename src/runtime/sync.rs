@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 
-use super::messages::{Peer, Sink, Source};
+use super::messages::{Peer, Sink, Source, Window};
 use super::transport::Tag;
 use crate::error::{Error, Result};
 
@@ -256,8 +256,37 @@ pub(super) fn send_to<M>(
 ) -> Flow<()> {
     match sink {
         Sink::Local(tx) => send(tx, message, stop, timeout, what),
-        Sink::Remote(peer) => Ok(peer.transport.post(peer.rank, tag, encode(message)?)?),
+        Sink::Remote(peer, window) => {
+            if tag == Tag::Activation {
+                wait_for_credit(peer, window, stop, timeout, what)?;
+            }
+            Ok(peer.transport.post(peer.rank, tag, encode(message)?)?)
+        }
     }
+}
+
+/// Waits until `window` lets one more activation go to `peer` (taking the
+/// credits `peer` has sent back), then counts it as in flight.
+fn wait_for_credit(
+    peer: &Peer,
+    window: &Window,
+    stop: &Stop,
+    timeout: Duration,
+    what: impl Fn() -> String,
+) -> Flow<()> {
+    let attempt = || {
+        while window.in_flight.get() > 0 {
+            let wait = if window.in_flight.get() < window.capacity { Duration::ZERO } else { POLL };
+            match peer.transport.receive(peer.rank, Tag::Credit, wait)? {
+                Some(_) => window.in_flight.set(window.in_flight.get() - 1),
+                None => break,
+            }
+        }
+        Ok((window.in_flight.get() < window.capacity).then_some(()))
+    };
+    wait_for(attempt, stop, timeout, what)?;
+    window.in_flight.set(window.in_flight.get() + 1);
+    Ok(())
 }
 
 /// Receives a message from a source: its channel, or another rank's
@@ -272,6 +301,130 @@ pub(super) fn receive_from<M>(
 ) -> Flow<M> {
     match source {
         Source::Local(rx) => receive(rx, stop, timeout, what),
-        Source::Remote(peer) => Ok(decode(receive_remote(peer, tag, stop, timeout, what)?)?),
+        Source::Remote(peer) => {
+            let bytes = receive_remote(peer, tag, stop, timeout, what)?;
+            if tag == Tag::Activation {
+                peer.transport.post(peer.rank, Tag::Credit, Vec::new())?;
+            }
+            Ok(decode(bytes)?)
+        }
+    }
+}
+
+/// Where an interrupted phase stops: workers pass the gate at the start of
+/// every step; once it is closed, no step past the highest one already
+/// started begins. Within one process the watchdog closes it and sets the
+/// stop step at once; across processes it stays closed (workers wait at it)
+/// until the ranks have agreed on the stop step ([`super::cluster`]).
+pub(super) struct StepGate {
+    state: Mutex<GateState>,
+    opened: Condvar,
+}
+
+#[derive(Default)]
+struct GateState {
+    /// The highest step a worker of this process has started.
+    highest_started: Option<usize>,
+    closed: bool,
+    /// No worker starts this step or a later one.
+    stop_at: Option<usize>,
+}
+
+impl StepGate {
+    pub(super) fn new() -> Self {
+        Self { state: Mutex::new(GateState::default()), opened: Condvar::new() }
+    }
+
+    /// Called by a worker before `step`: true to run it, false to stop
+    /// before it (the run was interrupted); waits while the gate is closed
+    /// without a stop step, giving way to the stop signal.
+    pub(super) fn enter(&self, step: usize, stop: &Stop) -> Flow<bool> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(stop_at) = state.stop_at {
+                return Ok(step < stop_at);
+            }
+            if !state.closed {
+                state.highest_started = Some(state.highest_started.map_or(step, |h| h.max(step)));
+                return Ok(true);
+            }
+            if stop.is_raised() {
+                return Err(Halt::Stopped);
+            }
+            let (next, _) = self.opened.wait_timeout(state, POLL).unwrap_or_else(|p| p.into_inner());
+            state = next;
+        }
+    }
+
+    /// Closes the gate (once) and returns the step this process would stop
+    /// at: one past the highest step started here, or `first_step` when
+    /// none has started.
+    pub(super) fn close(&self, first_step: usize) -> usize {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.closed = true;
+        state.highest_started.map_or(first_step, |h| h + 1)
+    }
+
+    /// Opens the closed gate with the stop step: workers before it go on,
+    /// the others stop. The first stop step set is kept.
+    pub(super) fn stop_at(&self, step: usize) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.closed = true;
+        state.stop_at.get_or_insert(step);
+        self.opened.notify_all();
+    }
+
+    /// Whether the gate has been closed (a stop step is set or being agreed).
+    pub(super) fn is_closed(&self) -> bool {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).closed
+    }
+}
+
+#[cfg(test)]
+mod gate_tests {
+    use super::*;
+
+    #[test]
+    fn no_step_starts_past_the_highest_started_once_closed() {
+        let gate = StepGate::new();
+        let stop = Stop::new();
+        assert!(gate.enter(3, &stop).ok().unwrap());
+        assert!(gate.enter(5, &stop).ok().unwrap());
+        assert_eq!(gate.close(3), 6);
+        gate.stop_at(6);
+        // A slower worker still finishes the steps up to the stop step.
+        assert!(gate.enter(4, &stop).ok().unwrap());
+        assert!(!gate.enter(6, &stop).ok().unwrap());
+        gate.stop_at(9);
+        assert!(!gate.enter(7, &stop).ok().unwrap(), "the first stop step is kept");
+        let untouched = StepGate::new();
+        assert_eq!(untouched.close(7), 7, "nothing started: stop before the first step");
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+    use crate::runtime::transport::Loopback;
+
+    #[test]
+    fn a_sender_to_another_rank_keeps_at_most_the_capacity_in_flight() {
+        let ranks = Loopback::group(2);
+        let peer = |rank: usize, of: usize| Peer { transport: ranks[of].clone(), rank };
+        let sink: Sink<Vec<u8>> = Sink::Remote(peer(1, 0), Window { capacity: 2, in_flight: Default::default() });
+        let source: Source<Vec<u8>> = Source::Remote(peer(0, 1));
+        let stop = Stop::new();
+        let short = Duration::from_millis(200);
+        let send = |byte: u8| send_to(&sink, vec![byte], Tag::Activation, Ok, &stop, short, || "send".into());
+        let take = || receive_from(&source, Tag::Activation, Ok, &stop, short, || "receive".into());
+        assert!(send(1).is_ok() && send(2).is_ok());
+        match send(3) {
+            Err(Halt::Failed(Error::Timeout { message })) => assert!(message.contains("send"), "{message}"),
+            _ => panic!("a third activation went out with two untaken"),
+        }
+        assert_eq!(take().ok(), Some(vec![1]));
+        assert!(send(3).is_ok(), "a taken activation frees its place");
+        assert_eq!(take().ok(), Some(vec![2]));
+        assert_eq!(take().ok(), Some(vec![3]));
     }
 }

@@ -12,7 +12,7 @@ use pipebd_core::{Block, StudentModule};
 use pipebd_kernels::DistillBackend;
 
 use super::context::PhaseContext;
-use super::messages::{ActivationMsg, GradientMsg, ModuleMsg, Peer, Sink, Source};
+use super::messages::{ActivationMsg, GradientMsg, ModuleMsg, Peer, Sink, Source, Window};
 use super::transport::Transport;
 use crate::error::{Error, Result};
 use crate::plan::{Phase, Stage};
@@ -28,7 +28,10 @@ fn link<M>(
 ) -> (Sink<M>, Source<M>) {
     match transport {
         Some(t) if from_rank != to_rank => (
-            Sink::Remote(Peer { transport: t.clone(), rank: to_rank }),
+            Sink::Remote(
+                Peer { transport: t.clone(), rank: to_rank },
+                Window { capacity: capacity.max(1), in_flight: Default::default() },
+            ),
             Source::Remote(Peer { transport: t.clone(), rank: from_rank }),
         ),
         _ => {

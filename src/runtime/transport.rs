@@ -44,11 +44,17 @@ pub enum Tag {
     PhaseEnd = 8,
     /// The plan chosen by rank 0 (`auto`).
     Plan = 9,
+    /// The run was interrupted (SIGINT, SIGTERM): the phase, the signal and
+    /// the step this rank would stop at; every rank stops at the highest.
+    Interrupt = 10,
+    /// The receiver of a boundary activation took it: the sender may have
+    /// one more in flight (`RuntimeSettings::channel_capacity` across ranks).
+    Credit = 11,
 }
 
 impl Tag {
     /// Every tag, for decoding.
-    pub const ALL: [Tag; 9] = [
+    pub const ALL: [Tag; 11] = [
         Tag::Activation,
         Tag::Gradients,
         Tag::Modules,
@@ -58,6 +64,8 @@ impl Tag {
         Tag::Stop,
         Tag::PhaseEnd,
         Tag::Plan,
+        Tag::Interrupt,
+        Tag::Credit,
     ];
 
     /// The tag with this wire number.

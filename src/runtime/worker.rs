@@ -126,6 +126,17 @@ where
         if stop.is_raised() {
             return Err(Halt::Stopped);
         }
+        let go_on = {
+            let _waiting = state.beat.waiting();
+            context.gate.enter(step, stop)?
+        };
+        if !go_on {
+            // Interrupted: the steps before this one are done everywhere.
+            if worker.is_leader() {
+                write_interrupted_checkpoints(context, worker, state)?;
+            }
+            return Ok(());
+        }
         inject_fault(context, worker.slot, step, stop)?;
         let arch_tick = match (context.held_out, &context.settings.single_path) {
             (Some(_), Some(single_path)) => single_path.arch_step_at(step, context.total_steps),
@@ -623,12 +634,7 @@ where
         };
         let pause = context.runtime.faults.iter().any(|f| f.hits_checkpoint(block, step));
         let identity = context.identities[trainer.index].clone();
-        let position = BTreeMap::from([
-            ("epoch".to_string(), serde_json::json!(step / context.per_epoch)),
-            ("batch_in_epoch".to_string(), serde_json::json!(step % context.per_epoch)),
-            ("next_lr".to_string(), serde_json::json!(trainer.current_lr())),
-            ("data_seed".to_string(), serde_json::json!(context.settings.seed)),
-        ]);
+        let position = checkpoint_position(context, step, trainer.current_lr());
         checkpoint::write(
             policy,
             block,
@@ -647,4 +653,58 @@ where
         *last_checkpoint = Instant::now();
     }
     Ok(())
+}
+
+/// A stage leader's checkpoints when the run is interrupted before a step:
+/// every block it trains that is neither done nor already saved at its step.
+fn write_interrupted_checkpoints<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    worker: &Worker<B, S>,
+    state: &mut LoopState<'_>,
+) -> Flow<()>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let Some(policy) = &context.runtime.checkpoints else {
+        return Ok(());
+    };
+    for trainer in &worker.trainers {
+        let (block, step) = (trainer.index + 1, trainer.step);
+        if step == 0 || step >= context.total_steps || checkpoint::has_step(&policy.dir, block, step) {
+            continue;
+        }
+        state.position.block = Some(block);
+        let started = Instant::now();
+        let saved = trainer.save_state()?;
+        checkpoint::write(
+            policy,
+            block,
+            &saved,
+            context.plan_description,
+            context.identities[trainer.index].clone(),
+            checkpoint_position(context, trainer.step, trainer.current_lr()),
+            None,
+        )?;
+        state.recorder.record(SpanKind::Checkpoint, Some(block), started);
+        *state.checkpoints_written += 1;
+        state.beat.beat();
+    }
+    Ok(())
+}
+
+/// Where a checkpoint written after `step` steps stands in the data, for
+/// its manifest.
+fn checkpoint_position<B: DistillBackend, T: Block<B::InnerBackend>>(
+    context: &PhaseContext<'_, B, T>,
+    step: usize,
+    next_lr: f64,
+) -> BTreeMap<String, serde_json::Value> {
+    BTreeMap::from([
+        ("epoch".to_string(), serde_json::json!(step / context.per_epoch)),
+        ("batch_in_epoch".to_string(), serde_json::json!(step % context.per_epoch)),
+        ("next_lr".to_string(), serde_json::json!(next_lr)),
+        ("data_seed".to_string(), serde_json::json!(context.settings.seed)),
+    ])
 }

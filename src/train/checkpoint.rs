@@ -120,6 +120,11 @@ pub fn block_dir(dir: &Path, block: usize) -> PathBuf {
     dir.join(format!("block-{block:02}"))
 }
 
+/// Whether a complete checkpoint of `block` (one-based) at `step` is in `dir`.
+pub fn has_step(dir: &Path, block: usize, step: usize) -> bool {
+    block_dir(dir, block).join(step_name(step)).join(MANIFEST).is_file()
+}
+
 fn step_name(step: usize) -> String {
     format!("step-{step:08}")
 }

@@ -33,6 +33,7 @@ mod reference;
 mod resilience;
 mod schedules;
 mod search;
+mod signals;
 mod smollm2;
 mod stitch;
 mod sweep;

@@ -244,3 +244,79 @@ fn a_plan_needing_more_ranks_than_started_fails_before_training() {
     assert!(started.elapsed() < Duration::from_secs(60));
     assert!(!out.join("report.json").exists() && !out.join("checkpoints").exists(), "it trained");
 }
+
+#[test]
+fn sigterm_to_every_rank_or_sigint_to_one_stops_all_at_one_step_and_resume_continues() {
+    use crate::signals::{completed_steps, finish, printed_resume_command, send, wait_for_checkpoint};
+    let _serial = common::timing_sensitive();
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "schedule = \"tr-dpu\"\n\n[checkpoint]\nevery_steps = 7\nevery_minutes = 0.0";
+    let config = write_config(dir.path(), "signals.toml", 1280, 8, extra);
+    let reference = dir.path().join("reference");
+    succeed(
+        run_args(&mut one_process(), &config, &reference).args(["--transport", "local"]).output().unwrap(),
+        "uninterrupted run",
+    );
+    // As Slurm preempts a job (SIGTERM to every task), then Ctrl-C reaching
+    // one rank only: the others learn it from that rank.
+    for (signal, to_ranks) in [("TERM", vec![0, 1]), ("INT", vec![1])] {
+        let out = dir.path().join(signal);
+        let mut child = run_args(&mut mpirun(2), &config, &out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let checkpoints = out.join("checkpoints");
+        wait_for_checkpoint(&mut child, &checkpoints, 7);
+        let pids = rank_pids(&config);
+        assert_eq!(pids.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 1], "ranks found: {pids:?}");
+        for rank in to_ranks {
+            send(signal, pids[rank].1);
+        }
+        let (exit, stderr) = finish(child, Duration::from_secs(60));
+        assert_ne!(exit, Some(0), "{stderr}");
+        assert!(stderr.contains(&format!("interrupted by SIG{signal}")), "{stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("no heartbeat"), "{stderr}");
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(rank_pids(&config).is_empty(), "ranks left running: {:?}", rank_pids(&config));
+        let stopped = completed_steps(&stderr);
+        assert!((7..160).contains(&stopped), "stopped at {stopped}");
+        let saved: Vec<Option<usize>> = (1..=4).map(|b| common::newest_step(&checkpoints, b)).collect();
+        assert_eq!(saved, vec![Some(stopped); 4], "SIG{signal}: checkpoints after the stop");
+
+        let words = printed_resume_command(&stderr);
+        assert_eq!(&words[..3], ["mpirun", "-n", "2"], "{words:?}");
+        assert_eq!(words[4..].last().map(String::as_str), Some(&*out.to_string_lossy()), "{words:?}");
+        // The printed command, with this machine's mpirun flags.
+        succeed(mpirun(2).args(&words[4..]).output().unwrap(), "the printed resume command");
+        let resumed = RunReport::read(&out).unwrap();
+        assert_eq!(resumed.steps_run, resumed.steps - stopped);
+        let diff = common::max_abs_diff(&common::student_weights(&reference), &common::student_weights(&out));
+        assert!(diff <= 1e-5, "SIG{signal}: resumed weights differ by {diff} from the uninterrupted run");
+    }
+}
+
+#[test]
+fn sigusr1_to_mpirun_reaches_every_rank_and_stops_them_at_one_step() {
+    use crate::signals::{completed_steps, finish, send, wait_for_checkpoint};
+    let _serial = common::timing_sensitive();
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "schedule = \"tr-dpu\"\n\n[checkpoint]\nevery_steps = 7\nevery_minutes = 0.0";
+    let config = write_config(dir.path(), "usr1.toml", 1280, 8, extra);
+    let out = dir.path().join("usr1");
+    let mut child =
+        run_args(&mut mpirun(2), &config, &out).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let checkpoints = out.join("checkpoints");
+    wait_for_checkpoint(&mut child, &checkpoints, 7);
+    // What scripts/slurm.sbatch does when Slurm warns of the end of the job.
+    send("USR1", child.id());
+    let (exit, stderr) = finish(child, Duration::from_secs(60));
+    assert_ne!(exit, Some(0), "{stderr}");
+    assert!(stderr.contains("interrupted by SIGUSR1"), "{stderr}");
+    let stopped = completed_steps(&stderr);
+    let saved: Vec<Option<usize>> = (1..=4).map(|b| common::newest_step(&checkpoints, b)).collect();
+    assert_eq!(saved, vec![Some(stopped); 4], "checkpoints after the stop");
+    succeed(run_args(&mut mpirun(2), &config, &out).arg("--resume").arg(&out).output().unwrap(), "resume");
+    let resumed = RunReport::read(&out).unwrap();
+    assert_eq!(resumed.steps_run, resumed.steps - stopped);
+}
