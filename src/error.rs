@@ -255,6 +255,12 @@ impl Error {
         }
     }
 
+    /// Another rank's message of kind `what` that does not decode: the
+    /// error names the rank that sent it.
+    pub fn damaged_frame(rank: usize, what: &str, error: Error) -> Self {
+        Error::Peer { rank, message: format!("sent a damaged {what} message: {error}") }
+    }
+
     /// An I/O failure on the user's file `path` while `action` ("reading",
     /// "writing", "creating directory").
     pub fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {

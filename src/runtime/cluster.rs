@@ -124,8 +124,8 @@ impl ClusterWatch {
         }
         self.announce(stop);
         let mut progress = Vec::new();
-        while let Some((_, bytes)) = self.transport.receive_any(Tag::Progress, Duration::ZERO)? {
-            progress.push(decode_progress(&bytes)?);
+        while let Some((rank, bytes)) = self.transport.receive_any(Tag::Progress, Duration::ZERO)? {
+            progress.push(decode_progress(&bytes).map_err(|e| Error::damaged_frame(rank, "progress", e))?);
         }
         Ok(progress)
     }
@@ -217,7 +217,8 @@ impl ClusterWatch {
                     continue;
                 }
                 if let Some(bytes) = self.transport.receive(rank, Tag::PhaseEnd, Duration::ZERO)? {
-                    ends.insert(rank, PhaseEnd::decode(&bytes)?);
+                    let end = PhaseEnd::decode(&bytes).map_err(|e| Error::damaged_frame(rank, "end-of-phase", e))?;
+                    ends.insert(rank, end);
                 }
             }
             std::thread::sleep(POLL / 4);

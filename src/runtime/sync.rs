@@ -306,7 +306,8 @@ pub(super) fn receive_from<M>(
             if tag == Tag::Activation {
                 peer.transport.post(peer.rank, Tag::Credit, Vec::new())?;
             }
-            Ok(decode(bytes)?)
+            let what = format!("{tag:?}").to_lowercase();
+            Ok(decode(bytes).map_err(|e| Error::damaged_frame(peer.rank, &what, e))?)
         }
     }
 }
@@ -426,5 +427,23 @@ mod window_tests {
         assert!(send(3).is_ok(), "a taken activation frees its place");
         assert_eq!(take().ok(), Some(vec![2]));
         assert_eq!(take().ok(), Some(vec![3]));
+    }
+
+    #[test]
+    fn a_damaged_frame_from_another_rank_is_an_error_naming_that_rank() {
+        let ranks = Loopback::group(3);
+        let source: Source<Vec<u8>> = Source::Remote(Peer { transport: ranks[0].clone(), rank: 2 });
+        ranks[2].post(0, Tag::Activation, vec![1, 2, 3]).unwrap();
+        let stop = Stop::new();
+        let refuse = |_: Vec<u8>| -> Result<Vec<u8>> { Err(Error::Transport { message: "cut short".into() }) };
+        let wait = Duration::from_secs(5);
+        match receive_from(&source, Tag::Activation, refuse, &stop, wait, || "receive".into()) {
+            Err(Halt::Failed(error)) => {
+                let text = error.to_string();
+                assert!(text.starts_with("rank 2: sent a damaged activation message"), "{text}");
+                assert!(text.contains("cut short"), "{text}");
+            }
+            _ => panic!("a damaged frame was taken"),
+        }
     }
 }
