@@ -56,6 +56,7 @@ pub enum Error {
         crate::runtime::interrupt::signal_name(*signal),
         if most_steps > completed_steps { format!(" to {most_steps}") } else { String::new() },
         match checkpoints {
+            _ if *most_steps == 0 => "no step was complete, so there is nothing to save yet".to_string(),
             Some(dir) => format!("their checkpoints are in {}", dir.display()),
             None => "no checkpoints were written (the run has none)".to_string(),
         },
@@ -236,7 +237,23 @@ impl Error {
                 // Missing, unreadable or not-a-checkpoint weight and tokenizer files.
                 | Error::Teacher(_)
                 | Error::Zoo { .. }
-        )
+                // A search asked of a run folder without candidates, or
+                // with a damaged search.json.
+                | Error::Search { .. }
+        ) || self.is_missing_input()
+    }
+
+    /// A file the user named that is not there or not a file: reading it
+    /// failed with not-found, not-a-directory or is-a-directory (writing
+    /// failures stay runtime failures: a full disk is not the input's fault).
+    fn is_missing_input(&self) -> bool {
+        use std::io::ErrorKind::{IsADirectory, NotADirectory, NotFound};
+        match self {
+            Error::Io { action, source, .. } if action.starts_with("reading") => {
+                matches!(source.kind(), NotFound | NotADirectory | IsADirectory)
+            }
+            _ => false,
+        }
     }
 
     /// True when the failure is the kind a device loss produces (a panic, a

@@ -17,6 +17,7 @@
 //! ```
 
 mod alloc;
+mod cli;
 mod mutate;
 mod targets;
 
@@ -62,6 +63,21 @@ struct Args {
     /// List the targets and exit.
     #[arg(long)]
     list: bool,
+    /// Also run the `pipebd` binary under this many random argument vectors
+    /// (mutated configs and run folders); alone, only that.
+    #[arg(long)]
+    cli: Option<u64>,
+    /// Also stop this many runs at random points (SIGKILL, SIGTERM, SIGINT)
+    /// and check that resuming them ends with the uninterrupted weights.
+    #[arg(long)]
+    kills: Option<u64>,
+    /// A `pipebd` process of `--cli` running longer than this is stopped
+    /// and counted apart (a real run of a config asking for much work).
+    #[arg(long, default_value_t = 20)]
+    cli_limit_s: u64,
+    /// The `pipebd` binary (default: beside this one).
+    #[arg(long)]
+    pipebd: Option<PathBuf>,
     /// Run inputs `--from`..`--to` of one target (what the supervisor starts).
     #[arg(long, hide = true)]
     worker: Option<String>,
@@ -86,7 +102,13 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
-    match supervise(&args) {
+    let whole_cli = args.cli.is_some() || args.kills.is_some();
+    let outcome = match (whole_cli, args.targets.is_empty()) {
+        (true, true) => fuzz_command_line(&args),
+        (true, false) => supervise(&args).and_then(|clean| Ok(fuzz_command_line(&args)? && clean)),
+        (false, _) => supervise(&args),
+    };
+    match outcome {
         Ok(clean) if clean || !args.check => ExitCode::SUCCESS,
         Ok(_) => ExitCode::from(1),
         Err(message) => {
@@ -94,6 +116,66 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+// ---------------------------------------------------------- command line
+
+/// `--cli` and `--kills`: the `pipebd` binary end to end. Writes `cli.json`
+/// and `kills.json` into `--out`; true when nothing failed.
+fn fuzz_command_line(args: &Args) -> Result<bool, String> {
+    let bin = match &args.pipebd {
+        Some(path) => path.clone(),
+        None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("pipebd"),
+    };
+    if !bin.is_file() {
+        return Err(format!("{}: no pipebd binary (build it, or give --pipebd)", bin.display()));
+    }
+    let root = std::env::current_dir().map_err(|e| e.to_string())?;
+    // The processes run in the work folder: every path they get is absolute.
+    let out = root.join(&args.out);
+    let findings = out.join("findings");
+    std::fs::create_dir_all(&findings).map_err(|e| format!("{}: {e}", findings.display()))?;
+    let mut clean = true;
+    if let Some(inputs) = args.cli {
+        let work = out.join("cli-work");
+        let limit = Duration::from_secs(args.cli_limit_s);
+        let tally = cli::fuzz_cli(&bin, &root, &work, (inputs, args.seed), limit, &findings)?;
+        eprintln!(
+            "fuzz: cli: {} inputs in {:.0} s, exit codes {:?}, {} over {} s, {} failures",
+            tally.inputs,
+            tally.seconds,
+            tally.exit_codes,
+            tally.over_time,
+            args.cli_limit_s,
+            tally.failures.len()
+        );
+        for failure in &tally.failures {
+            eprintln!("  {failure}");
+        }
+        clean &= tally.failures.is_empty();
+        write_json(&out.join("cli.json"), &tally)?;
+    }
+    if let Some(rounds) = args.kills {
+        let tally = cli::fuzz_kills(&bin, &root, &out.join("kill-work"), rounds, args.seed)?;
+        eprintln!(
+            "fuzz: kills: {} rounds in {:.0} s, worst weight difference {:e}, {} failures",
+            tally.rounds,
+            tally.seconds,
+            tally.worst_difference,
+            tally.failures.len()
+        );
+        for failure in &tally.failures {
+            eprintln!("  {failure}");
+        }
+        clean &= tally.failures.is_empty();
+        write_json(&out.join("kills.json"), &tally)?;
+    }
+    Ok(clean)
+}
+
+fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<(), String> {
+    let json = serde_json::to_string_pretty(value).map_err(|e| e.to_string())?;
+    std::fs::write(path, json).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 // ---------------------------------------------------------------- worker

@@ -59,3 +59,34 @@ fn every_reader_survives_its_mutated_inputs() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
+
+/// The `pipebd` binary end to end: random argument vectors with mutated
+/// configs and run folders (every exit 0, 1 or 2 with one message, no
+/// panic, no crash), and runs stopped at random points by SIGKILL, SIGTERM
+/// or SIGINT then resumed to the uninterrupted run's weights.
+#[test]
+fn the_command_line_survives_random_arguments_and_random_stops() {
+    let exe = env!("CARGO_BIN_EXE_pipebd-fuzz");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let out = tempfile::tempdir().unwrap();
+    let run = Command::new(exe)
+        .current_dir(&root)
+        .args(["--cli", "200", "--kills", "4", "--check", "--cli-limit-s", "60"])
+        .arg("--out")
+        .arg(out.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stderr}", run.status);
+    let cli: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("cli.json")).unwrap()).unwrap();
+    assert_eq!(cli["inputs"].as_u64(), Some(200), "{cli}");
+    // The inputs reach both ends: commands that succeed and refusals.
+    for code in ["0", "2"] {
+        assert!(cli["exit_codes"][code].as_u64().unwrap_or(0) >= 5, "few exits with {code}: {cli}");
+    }
+    let kills: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("kills.json")).unwrap()).unwrap();
+    assert_eq!(kills["rounds"].as_u64(), Some(4), "{kills}");
+    assert!(kills["worst_difference"].as_f64().unwrap() <= 1e-5, "{kills}");
+}

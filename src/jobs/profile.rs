@@ -519,7 +519,16 @@ pub fn cached_profile<Z: Zoo>(
     config: &RunConfig,
     say: &mut dyn FnMut(&str),
 ) -> Result<crate::jobs::profile::Profile> {
-    let path = Path::new(PROFILE_CACHE).join(format!("{}.json", profile_key(config)));
+    cached_profile_named(zoo, config, &profile_key(config), say)
+}
+
+fn cached_profile_named<Z: Zoo>(
+    zoo: &Z,
+    config: &RunConfig,
+    key: &str,
+    say: &mut dyn FnMut(&str),
+) -> Result<crate::jobs::profile::Profile> {
+    let path = Path::new(PROFILE_CACHE).join(format!("{key}.json"));
     if path.is_file() {
         if let Ok(profile) = crate::jobs::profile::Profile::read(&path) {
             say(&format!("using the cached profile {}", path.display()));
@@ -539,7 +548,12 @@ pub fn auto_plan<Z: Zoo>(
 ) -> Result<(Plan, CostTable)> {
     let slots = config.device_slots().len();
     let profile = cached_profile(zoo, config, say)?;
-    let costs = profile.cost_table(slots);
+    plan_on(profile.cost_table(slots), config, say)
+}
+
+/// The best hybrid plan for the config's device slots on `costs`.
+fn plan_on(costs: CostTable, config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<(Plan, CostTable)> {
+    let slots = config.device_slots().len();
     let blocks = costs.blocks();
     let candidates = crate::planning::planner::plan(&costs, slots, config.runtime.memory_per_device, 3);
     let best = candidates.first().ok_or_else(|| Error::Plan {
@@ -571,4 +585,77 @@ pub fn plan_from_candidate(candidate: &Candidate, blocks: usize, slots: usize) -
         .map_err(|e| Error::Plan { plan: Schedule::Auto.name().into(), message: e.0 })?;
     plan.name = Schedule::Auto.name().into();
     Ok(plan)
+}
+
+/// How long rank 0 waits for the other ranks' profiles.
+const PROFILE_WAIT: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// One rank's cost table for `auto` across processes: the config's blocks
+/// measured on this rank's own device slot (its device first in the list),
+/// cached under a key of its own (ranks on one machine profile at once).
+fn rank_costs<Z: Zoo>(zoo: &Z, config: &RunConfig, rank: usize, say: &mut dyn FnMut(&str)) -> Result<CostTable> {
+    let mut own = config.clone();
+    let mut slots = config.device_slots();
+    let slot_count = slots.len();
+    slots.rotate_left(rank.min(slot_count.saturating_sub(1)));
+    own.devices = Some(slots);
+    let key = format!("{}-rank{rank}", profile_key(&own));
+    Ok(cached_profile_named(zoo, &own, &key, say)?.cost_table(slot_count))
+}
+
+/// `auto` on a rank other than 0 of a run across processes: measures this
+/// rank's device and hands the cost table (or why it could not) to rank 0.
+pub fn send_rank_costs<Z: Zoo>(
+    zoo: &Z,
+    config: &RunConfig,
+    transport: &dyn crate::runtime::transport::Transport,
+) -> Result<()> {
+    let rank = transport.rank();
+    let mut quiet = |_: &str| {};
+    let message = match rank_costs(zoo, config, rank, &mut quiet) {
+        Ok(costs) => serde_json::json!({ "costs": costs }),
+        Err(e) => serde_json::json!({ "error": e.to_string() }),
+    };
+    transport.post(0, crate::runtime::transport::Tag::Profile, message.to_string().into_bytes())
+}
+
+/// `auto` on rank 0 of a run across processes: measures rank 0's device,
+/// takes every other rank's cost table, and plans on the slowest rank's
+/// cost of each entry (a pipeline moves at its slowest stage, and any stage
+/// may land on any rank), saying how far the ranks differ.
+pub fn auto_plan_across_ranks<Z: Zoo>(
+    zoo: &Z,
+    config: &RunConfig,
+    transport: &dyn crate::runtime::transport::Transport,
+    say: &mut dyn FnMut(&str),
+) -> Result<(Plan, CostTable)> {
+    let mine = rank_costs(zoo, config, 0, say)?;
+    let mut tables = vec![mine];
+    for rank in 1..transport.ranks() {
+        let bytes = transport.receive(rank, crate::runtime::transport::Tag::Profile, PROFILE_WAIT)?.ok_or_else(|| {
+            Error::Timeout { message: format!("rank 0 waited {} s for rank {rank}'s profile", PROFILE_WAIT.as_secs()) }
+        })?;
+        tables.push(costs_from_bytes(rank, &bytes)?);
+    }
+    let total = |t: &CostTable| t.single_replica_seconds();
+    for (rank, table) in tables.iter().enumerate() {
+        say(&format!(
+            "rank {rank}: the blocks take {:.1} ms a step on one replica ({:.2}x rank 0)",
+            1e3 * total(table),
+            total(table) / total(&tables[0]).max(1e-12)
+        ));
+    }
+    let slowest = CostTable::slowest(&tables).map_err(|message| Error::Peer { rank: 0, message })?;
+    plan_on(slowest, config, say)
+}
+
+/// A rank's cost table (or its failure to measure one) from its message.
+fn costs_from_bytes(rank: usize, bytes: &[u8]) -> Result<CostTable> {
+    let damaged = |e: String| Error::Peer { rank, message: format!("sent a damaged profile message: {e}") };
+    let mut message: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| damaged(e.to_string()))?;
+    if let Some(error) = message.get("error").and_then(|e| e.as_str()) {
+        return Err(Error::Peer { rank, message: format!("could not profile its device: {error}") });
+    }
+    let costs = message.get_mut("costs").ok_or_else(|| damaged("no `costs` in the message".into()))?;
+    serde_json::from_value(costs.take()).map_err(|e| damaged(e.to_string()))
 }

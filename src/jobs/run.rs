@@ -19,7 +19,7 @@ use crate::jobs::check::{check_out_dir, preflight};
 use crate::jobs::eval::{
     candidate_record_path, load_student_weights, save_candidates, save_students, score, student_record_path,
 };
-use crate::jobs::profile::auto_plan;
+use crate::jobs::profile::{auto_plan, auto_plan_across_ranks, send_rank_costs};
 use crate::jobs::search::SearchScores;
 use crate::plan::Plan;
 use crate::planning::planner::CostTable;
@@ -66,7 +66,7 @@ pub fn runtime_settings_for(
 ) -> Result<crate::runtime::RuntimeSettings> {
     let mut runtime = config.runtime_settings();
     runtime.checkpoints = Some(config.checkpoint_policy(out_dir.join("checkpoints"), zoo_identity));
-    runtime.resume_from = flags.resume.clone();
+    runtime.resume_from = flags.resume.clone().filter(|dir| !stopped_before_any_checkpoint(dir, out_dir, config));
     runtime.interrupt = flags.interrupt.clone();
     runtime.faults.extend(crate::fault::from_env()?);
     if let Some(max) = flags.max_failures {
@@ -80,6 +80,29 @@ pub fn runtime_settings_for(
         runtime.transport = Some(transport.clone());
     }
     Ok(runtime)
+}
+
+/// True when `--resume` names this run's own folder and it holds no
+/// checkpoint yet (the run was stopped before its first one): the run then
+/// starts from the first step, saying so, instead of refusing; the command
+/// printed by an interrupted run and a scheduler's requeue work either way.
+/// Another folder without checkpoints is still refused (a mistyped path).
+fn stopped_before_any_checkpoint(resume: &Path, out_dir: &Path, config: &RunConfig) -> bool {
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    let checkpoints = crate::train::checkpoint::resolve_dir(resume);
+    let blocks = config.students.len();
+    let empty = (1..=blocks).all(|b| crate::train::checkpoint::list(&checkpoints, b).is_empty());
+    let fresh = same(resume, out_dir) && empty;
+    if fresh {
+        eprintln!(
+            "pipebd: nothing to resume in {} yet (stopped before its first checkpoint): starting from the first step",
+            resume.display()
+        );
+    }
+    fresh
 }
 
 /// Runs the job described by `config`, with the teacher, students and data
@@ -125,10 +148,16 @@ pub fn run_rank<Z: Zoo>(
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
     let (plan, costs) = match (plan, &transport) {
         (Some(plan), _) => (plan, None),
-        (None, Some(t)) if t.rank() != 0 => (receive_plan(t.as_ref())?, None),
+        (None, Some(t)) if t.rank() != 0 => {
+            send_rank_costs(zoo, config, t.as_ref())?;
+            (receive_plan(t.as_ref())?, None)
+        }
         (None, _) => {
             let mut say = |line: &str| eprintln!("auto: {line}");
-            let planned = auto_plan(zoo, config, &mut say);
+            let planned = match &transport {
+                Some(t) => auto_plan_across_ranks(zoo, config, t.as_ref(), &mut say),
+                None => auto_plan(zoo, config, &mut say),
+            };
             if let Some(t) = &transport {
                 share_plan(t.as_ref(), planned.as_ref().map(|(plan, _)| plan).map_err(|e| e.to_string()))?;
             }

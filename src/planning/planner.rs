@@ -39,6 +39,62 @@ impl CostTable {
         self.teacher_forward.len()
     }
 
+    /// Seconds per step of every block on one replica (teacher forward and
+    /// student step), for comparing devices; infeasible entries count 0.
+    pub fn single_replica_seconds(&self) -> f64 {
+        let first = |rows: &Vec<Vec<Option<f64>>>| rows.iter().map(|r| r.first().copied().flatten().unwrap_or(0.0)).sum::<f64>();
+        first(&self.teacher_forward) + first(&self.student_step)
+    }
+
+    /// The table of the slowest of `tables` entry by entry (infeasible if
+    /// any is), for planning over devices that differ; an error when their
+    /// shapes differ (other blocks or replica counts).
+    pub fn slowest(tables: &[CostTable]) -> std::result::Result<CostTable, String> {
+        let first = tables.first().ok_or("no cost tables")?.clone();
+        let shape = |t: &CostTable| (t.blocks(), t.max_replicas());
+        let mut out = first;
+        for (i, t) in tables.iter().enumerate().skip(1) {
+            if shape(t) != shape(&out) {
+                return Err(format!(
+                    "cost table {i} covers {:?} (blocks, replicas), the first {:?}",
+                    shape(t),
+                    shape(&out)
+                ));
+            }
+            let worst_opt = |a: &mut Vec<Vec<Option<f64>>>, b: &Vec<Vec<Option<f64>>>| {
+                for (ra, rb) in a.iter_mut().zip(b) {
+                    for (x, y) in ra.iter_mut().zip(rb) {
+                        *x = match (*x, *y) {
+                            (Some(p), Some(q)) => Some(p.max(q)),
+                            _ => None,
+                        };
+                    }
+                }
+            };
+            let worst = |a: &mut Vec<Vec<f64>>, b: &Vec<Vec<f64>>| {
+                for (ra, rb) in a.iter_mut().zip(b) {
+                    for (x, y) in ra.iter_mut().zip(rb) {
+                        *x = x.max(*y);
+                    }
+                }
+            };
+            worst_opt(&mut out.teacher_forward, &t.teacher_forward);
+            worst_opt(&mut out.student_step, &t.student_step);
+            worst(&mut out.gradient_average, &t.gradient_average);
+            worst(&mut out.input_transfer, &t.input_transfer);
+            worst(&mut out.update, &t.update);
+            for (ra, rb) in out.memory.iter_mut().zip(&t.memory) {
+                for (x, y) in ra.iter_mut().zip(rb) {
+                    *x = match (*x, *y) {
+                        (Some(p), Some(q)) => Some(p.max(q)),
+                        _ => None,
+                    };
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Largest replica count the table covers.
     pub fn max_replicas(&self) -> usize {
         self.teacher_forward.first().map_or(0, |row| row.len())
@@ -249,6 +305,28 @@ mod tests {
             table.memory.push((1..=max_g).map(|g| Some(m.div_ceil(g as u64) + 10)).collect());
         }
         table
+    }
+
+    #[test]
+    fn the_slowest_table_takes_each_entrys_worst_and_refuses_other_shapes() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let (a, b) = (random_table(&mut rng, 4, 3), random_table(&mut rng, 4, 3));
+        let worst = CostTable::slowest(&[a.clone(), b.clone()]).unwrap();
+        for k in 0..4 {
+            for g in 0..3 {
+                let expected = match (a.teacher_forward[k][g], b.teacher_forward[k][g]) {
+                    (Some(x), Some(y)) => Some(x.max(y)),
+                    _ => None,
+                };
+                assert_eq!(worst.teacher_forward[k][g], expected, "block {k}, g {g}");
+                let step = a.student_step[k][g].unwrap().max(b.student_step[k][g].unwrap());
+                assert_eq!(worst.student_step[k][g], Some(step));
+                assert_eq!(worst.input_transfer[k][g], a.input_transfer[k][g].max(b.input_transfer[k][g]));
+            }
+        }
+        assert!(worst.single_replica_seconds() >= a.single_replica_seconds().max(b.single_replica_seconds()));
+        let other = random_table(&mut rng, 5, 3);
+        assert!(CostTable::slowest(&[a, other]).unwrap_err().contains("(5, 3)"));
     }
 
     #[test]

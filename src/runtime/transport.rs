@@ -50,11 +50,13 @@ pub enum Tag {
     /// The receiver of a boundary activation took it: the sender may have
     /// one more in flight (`RuntimeSettings::channel_capacity` across ranks).
     Credit = 11,
+    /// A rank's cost table (its own device's profile) for rank 0's `auto` plan.
+    Profile = 12,
 }
 
 impl Tag {
     /// Every tag, for decoding.
-    pub const ALL: [Tag; 11] = [
+    pub const ALL: [Tag; 12] = [
         Tag::Activation,
         Tag::Gradients,
         Tag::Modules,
@@ -66,6 +68,7 @@ impl Tag {
         Tag::Plan,
         Tag::Interrupt,
         Tag::Credit,
+        Tag::Profile,
     ];
 
     /// The tag with this wire number.

@@ -320,3 +320,26 @@ fn sigusr1_to_mpirun_reaches_every_rank_and_stops_them_at_one_step() {
     let resumed = RunReport::read(&out).unwrap();
     assert_eq!(resumed.steps_run, resumed.steps - stopped);
 }
+
+#[test]
+fn auto_under_mpirun_plans_from_every_ranks_own_profile() {
+    let _serial = common::timing_sensitive();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), "auto.toml", 640, 1, "schedule = \"auto\"");
+    let out = dir.path().join("auto");
+    // In the temporary folder: the profile cache (runs/.profile-cache) starts empty.
+    let output = run_args(&mut mpirun(2), &config, &out).current_dir(dir.path()).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    succeed(output, "auto on 2 ranks");
+    for rank in 0..2 {
+        assert!(stderr.contains(&format!("auto: rank {rank}: the blocks take")), "{stderr}");
+        let cached = std::fs::read_dir(dir.path().join("runs/.profile-cache"))
+            .unwrap()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(&format!("-rank{rank}.json")));
+        assert!(cached, "rank {rank} measured no profile of its own");
+    }
+    let report = RunReport::read(&out).unwrap();
+    assert_eq!(report.schedule, "auto");
+    assert_eq!(report.steps_run, report.steps);
+}

@@ -182,3 +182,27 @@ fn a_second_signal_ends_the_run_at_once() {
     assert!(sent.elapsed() < Duration::from_secs(5), "the second signal took {:?}", sent.elapsed());
     assert!(stderr.contains("send it again to stop at once"), "{stderr}");
 }
+
+#[test]
+fn resuming_a_run_stopped_before_its_first_checkpoint_starts_it_and_a_mistyped_folder_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("small.toml");
+    std::fs::write(&config, common::small_config(256, 100, 1)).unwrap();
+    let out = dir.path().join("never-saved");
+    // The printed resume command of a run stopped before any checkpoint (or
+    // a scheduler's requeue): its own folder, with nothing in it yet.
+    let run = pipebd().arg("run").arg(&config).arg("--out").arg(&out).arg("--resume").arg(&out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(stderr.contains("nothing to resume") && stderr.contains("starting from the first step"), "{stderr}");
+    let report = RunReport::read(&out).unwrap();
+    assert_eq!(report.steps_run, report.steps);
+    assert!(report.resilience.resumed.is_empty());
+    // Another folder without checkpoints is a mistake: refused, named.
+    let typo = dir.path().join("never-saved-typo");
+    let other = dir.path().join("other");
+    let run = pipebd().arg("run").arg(&config).arg("--out").arg(&other).arg("--resume").arg(&typo).output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no checkpoints to resume from") && stderr.contains("never-saved-typo"), "{stderr}");
+}
