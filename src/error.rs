@@ -180,12 +180,21 @@ pub enum Error {
         /// What does not match, or what is missing.
         message: String,
     },
-    /// Saving or loading a trained block's record (burn's weights file) failed.
+    /// Saving a trained block's record (burn's weights file) failed.
     #[error("record {path}: {message}")]
     Record {
         /// The record file.
         path: PathBuf,
         /// What went wrong.
+        message: String,
+    },
+    /// A trained block's record the user's input names (a run folder's
+    /// student, a config's `weights`) is missing or does not load.
+    #[error("record {path}: {message}")]
+    RecordInput {
+        /// The record file.
+        path: PathBuf,
+        /// What is wrong with it.
         message: String,
     },
     /// A zoo of the user's own could not use one of its inputs (a teacher
@@ -240,17 +249,20 @@ impl Error {
                 // A search asked of a run folder without candidates, or
                 // with a damaged search.json.
                 | Error::Search { .. }
+                | Error::RecordInput { .. }
         ) || self.is_missing_input()
     }
 
-    /// A file the user named that is not there or not a file: reading it
-    /// failed with not-found, not-a-directory or is-a-directory (writing
-    /// failures stay runtime failures: a full disk is not the input's fault).
+    /// A path the user named that is not what it must be: a directory
+    /// where a file goes or the other way round, or, read, missing or not
+    /// text (other write failures stay runtime failures: a full disk is not
+    /// the input's fault).
     fn is_missing_input(&self) -> bool {
-        use std::io::ErrorKind::{IsADirectory, NotADirectory, NotFound};
+        use std::io::ErrorKind::{InvalidData, IsADirectory, NotADirectory, NotFound};
         match self {
-            Error::Io { action, source, .. } if action.starts_with("reading") => {
-                matches!(source.kind(), NotFound | NotADirectory | IsADirectory)
+            Error::Io { source, .. } if matches!(source.kind(), NotADirectory | IsADirectory) => true,
+            Error::Io { action, source, .. } => {
+                action.starts_with("reading") && matches!(source.kind(), NotFound | InvalidData)
             }
             _ => false,
         }

@@ -46,7 +46,7 @@ pub fn preflight<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(Vec<DeviceSpec>
     check_batch_fits(zoo, config)?;
     for (k, weights) in config.student_weights().into_iter().enumerate() {
         if let Some(path) = weights.filter(|p| !p.is_file()) {
-            return Err(Error::Record {
+            return Err(Error::RecordInput {
                 path,
                 message: format!("not found (the `weights` of block {}: a file saved by a run)", k + 1),
             });

@@ -176,11 +176,11 @@ fn load_record<B: burn::tensor::backend::Backend, M: Module<B>>(
     context: &str,
 ) -> Result<M> {
     if !path.is_file() {
-        return Err(Error::Record { path: path.to_path_buf(), message: missing.to_string() });
+        return Err(Error::RecordInput { path: path.to_path_buf(), message: missing.to_string() });
     }
     module
         .load_file(path.with_extension(""), &recorder(), device)
-        .map_err(|e| Error::Record { path: path.to_path_buf(), message: format!("{context}{e}") })
+        .map_err(|e| Error::RecordInput { path: path.to_path_buf(), message: format!("{context}{e}") })
 }
 
 /// Saves every trained student block (inference copy) as a burn record.

@@ -307,13 +307,7 @@ where
         BlockTrainer::new(k, specs[k].clone(), detached_copy(&initial[k]), &settings.optimizer, total_steps)
             .configured(settings)
     };
-    let mut trainers: Vec<Option<BlockTrainer<B, S>>> = modules
-        .into_iter()
-        .zip(specs.iter().cloned())
-        .enumerate()
-        .map(|(k, (m, spec))| BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps))
-        .map(|trainer| Some(trainer.configured(settings)))
-        .collect();
+    let mut trainers = new_trainers(modules, &specs, settings, total_steps);
 
     let mut record = RunRecord::default();
     if let Some(dir) = &runtime.resume_from {
@@ -359,11 +353,10 @@ where
         let outcome = run_phase(&context, &mut trainers, observer)?;
         let interrupted = outcome.interrupted;
         let Some(failure) = record.absorb(outcome) else {
-            phase_index += 1;
-            let done = trainers.iter().flatten().all(|t| t.step >= total_steps);
-            if let Some(signal) = interrupted.filter(|_| !done) {
-                return Err(interrupted_error(signal, &trainers, total_steps, runtime));
+            if let Some(error) = interruption(interrupted, &trainers, total_steps, runtime) {
+                return Err(error);
             }
+            phase_index += 1;
             continue;
         };
         plan = record.recover(failure, &plan, phase_index, &recovery, &mut trainers)?;
@@ -382,23 +375,44 @@ where
     })
 }
 
-/// The error of a run interrupted by `signal`, with the steps its blocks
-/// had completed and where their checkpoints are.
-fn interrupted_error<B: DistillBackend, S: StudentModule<B>>(
-    signal: i32,
+/// One trainer per student module, at step 0.
+fn new_trainers<B: DistillBackend, S: StudentModule<B>>(
+    modules: Vec<S>,
+    specs: &[pipebd_core::BlockSpec],
+    settings: &TrainSettings,
+    total_steps: usize,
+) -> Vec<Option<BlockTrainer<B, S>>> {
+    modules
+        .into_iter()
+        .zip(specs.iter().cloned())
+        .enumerate()
+        .map(|(k, (m, spec))| BlockTrainer::new(k, spec, m, &settings.optimizer, total_steps))
+        .map(|trainer| Some(trainer.configured(settings)))
+        .collect()
+}
+
+/// After a phase the run was interrupted in (`interrupted`: the signal):
+/// the error that ends the run, with the steps its blocks had completed and
+/// where their checkpoints are; none when every block is done anyway.
+fn interruption<B: DistillBackend, S: StudentModule<B>>(
+    interrupted: Option<i32>,
     trainers: &[Option<BlockTrainer<B, S>>],
     total_steps: usize,
     runtime: &RuntimeSettings,
-) -> Error {
+) -> Option<Error> {
+    let signal = interrupted?;
+    if trainers.iter().flatten().all(|t| t.step >= total_steps) {
+        return None;
+    }
     let steps = trainers.iter().flatten().map(|t| t.step);
-    Error::Interrupted {
+    Some(Error::Interrupted {
         signal,
         completed_steps: steps.clone().min().unwrap_or(0),
         most_steps: steps.max().unwrap_or(0),
         total_steps,
         checkpoints: runtime.checkpoints.as_ref().map(|policy| policy.dir.clone()),
         resume_command: None,
-    }
+    })
 }
 
 /// What a run has recorded over its phases so far.

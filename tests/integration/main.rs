@@ -20,6 +20,7 @@ mod cluster;
 mod config;
 mod custom_loss;
 mod decoder_steps;
+mod docs;
 mod experiments;
 mod export;
 mod failures;
