@@ -1,7 +1,7 @@
 //! Distillation losses and fused linear ops for pipe-bd.
 //!
 //! This crate sits at the bottom of the dependency graph
-//! (`kernels <- students/teachers <- engine`). It extends burn's backend with
+//! (`kernels <- core <- {teachers, students, engine} <- zoo`). It extends burn's backend with
 //! three fused operations, [`FusedBackend`]:
 //!
 //! - **MSE distillation loss** `mean((s - t)^2)`, computed in one pass that

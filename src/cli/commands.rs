@@ -38,8 +38,14 @@ pub(super) fn run<Z: Zoo>(
         }
         other => other,
     });
+    let interrupted = matches!(report, Err(Error::Interrupted { .. }));
     if let Some(transport) = transport {
-        close_transport(transport, report.as_ref().is_err_and(|e| !matches!(e, Error::Interrupted { .. })));
+        close_transport(transport, report.is_err() && !interrupted);
+        if interrupted && rank != 0 {
+            // mpirun ends the job at the first rank that exits non-zero:
+            // rank 0 first prints the resume command.
+            std::thread::sleep(std::time::Duration::from_secs(3));
+        }
     }
     if let (Ok(_), Some(signal)) = (&report, interrupt.requested()) {
         let name = crate::runtime::interrupt::signal_name(signal);

@@ -773,10 +773,11 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
 }
 
 /// The built-in zoo: the MNIST CNN teacher on MNIST/Fashion-MNIST images
-/// (`data.dataset = "mnist"`, `teacher.kind = "mnist-cnn"`) and MiniLM on
-/// the Brown corpus (`"brown"`, `"minilm-l6"`), with the students of
-/// `pipebd-students` (`[[students]] kind = "conv" | "dwsep" | "mlp" |
-/// "encoder" | ...`). `pipebd` itself is `cli::run_with(Builtin)`.
+/// (`data.dataset = "mnist"`, `teacher.kind = "mnist-cnn"`), MiniLM and
+/// SmolLM2 on the Brown corpus (`"brown"`; `"minilm-l6"`, `"smollm2-135m"`),
+/// with the students of `pipebd-students` (`[[students]] kind = "conv" |
+/// "separable" | "bottleneck" | "inverted" | "head" | "encoder" | "decoder"
+/// | "skip"`). `pipebd` itself is `cli::run_with(Builtin)`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Builtin;
 

@@ -7,7 +7,11 @@
 //! - the pretrained MNIST CNN on MNIST-format images ([`mnist`]:
 //!   `data.dataset = "mnist"`, `teacher.kind = "mnist-cnn"`),
 //! - all-MiniLM-L6-v2 on the Brown corpus, evaluated by sentence-embedding
-//!   cosine and a SpamAssassin probe ([`text`]: `"brown"`, `"minilm-l6"`).
+//!   cosine and a SpamAssassin probe ([`text`]: `"brown"`, `"minilm-l6"`),
+//! - the decoder LLM SmolLM2-135M from its GGUF file on the Brown corpus,
+//!   evaluated by perplexity, top-1 agreement and KL to the teacher ([`lm`]:
+//!   `"brown"`, `teacher.kind = "smollm2-135m"`), its students leaving as GGUF
+//!   files for llama.cpp ([`export`]).
 //!
 //! The engine (`pipe-bd`) depends on none of this: it names no teacher,
 //! student, data set or file format. The `pipebd` binary is [`cli`], that is
