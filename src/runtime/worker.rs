@@ -619,9 +619,6 @@ where
             continue;
         }
         let block = trainer.index + 1;
-        state.position.block = Some(block);
-        let started = Instant::now();
-        let saved = trainer.save_state()?;
         let stall = |tmp: &std::path::Path| {
             eprintln!(
                 "pipebd: fault: checkpoint write stalled (block {block}, step {step}, {})",
@@ -633,20 +630,7 @@ where
             }
         };
         let pause = context.runtime.faults.iter().any(|f| f.hits_checkpoint(block, step));
-        let identity = context.identities[trainer.index].clone();
-        let position = checkpoint_position(context, step, trainer.current_lr());
-        checkpoint::write(
-            policy,
-            block,
-            &saved,
-            context.plan_description,
-            identity,
-            position,
-            if pause { Some(&stall) } else { None },
-        )?;
-        state.recorder.record(SpanKind::Checkpoint, Some(block), started);
-        *state.checkpoints_written += 1;
-        state.beat.beat();
+        save_block(context, policy, trainer, state, if pause { Some(&stall) } else { None })?;
         wrote = true;
     }
     if wrote || timed {
@@ -675,22 +659,35 @@ where
         if step == 0 || step >= context.total_steps || checkpoint::has_step(&policy.dir, block, step) {
             continue;
         }
-        state.position.block = Some(block);
-        let started = Instant::now();
-        let saved = trainer.save_state()?;
-        checkpoint::write(
-            policy,
-            block,
-            &saved,
-            context.plan_description,
-            context.identities[trainer.index].clone(),
-            checkpoint_position(context, trainer.step, trainer.current_lr()),
-            None,
-        )?;
-        state.recorder.record(SpanKind::Checkpoint, Some(block), started);
-        *state.checkpoints_written += 1;
-        state.beat.beat();
+        save_block(context, policy, trainer, state, None)?;
     }
+    Ok(())
+}
+
+/// Writes `trainer`'s checkpoint at its step under `policy` (`pause`: the
+/// injected stall of a test), recording the span and the count.
+fn save_block<B, T, S>(
+    context: &PhaseContext<'_, B, T>,
+    policy: &checkpoint::CheckpointPolicy,
+    trainer: &BlockTrainer<B, S>,
+    state: &mut LoopState<'_>,
+    pause: Option<checkpoint::WritePause<'_>>,
+) -> Flow<()>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let block = trainer.index + 1;
+    state.position.block = Some(block);
+    let started = Instant::now();
+    let saved = trainer.save_state()?;
+    let identity = context.identities[trainer.index].clone();
+    let position = checkpoint_position(context, trainer.step, trainer.current_lr());
+    checkpoint::write(policy, block, &saved, context.plan_description, identity, position, pause)?;
+    state.recorder.record(SpanKind::Checkpoint, Some(block), started);
+    *state.checkpoints_written += 1;
+    state.beat.beat();
     Ok(())
 }
 
