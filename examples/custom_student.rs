@@ -20,7 +20,7 @@ use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
-use pipe_bd::jobs::eval::{score, TopOneAccuracy};
+use pipe_bd::eval::{score, TopOneAccuracy};
 use pipe_bd::runtime::Distillation;
 use pipe_bd::train::{inference_blocks, TrainSettings};
 use pipe_bd::{Activation, Block, BlockResult, FusedBackend, Plan, Students};

@@ -26,7 +26,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use pipe_bd::data::{epoch_order, ImageDataset};
-use pipe_bd::jobs::eval::{load_student_records, save_students};
+use pipe_bd::eval::{load_student_records, save_students};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::train::checkpoint::CheckpointPolicy;
 use pipe_bd::train::stitch::{stitched_pass, StitchedGradients, StitchedPass};

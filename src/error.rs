@@ -330,7 +330,7 @@ pub(crate) fn relabel(error: impl Into<Error>, block: usize) -> Error {
     error.into().at_block(block)
 }
 
-pub(crate) use pipebd_core::panic_message;
+pub use pipebd_core::panic_message;
 
 fn at_block(block: usize, step: usize) -> String {
     match block {

@@ -15,17 +15,17 @@
 //! `examples/` and `ARCHITECTURE.md`.
 //!
 //! - [`data`]: datasets and seeded batching,
-//! - [`zoo`]: where teachers, students and data come from ([`zoo::Zoo`]; the
-//!   built-in ones are `pipebd_zoo::Builtin`), from config sections,
 //! - [`train`]: one block's optimizer step, its settings, the stitched pass,
 //! - [`runtime`]: the one interpreter of plans,
-//! - [`jobs`]: what each `pipebd` command does, from a
-//!   [`config::RunConfig`] and a zoo ([`jobs::run`]: a whole run),
-//! - [`report`]: `report.json` and `metrics.csv`,
+//! - [`eval`]: scoring trained students ([`eval::Evaluate`],
+//!   [`eval::TopOneAccuracy`]) and their saved records,
 //! - [`search`]: choosing one candidate student per block under a budget.
 //!
-//! The `pipebd` binary (crate `pipebd-zoo`) is [`cli::run_with`]`(Builtin)`;
-//! a crate with its own zoo gets the same command line for its blocks.
+//! The application (the `pipebd` command line, config files, jobs, reports
+//! and pictures, the `Zoo` trait) is the `pipebd-cli` crate above this one;
+//! this crate links none of clap, toml, indicatif or plotters. The `pipebd`
+//! binary (crate `pipebd-zoo`) is `pipebd_cli::run_with(Builtin)`; a crate
+//! with its own zoo gets the same command line for its blocks.
 //!
 //! This crate depends on no teacher, student or data set: the built-in ones
 //! live in `pipebd-zoo`, above it (a rule cargo enforces).
@@ -38,23 +38,19 @@
 //! available.
 #![warn(missing_docs)]
 
-pub mod cli;
-pub mod config;
 pub mod data;
 pub mod device;
-mod error;
+pub mod error;
 pub mod fault;
-pub(crate) mod fsio;
-pub mod jobs;
+pub mod fsio;
+pub mod eval;
 pub use pipebd_core::plan;
 pub mod planning;
-pub mod report;
 pub mod rng;
 pub mod runtime;
 pub mod search;
 pub mod trace;
 pub mod train;
-pub mod zoo;
 
 pub use error::{Error, Result};
 pub use pipebd_core::{

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 /// built-in zoo does when it builds students, so that modules built on other
 /// threads at the same time neither take draws from your sequence nor leave
 /// theirs in it: a seed then gives the same weights however many runs, checks
-/// or tests share the process. A [`Zoo`](crate::zoo::Zoo) of your own that
+/// or tests share the process. A `Zoo` (crate `pipebd-cli`) of your own that
 /// seeds and builds in `students` should hold it there too. Not reentrant:
 /// do not call back into the built-in zoo while holding it.
 pub fn burn_rng_lock() -> std::sync::MutexGuard<'static, ()> {

@@ -19,5 +19,5 @@
 mod zoo;
 
 fn main() -> std::process::ExitCode {
-    pipe_bd::cli::run_with(zoo::MyZoo)
+    pipebd_cli::cli::run_with(zoo::MyZoo)
 }

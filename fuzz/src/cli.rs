@@ -363,17 +363,17 @@ fn max_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// Every float parameter of every student block saved in a run folder.
 fn student_weights(run_dir: &Path) -> Result<Vec<Vec<f32>>, String> {
-    use pipe_bd::zoo::Zoo;
+    use pipebd_cli::zoo::Zoo;
     struct Flatten(Vec<f32>);
     impl<B: Backend> ModuleVisitor<B> for Flatten {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             self.0.extend(param.val().into_data().iter::<f32>());
         }
     }
-    let report = pipe_bd::report::RunReport::read(run_dir).map_err(|e| e.to_string())?;
+    let report = pipebd_cli::report::RunReport::read(run_dir).map_err(|e| e.to_string())?;
     let zoo = pipebd_zoo::Builtin;
     let teacher = zoo.teacher_specs(&report.config).map_err(|e| e.to_string())?;
-    let (blocks, _) = pipe_bd::jobs::eval::load_students(&zoo, run_dir, &report.config, &teacher)
+    let (blocks, _) = pipebd_cli::jobs::eval::load_students(&zoo, run_dir, &report.config, &teacher)
         .map_err(|e| e.to_string())?;
     Ok(blocks
         .iter()

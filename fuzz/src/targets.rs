@@ -146,17 +146,17 @@ fn input_targets() -> Vec<Target> {
 fn run_folder_targets() -> Vec<Target> {
     vec![
         committed("metrics", "metrics.csv", "metrics.csv", |p, _| {
-            pipe_bd::jobs::plot::losses::read_metrics(p).into()
+            pipebd_cli::jobs::plot::losses::read_metrics(p).into()
         }),
-        committed("report", "report.json", "report.json", |_, w| pipe_bd::report::RunReport::read(w).into()),
+        committed("report", "report.json", "report.json", |_, w| pipebd_cli::report::RunReport::read(w).into()),
         committed("search", "search.json", "search.json", |p, _| {
-            pipe_bd::jobs::search::SearchScores::read(p).into()
+            pipebd_cli::jobs::search::SearchScores::read(p).into()
         }),
         committed("trace", "trace.json (pipebd plot's timeline)", "trace.json", |p, _| {
-            pipe_bd::jobs::plot::timeline::Timeline::read(p).into()
+            pipebd_cli::jobs::plot::timeline::Timeline::read(p).into()
         }),
         committed("profile", "profile caches (pipebd profile)", "profile.json", |p, _| {
-            pipe_bd::jobs::profile::Profile::read(p).into()
+            pipebd_cli::jobs::profile::Profile::read(p).into()
         }),
         Target {
             name: "plot",
@@ -165,7 +165,7 @@ fn run_folder_targets() -> Vec<Target> {
             heavy: false,
             file: "metrics.csv",
             seeds: Some(plot_seeds),
-            run: |_, w| pipe_bd::jobs::plot::plot_run(w).into(),
+            run: |_, w| pipebd_cli::jobs::plot::plot_run(w).into(),
         },
         Target {
             name: "manifest",

@@ -9,7 +9,8 @@ use pipebd_core::Activation;
 use super::cluster::{decode_interrupt, decode_progress, encode_interrupt, encode_progress, PhaseEnd};
 use super::messages::ProgressMsg;
 use super::wire::{decode_activation, decode_state, encode_activation, encode_state, Reader, Writer};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::plan::Plan;
 use crate::trace::{Span, SpanKind, WorkerSummary};
 use crate::train::{MetricRow, TrainerState};
 
@@ -70,11 +71,33 @@ pub fn decode(kind: FrameKind, bytes: &[u8]) -> Result<()> {
             decode_activation::<Flex>(&mut reader, &Default::default())?;
             reader.finish()
         }
-        FrameKind::Plan => crate::jobs::run::plan_from_bytes(bytes).map(drop),
+        FrameKind::Plan => decode_plan(bytes).map(drop),
         FrameKind::Interrupt => decode_interrupt(bytes)
             .map(drop)
             .map_err(|message| crate::Error::Transport { message: format!("an interrupt message: {message}") }),
     }
+}
+
+/// Rank 0's `auto` plan, or why it could not choose one, as the
+/// `Tag::Plan` message to the other ranks (JSON: `{"plan": ..}` or
+/// `{"error": ".."}`).
+pub fn encode_plan(plan: std::result::Result<&Plan, String>) -> Vec<u8> {
+    let message = match plan {
+        Ok(plan) => serde_json::json!({ "plan": plan }),
+        Err(error) => serde_json::json!({ "error": error }),
+    };
+    serde_json::to_vec(&message).unwrap_or_default()
+}
+
+/// The plan (or rank 0's failure to choose one) in a `Tag::Plan` message.
+pub fn decode_plan(bytes: &[u8]) -> Result<Plan> {
+    let bad = |e: String| Error::Transport { message: format!("rank 0's plan does not decode: {e}") };
+    let mut message: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+    if let Some(error) = message.get("error").and_then(|e| e.as_str()) {
+        return Err(Error::Peer { rank: 0, message: format!("could not choose a plan: {error}") });
+    }
+    let plan = message.get_mut("plan").ok_or_else(|| bad("no `plan` in the message".into()))?;
+    serde_json::from_value(plan.take()).map_err(|e| bad(e.to_string()))
 }
 
 /// One valid frame of every kind, as a run would send it.
@@ -105,8 +128,7 @@ pub fn samples() -> Result<Vec<(FrameKind, Vec<u8>)>> {
     let mask = Tensor::<Flex, 2>::from_floats([[1.0, 0.0]], &device);
     let mut activation = Writer::default();
     encode_activation(&mut activation, Activation::Tokens { hidden, mask })?;
-    let plan = crate::plan::Plan::ideal(3);
-    let plan = serde_json::json!({ "plan": plan }).to_string().into_bytes();
+    let plan = encode_plan(Ok(&crate::plan::Plan::ideal(3)));
     Ok(vec![
         (FrameKind::Progress, encode_progress(&progress)),
         (FrameKind::PhaseEnd, end.encode()),

@@ -51,7 +51,7 @@ mod resume;
 mod sync;
 mod topology;
 pub mod transport;
-pub(crate) mod wire;
+pub mod wire;
 mod worker;
 
 use std::collections::BTreeMap;

@@ -18,19 +18,22 @@ use crate::train::{load_module_bytes, module_bytes, StepLoss, TrainerState};
 
 /// Appends length-prefixed fields to a message.
 #[derive(Default)]
-pub(crate) struct Writer(pub(crate) Vec<u8>);
+pub struct Writer(pub Vec<u8>);
 
 impl Writer {
-    pub(crate) fn u64(&mut self, value: u64) -> &mut Self {
+    /// Appends `value` (8 bytes, little-endian).
+    pub fn u64(&mut self, value: u64) -> &mut Self {
         self.0.extend_from_slice(&value.to_le_bytes());
         self
     }
-    pub(crate) fn bytes(&mut self, value: &[u8]) -> &mut Self {
+    /// Appends `value`'s length, then its bytes.
+    pub fn bytes(&mut self, value: &[u8]) -> &mut Self {
         self.u64(value.len() as u64);
         self.0.extend_from_slice(value);
         self
     }
-    pub(crate) fn f32s(&mut self, values: &[f32]) -> &mut Self {
+    /// Appends the count of `values`, then each as little-endian `f32`.
+    pub fn f32s(&mut self, values: &[f32]) -> &mut Self {
         self.u64(values.len() as u64);
         self.0.extend(values.iter().flat_map(|v| v.to_le_bytes()));
         self
@@ -57,13 +60,14 @@ impl Writer {
 }
 
 /// Reads the fields a [`Writer`] wrote, in order; every read checks the length.
-pub(crate) struct Reader<'a> {
+pub struct Reader<'a> {
     bytes: &'a [u8],
     what: &'static str,
 }
 
 impl<'a> Reader<'a> {
-    pub(crate) fn new(bytes: &'a [u8], what: &'static str) -> Self {
+    /// A reader of `bytes`, a message of kind `what` (named in errors).
+    pub fn new(bytes: &'a [u8], what: &'static str) -> Self {
         Self { bytes, what }
     }
     fn short(&self) -> Error {
@@ -79,7 +83,8 @@ impl<'a> Reader<'a> {
         self.bytes = rest;
         Ok(head)
     }
-    pub(crate) fn u64(&mut self) -> Result<u64> {
+    /// The next 8-byte little-endian integer.
+    pub fn u64(&mut self) -> Result<u64> {
         let raw = self.take(8)?;
         Ok(u64::from_le_bytes(raw.try_into().map_err(|_| self.short())?))
     }
@@ -90,11 +95,13 @@ impl<'a> Reader<'a> {
         }
         Ok(n)
     }
-    pub(crate) fn bytes(&mut self) -> Result<&'a [u8]> {
+    /// The next length-prefixed run of bytes.
+    pub fn bytes(&mut self) -> Result<&'a [u8]> {
         let n = self.len(1)?;
         self.take(n)
     }
-    pub(crate) fn f32s(&mut self) -> Result<Vec<f32>> {
+    /// The next count-prefixed little-endian `f32`s.
+    pub fn f32s(&mut self) -> Result<Vec<f32>> {
         let n = self.len(4)?;
         Ok(f32s_from_le(self.take(n * 4)?))
     }
@@ -122,7 +129,8 @@ impl<'a> Reader<'a> {
         };
         Ok(Tensor::from_data(data, device))
     }
-    pub(crate) fn finish(&self) -> Result<()> {
+    /// Succeeds only when every byte was read (a longer message is refused).
+    pub fn finish(&self) -> Result<()> {
         if self.bytes.is_empty() {
             Ok(())
         } else {
@@ -147,7 +155,7 @@ fn f32s_from_le(raw: &[u8]) -> Vec<f32> {
 }
 
 /// An activation (with its mask) as bytes.
-pub(crate) fn encode_activation<B: Backend>(writer: &mut Writer, activation: Activation<B>) -> Result<()> {
+pub fn encode_activation<B: Backend>(writer: &mut Writer, activation: Activation<B>) -> Result<()> {
     match activation {
         Activation::Flat(t) => {
             writer.u64(0).tensor(t)?;
@@ -163,7 +171,7 @@ pub(crate) fn encode_activation<B: Backend>(writer: &mut Writer, activation: Act
 }
 
 /// The activation [`encode_activation`] wrote, on `device`.
-pub(crate) fn decode_activation<B: Backend>(
+pub fn decode_activation<B: Backend>(
     reader: &mut Reader<'_>,
     device: &B::Device,
 ) -> Result<Activation<B>> {
@@ -231,7 +239,7 @@ impl<B: DistillBackend> ModuleVisitor<B> for GradientReader<'_, B::InnerBackend>
 
 /// The gradients of `module`'s parameters in `grads` as bytes, in the
 /// module's parameter order.
-pub(crate) fn encode_gradients<B: DistillBackend, S: StudentModule<B>>(
+pub fn encode_gradients<B: DistillBackend, S: StudentModule<B>>(
     writer: &mut Writer,
     module: &S,
     grads: &GradientsParams,
@@ -253,7 +261,7 @@ pub(crate) fn encode_gradients<B: DistillBackend, S: StudentModule<B>>(
 
 /// The gradients [`encode_gradients`] wrote, for the receiver's copy
 /// `module` of the same block (matched by parameter order).
-pub(crate) fn decode_gradients<B: DistillBackend, S: StudentModule<B>>(
+pub fn decode_gradients<B: DistillBackend, S: StudentModule<B>>(
     reader: &mut Reader<'_>,
     module: &S,
     device: &B::Device,
@@ -285,7 +293,7 @@ pub(crate) fn decode_gradients<B: DistillBackend, S: StudentModule<B>>(
 }
 
 /// A block's weights as bytes (as a checkpoint keeps them).
-pub(crate) fn encode_module<B: DistillBackend, S: StudentModule<B>>(
+pub fn encode_module<B: DistillBackend, S: StudentModule<B>>(
     writer: &mut Writer,
     module: &S,
 ) -> Result<()> {
@@ -297,7 +305,7 @@ pub(crate) fn encode_module<B: DistillBackend, S: StudentModule<B>>(
 
 /// The weights [`encode_module`] wrote, loaded into a copy of `template`
 /// (which keeps its autodiff setting) on `device`.
-pub(crate) fn decode_module<B: DistillBackend, S: StudentModule<B>>(
+pub fn decode_module<B: DistillBackend, S: StudentModule<B>>(
     reader: &mut Reader<'_>,
     template: &S,
     device: &B::Device,
@@ -308,7 +316,7 @@ pub(crate) fn decode_module<B: DistillBackend, S: StudentModule<B>>(
 }
 
 /// A block's whole state (weights, optimizer, step, recent losses) as bytes.
-pub(crate) fn encode_state(writer: &mut Writer, state: &TrainerState) {
+pub fn encode_state(writer: &mut Writer, state: &TrainerState) {
     writer.bytes(&state.weights).bytes(&state.optimizer);
     match &state.arch_optimizer {
         Some(arch) => writer.u64(1).bytes(arch),
@@ -318,7 +326,7 @@ pub(crate) fn encode_state(writer: &mut Writer, state: &TrainerState) {
 }
 
 /// The state [`encode_state`] wrote.
-pub(crate) fn decode_state(reader: &mut Reader<'_>) -> Result<TrainerState> {
+pub fn decode_state(reader: &mut Reader<'_>) -> Result<TrainerState> {
     let weights = reader.bytes()?.to_vec();
     let optimizer = reader.bytes()?.to_vec();
     let arch_optimizer = match reader.u64()? {

@@ -1,6 +1,6 @@
 //! Scoring the trained candidates of a search run: each candidate's loss
 //! against its teacher block on held-out samples, and its forward latency,
-//! next to its FLOPs and parameters (`crate::jobs::search` writes them as
+//! next to its FLOPs and parameters (`pipebd_cli::jobs::search` writes them as
 //! `search.json` and `search.csv` and chooses among them).
 
 use std::path::PathBuf;

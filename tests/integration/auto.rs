@@ -9,11 +9,11 @@
 use std::path::Path;
 use std::time::Instant;
 
-use pipe_bd::config::RunConfig;
-use pipe_bd::jobs::profile::{plan_from_candidate, profile_key, Profile, PROFILE_CACHE};
-use pipe_bd::jobs::run::RunFlags;
+use pipebd_cli::config::RunConfig;
+use pipebd_cli::jobs::profile::{plan_from_candidate, profile_key, Profile, PROFILE_CACHE};
+use pipebd_cli::jobs::run::RunFlags;
 use pipe_bd::planning::planner::{plan as best_plans, Candidate};
-use pipe_bd::report::RunReport;
+use pipebd_cli::report::RunReport;
 use pipebd_zoo::run_builtin;
 
 use crate::common;

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use pipe_bd::config::RunConfig;
+use pipebd_cli::config::RunConfig;
 
 use crate::common;
 
@@ -65,7 +65,7 @@ fn wgpu_run_matches_the_cpu_run() {
 #[test]
 fn kernels_match_burn_ops_on_wgpu() {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-    let report = pipe_bd::jobs::kernels::kernels("wgpu", Some(seed), None).unwrap();
+    let report = pipebd_cli::jobs::kernels::kernels("wgpu", Some(seed), None).unwrap();
     let rows = &report.checks;
     assert!(rows.len() > 100, "{} rows", rows.len());
     assert!(rows.iter().all(|r| r.passed()), "seed {seed}:\n{}", pipebd_kernels::check::table(rows));

@@ -109,7 +109,7 @@ pub fn minilm_config(
     test_limit: usize,
     epochs: usize,
     max_tokens: usize,
-) -> pipe_bd::config::RunConfig {
+) -> pipebd_cli::config::RunConfig {
     let root = repo().join("data");
     let weights = root.join("minilm/model.safetensors");
     assert!(weights.is_file(), "{} not found: run `bash scripts/setup-data.sh` first", weights.display());
@@ -148,7 +148,7 @@ ffn = 768
     for _ in 1..6 {
         text.push_str("\n[[students]]\nkind = \"encoder\"\nffn = 768\n");
     }
-    pipe_bd::config::RunConfig::parse(&text, std::path::Path::new("minilm-test.toml")).unwrap()
+    pipebd_cli::config::RunConfig::parse(&text, std::path::Path::new("minilm-test.toml")).unwrap()
 }
 
 /// The largest absolute difference between two lists of flattened
@@ -187,17 +187,17 @@ pub fn kill_after_checkpoint(child: &mut std::process::Child, checkpoints: &std:
 pub fn student_weights(run_dir: &std::path::Path) -> Vec<Vec<f32>> {
     use burn::module::{Module, ModuleVisitor, Param};
     use burn::tensor::{backend::Backend, Tensor};
-    use pipe_bd::zoo::Zoo;
+    use pipebd_cli::zoo::Zoo;
     struct Flatten(Vec<f32>);
     impl<B: Backend> ModuleVisitor<B> for Flatten {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             self.0.extend(param.val().into_data().iter::<f32>());
         }
     }
-    let report = pipe_bd::report::RunReport::read(run_dir).unwrap();
+    let report = pipebd_cli::report::RunReport::read(run_dir).unwrap();
     let teacher = pipebd_zoo::Builtin.teacher_specs(&report.config).unwrap();
     let (blocks, _) =
-        pipe_bd::jobs::eval::load_students(&pipebd_zoo::Builtin, run_dir, &report.config, &teacher).unwrap();
+        pipebd_cli::jobs::eval::load_students(&pipebd_zoo::Builtin, run_dir, &report.config, &teacher).unwrap();
     blocks
         .iter()
         .map(|b| {

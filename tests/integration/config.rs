@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use pipe_bd::config::RunConfig;
-use pipe_bd::zoo::Zoo;
+use pipebd_cli::config::RunConfig;
+use pipebd_cli::zoo::Zoo;
 use pipe_bd::Error;
 use pipebd_zoo::Builtin;
 
@@ -135,7 +135,7 @@ fn not_toml_at_all_is_refused() {
 #[test]
 fn student_with_wrong_output_shape_is_rejected_before_training() {
     let config = parse(&GOOD.replace("out_channels = 128", "out_channels = 96")).unwrap();
-    let err = pipe_bd::jobs::check::preflight(&Builtin, &config).unwrap_err();
+    let err = pipebd_cli::jobs::check::preflight(&Builtin, &config).unwrap_err();
     match &err {
         Error::Core(pipe_bd::BlockError::ShapeMismatch { block, student, teacher, .. }) => {
             assert_eq!(*block, 3);
@@ -166,7 +166,7 @@ fn head_on_a_too_small_input_is_rejected() {
         "[[students]]\nkind = \"head\"\nhidden = 32\nclasses = 7",
     );
     let config = parse(&text).unwrap();
-    let err = pipe_bd::jobs::check::preflight(&Builtin, &config).unwrap_err();
+    let err = pipebd_cli::jobs::check::preflight(&Builtin, &config).unwrap_err();
     assert!(matches!(err, Error::Core(pipe_bd::BlockError::ShapeMismatch { block: 4, .. })), "{err}");
 }
 
@@ -175,7 +175,7 @@ fn head_on_a_too_small_input_is_rejected() {
 #[test]
 fn cuda_is_refused_with_the_reason_unless_built_in_and_present() {
     let config = parse(&GOOD.replace("device = \"cpu\"", "device = \"cuda:0\"")).unwrap();
-    match pipe_bd::jobs::check::preflight(&Builtin, &config) {
+    match pipebd_cli::jobs::check::preflight(&Builtin, &config) {
         // Built without CUDA: always refused, saying how to build it in.
         Err(Error::Device { device, message }) if !cfg!(feature = "cuda") => {
             assert_eq!(device, "cuda:0");
@@ -271,7 +271,7 @@ fn a_stitched_block_weight_is_a_number_at_least_zero_and_zero_needs_an_output_lo
 fn a_pooled_cosine_output_loss_on_an_image_teacher_is_refused_before_training() {
     let text = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"pooled-cosine\"");
     let config = parse(&text).unwrap();
-    let err = pipe_bd::jobs::check::preflight(&Builtin, &config).unwrap_err();
+    let err = pipebd_cli::jobs::check::preflight(&Builtin, &config).unwrap_err();
     match &err {
         Error::Config { field, .. } => {
             assert_eq!(field.as_deref(), Some("train.stitched_output_loss"), "{err}")
@@ -282,10 +282,10 @@ fn a_pooled_cosine_output_loss_on_an_image_teacher_is_refused_before_training() 
     let logits = GOOD
         .replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"soft-target-cross-entropy\"");
     let config = parse(&logits).unwrap();
-    assert!(pipe_bd::jobs::check::preflight(&Builtin, &config).is_ok(), "logits take a cross-entropy");
+    assert!(pipebd_cli::jobs::check::preflight(&Builtin, &config).is_ok(), "logits take a cross-entropy");
     // The MNIST CNN has no head after its last block to score through.
     let head = GOOD.replace("batch_size = 32", "batch_size = 32\nstitched_output_loss = \"head-kl\"");
-    let err = pipe_bd::jobs::check::preflight(&Builtin, &parse(&head).unwrap()).unwrap_err();
+    let err = pipebd_cli::jobs::check::preflight(&Builtin, &parse(&head).unwrap()).unwrap_err();
     assert!(
         matches!(&err, Error::Config { field, .. } if field.as_deref() == Some("train.stitched_output_loss")),
         "{err}"

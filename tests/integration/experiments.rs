@@ -4,9 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use pipe_bd::jobs::check::preflight;
-use pipe_bd::jobs::sweep::{apply, expand, SweepConfig};
-use pipe_bd::zoo::Zoo;
+use pipebd_cli::jobs::check::preflight;
+use pipebd_cli::jobs::sweep::{apply, expand, SweepConfig};
+use pipebd_cli::zoo::Zoo;
 use pipebd_zoo::Builtin;
 
 fn experiments() -> Vec<PathBuf> {

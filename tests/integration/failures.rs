@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
-use pipe_bd::config::RunConfig;
+use pipebd_cli::config::RunConfig;
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
-use pipe_bd::zoo::Zoo;
+use pipebd_cli::zoo::Zoo;
 use pipe_bd::Error;
 use pipe_bd::{Activation, Block, Students};
 use pipebd_kernels::FusedBackend;

@@ -4,10 +4,10 @@
 //! and copied to `tests/data/minilm-l6-reference.json`.
 
 use burn::backend::Flex;
-use pipe_bd::config::RunConfig;
+use pipebd_cli::config::RunConfig;
 use pipe_bd::data::text::cosine;
-use pipe_bd::jobs::eval::Network;
-use pipe_bd::zoo::{student_table, Zoo};
+use pipe_bd::eval::Network;
+use pipebd_cli::zoo::{student_table, Zoo};
 use pipe_bd::{forward_chain, Activation};
 use pipebd_teachers::minilm::MiniLmTokenizer;
 use pipebd_zoo::build_minilm;
@@ -151,7 +151,7 @@ fn sgd_config() -> RunConfig {
 /// students every schedule starts from.
 struct TextJob {
     config: RunConfig,
-    workload: pipe_bd::zoo::Workload<Flex, <Builtin as Zoo>::Teacher<Flex>>,
+    workload: pipebd_cli::zoo::Workload<Flex, <Builtin as Zoo>::Teacher<Flex>>,
     students: pipe_bd::Students<Train, <Builtin as Zoo>::Student<Train>>,
 }
 
@@ -231,7 +231,7 @@ fn untrained_cosine(config: &RunConfig) -> f64 {
     let blocks = pipe_bd::train::inference_blocks(&students);
     let (evaluation, specs) = (workload.evaluation.as_deref(), &teacher.specs[..]);
     let score =
-        pipe_bd::jobs::eval::score(evaluation, (&teacher.blocks, specs), (&blocks, &students.specs), &device)
+        pipe_bd::eval::score(evaluation, (&teacher.blocks, specs), (&blocks, &students.specs), &device)
             .unwrap();
     score.text.expect("a text workload scores sentence embeddings").embedding_cosine
 }
@@ -297,7 +297,7 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
 fn the_torch_generator_is_refused_for_minilm_students() {
     let mut config = config(None, 16);
     config.generator = pipe_bd::rng::Generator::Torch;
-    let error = pipe_bd::zoo::Zoo::check(&pipebd_zoo::Builtin, &config).unwrap_err().to_string();
+    let error = pipebd_cli::zoo::Zoo::check(&pipebd_zoo::Builtin, &config).unwrap_err().to_string();
     assert!(error.contains("generator") && error.contains("native"), "{error}");
 }
 

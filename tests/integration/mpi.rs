@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use pipe_bd::report::RunReport;
+use pipebd_cli::report::RunReport;
 
 use crate::common;
 

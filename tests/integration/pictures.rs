@@ -8,9 +8,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use pipe_bd::jobs::plot::losses::{read_metrics, LossCurves, LOSSES_SIZE};
-use pipe_bd::jobs::plot::timeline::{timeline_height, Timeline, TimelineGroup, TIMELINE_WIDTH};
-use pipe_bd::report::RunReport;
+use pipebd_cli::jobs::plot::losses::{read_metrics, LossCurves, LOSSES_SIZE};
+use pipebd_cli::jobs::plot::timeline::{timeline_height, Timeline, TimelineGroup, TIMELINE_WIDTH};
+use pipebd_cli::report::RunReport;
 use pipe_bd::trace::worker_name;
 use pipebd_core::LossKind;
 

@@ -135,10 +135,10 @@ struct OrderDigest {
 /// (`tests/data/torch-init.json`, written by `bench/peers/reference_init.py`).
 #[test]
 fn torch_generator_draws_what_pytorch_draws() {
-    use pipe_bd::config::Overrides;
+    use pipebd_cli::config::Overrides;
     use pipe_bd::data::DataOrder;
     use pipe_bd::rng::Generator;
-    use pipe_bd::zoo::Zoo;
+    use pipebd_cli::zoo::Zoo;
     use pipebd_zoo::Builtin;
 
     let text = std::fs::read_to_string("tests/data/torch-init.json").unwrap();

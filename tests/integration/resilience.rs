@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pipe_bd::config::RunConfig;
-use pipe_bd::jobs::run::RunFlags;
-use pipe_bd::report::RunReport;
+use pipebd_cli::config::RunConfig;
+use pipebd_cli::jobs::run::RunFlags;
+use pipebd_cli::report::RunReport;
 use pipebd_zoo::run_builtin;
 
 use crate::common::{self, newest_step};

@@ -13,14 +13,14 @@ use std::process::{Command, Stdio};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use pipe_bd::config::RunConfig;
+use pipebd_cli::config::RunConfig;
 use pipe_bd::data::DatasetSlice;
-use pipe_bd::jobs::eval::{load_student_weights, load_students};
-use pipe_bd::jobs::search::{Objective, SearchScores};
+use pipebd_cli::jobs::eval::{load_student_weights, load_students};
+use pipebd_cli::jobs::search::{Objective, SearchScores};
 use pipe_bd::plan::{flops_cost, Plan};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::search::score::measure_candidates;
-use pipe_bd::zoo::Zoo;
+use pipebd_cli::zoo::Zoo;
 use pipe_bd::{flat_parameters, Block, Loss, Students};
 use pipebd_students::StudentBlock;
 use pipebd_zoo::mnist::Split;
@@ -246,7 +246,7 @@ fn a_search_run_scores_its_candidates_and_the_chosen_config_starts_from_the_scor
         run_dir.as_os_str(),
         "--quiet".as_ref(),
     ]);
-    let report = pipe_bd::report::RunReport::read(&run_dir).unwrap();
+    let report = pipebd_cli::report::RunReport::read(&run_dir).unwrap();
     assert_eq!(report.train_samples, 576, "10% of 640 samples held out");
     let scores = SearchScores::read(&run_dir).unwrap();
     assert_eq!(scores.held_out_samples, 64);
@@ -419,7 +419,7 @@ fn budgets_refused_and_the_pareto_front(run_dir: &Path, cheapest: u64) {
 
 /// Every float parameter of every saved student block (candidate sets whole).
 fn saved_weights(run_dir: &Path) -> Vec<Vec<f32>> {
-    let report = pipe_bd::report::RunReport::read(run_dir).unwrap();
+    let report = pipebd_cli::report::RunReport::read(run_dir).unwrap();
     let teacher = Builtin.teacher_specs(&report.config).unwrap();
     let (blocks, _) = load_students(&Builtin, run_dir, &report.config, &teacher).unwrap();
     flat(&blocks)
@@ -508,7 +508,7 @@ fn minilm_layers_search_among_pruned_encoders_and_skip() {
             StudentBlockConfig::Skip,
         ],
     };
-    let table = pipe_bd::zoo::student_table(&set).unwrap();
+    let table = pipebd_cli::zoo::student_table(&set).unwrap();
     for student in &mut config.students {
         *student = table.clone();
     }

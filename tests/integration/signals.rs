@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pipe_bd::report::RunReport;
+use pipebd_cli::report::RunReport;
 
 use crate::common::{self, newest_step};
 

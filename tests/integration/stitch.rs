@@ -7,13 +7,13 @@ use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use pipe_bd::config::RunConfig;
+use pipebd_cli::config::RunConfig;
 use pipe_bd::data::ImageDataset;
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
 use pipe_bd::train::stitch::{stitched_pass, OutputLoss, OutputLossKind, StitchedGradients, StitchedPass};
 use pipe_bd::train::TrainSettings;
-use pipe_bd::zoo::Zoo;
+use pipebd_cli::zoo::Zoo;
 use pipe_bd::{forward_chain, Activation, Teacher};
 use pipebd_teachers::TeacherBlock;
 use pipebd_zoo::mnist::Split;
@@ -279,7 +279,7 @@ fn a_run_without_blockwise_epochs_only_finetunes_the_saved_students_stitched() {
     ]);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("no blockwise epochs") && !stdout.contains("trained 0 steps"), "{stdout}");
-    let report = pipe_bd::report::RunReport::read(&second).unwrap();
+    let report = pipebd_cli::report::RunReport::read(&second).unwrap();
     assert_eq!(report.steps, 0, "no blockwise steps");
     let startup = report.startup.expect("the start-up's times");
     assert!(startup.teacher_and_data_seconds > 0.0 && startup.students_seconds > 0.0, "{startup:?}");

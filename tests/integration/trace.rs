@@ -7,9 +7,9 @@ use std::collections::{HashMap, HashSet};
 use std::ops::RangeInclusive;
 use std::path::Path;
 
-use pipe_bd::config::RunConfig;
-use pipe_bd::jobs::run::RunFlags;
-use pipe_bd::report::RunReport;
+use pipebd_cli::config::RunConfig;
+use pipebd_cli::jobs::run::RunFlags;
+use pipebd_cli::report::RunReport;
 use pipe_bd::trace::SpanKind;
 use pipebd_zoo::run_builtin;
 

@@ -5,10 +5,10 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use pipe_bd::config::RunConfig;
-use pipe_bd::jobs::eval::{accuracy, Network};
+use pipebd_cli::config::RunConfig;
+use pipe_bd::eval::{accuracy, Network};
 use pipe_bd::train::inference_blocks;
-use pipe_bd::zoo::Zoo;
+use pipebd_cli::zoo::Zoo;
 use pipebd_zoo::mnist::Split;
 use pipebd_zoo::{build_teacher, Builtin};
 

@@ -5,10 +5,10 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use pipe_bd::config::RunConfig;
-use pipe_bd::report::RunReport;
+use pipebd_cli::config::RunConfig;
+use pipebd_cli::report::RunReport;
 use pipe_bd::train::inference_blocks;
-use pipe_bd::zoo::Zoo;
+use pipebd_cli::zoo::Zoo;
 use pipe_bd::Error;
 use pipebd_zoo::Builtin;
 
@@ -68,7 +68,7 @@ fn a_user_zoo_checks_its_own_fields_and_the_errors_name_their_lines() {
 
 /// The `custom_zoo` example's binary, which `cargo test` builds beside the
 /// test binaries (`target/<profile>/examples/`). Driving it as a user does,
-/// rather than calling [`pipe_bd::jobs::run::run`] with `MyZoo` here, keeps a
+/// rather than calling [`pipebd_cli::jobs::run::run`] with `MyZoo` here, keeps a
 /// second copy of the whole engine (every backend, for the zoo's types) out
 /// of this test binary's build.
 fn custom_zoo() -> std::process::Command {
@@ -113,7 +113,7 @@ fn a_user_zoo_trains_resumes_and_rescores_through_its_own_command_line() {
     let teacher = (&workload.teacher.blocks[..], &workload.teacher.specs[..]);
     let student = (&inference_blocks(&untrained)[..], &untrained.specs[..]);
     let scored =
-        pipe_bd::jobs::eval::score(workload.evaluation.as_deref(), teacher, student, &device).unwrap();
+        pipe_bd::eval::score(workload.evaluation.as_deref(), teacher, student, &device).unwrap();
     assert!(scored.test_samples > 0, "the zoo scores its students");
     let before = scored.student_accuracy;
 

@@ -22,10 +22,10 @@ use pipebd_teachers::mnist_cnn::MnistCnn;
 use pipebd_teachers::smollm2::{LlamaSizes, LmHead, SmolLm2, SmolTokenizer, TokenEmbeddings, SMOLLM2_135M};
 use pipebd_teachers::TeacherBlock;
 
-use pipe_bd::config::{ConfigIssue, RunConfig};
-use pipe_bd::jobs::eval::TopOneAccuracy;
-use pipe_bd::jobs::export::{ExportRequest, Exported, TextScore, TextScoreRequest};
-use pipe_bd::zoo::{parse_options, parse_students, Workload, Zoo};
+use pipebd_cli::config::{ConfigIssue, RunConfig};
+use pipe_bd::eval::TopOneAccuracy;
+use pipebd_cli::jobs::export::{ExportRequest, Exported, TextScore, TextScoreRequest};
+use pipebd_cli::zoo::{parse_options, parse_students, Workload, Zoo};
 use pipe_bd::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -77,21 +77,21 @@ pub(crate) fn architecture_only(config: &RunConfig) -> RunConfig {
     shapes
 }
 
-/// [`pipe_bd::jobs::run::run`] with the built-in zoo, compiled once in this
+/// [`pipebd_cli::jobs::run::run`] with the built-in zoo, compiled once in this
 /// library (see [`crate::cli`]): callers outside it should prefer this to
 /// `run(&Builtin, ...)`.
 pub fn run_builtin(
     config: &RunConfig,
     out_dir: &Path,
-    options: &pipe_bd::jobs::run::RunFlags,
+    options: &pipebd_cli::jobs::run::RunFlags,
     observer: &mut dyn FnMut(&pipe_bd::train::Progress),
-) -> Result<pipe_bd::report::RunReport> {
-    pipe_bd::jobs::run::run(&Builtin, config, out_dir, options, observer)
+) -> Result<pipebd_cli::report::RunReport> {
+    pipebd_cli::jobs::run::run(&Builtin, config, out_dir, options, observer)
 }
 
-/// [`pipe_bd::jobs::eval::eval_run`] with the built-in zoo.
-pub fn eval_builtin_run(run_dir: &Path) -> Result<pipe_bd::jobs::eval::EvalResult> {
-    pipe_bd::jobs::eval::eval_run(&Builtin, run_dir)
+/// [`pipebd_cli::jobs::eval::eval_run`] with the built-in zoo.
+pub fn eval_builtin_run(run_dir: &Path) -> Result<pipebd_cli::jobs::eval::EvalResult> {
+    pipebd_cli::jobs::eval::eval_run(&Builtin, run_dir)
 }
 
 /// A built-in teacher, cut into blocks.

@@ -8,10 +8,10 @@ use std::str::FromStr;
 use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use pipe_bd::config::{Overrides, RunConfig};
-use pipe_bd::jobs::export::{ExportRequest, ExportSource, Exported, TextScore, TextScoreRequest};
-use pipe_bd::report::RunReport;
-use pipe_bd::zoo::Zoo;
+use pipebd_cli::config::{Overrides, RunConfig};
+use pipebd_cli::jobs::export::{ExportRequest, ExportSource, Exported, TextScore, TextScoreRequest};
+use pipebd_cli::report::RunReport;
+use pipebd_cli::zoo::Zoo;
 use pipe_bd::{Error, Result};
 use pipebd_students::StudentBlock;
 use pipebd_teachers::export::{write_deci, ExportLayer, ExportSummary, ExportType};
@@ -86,7 +86,7 @@ fn export_run(run_dir: &Path, kind: ExportType, out: &Path) -> Result<ExportSumm
         });
     }
     let teacher_specs = Builtin.teacher_specs(config)?;
-    let (blocks, _) = pipe_bd::jobs::eval::load_students(&Builtin, run_dir, config, &teacher_specs)?;
+    let (blocks, _) = pipebd_cli::jobs::eval::load_students(&Builtin, run_dir, config, &teacher_specs)?;
     let groups = layers_per_block(config)?;
     let layers = decoder_layers(&blocks, &groups)?;
     let file = Gguf::open(&config.teacher.weights).lift()?;

@@ -11,12 +11,12 @@ use crate::{Builtin, Lift};
 /// `pipebd check <path>`: the config read, parsed, checked by the zoo and
 /// preflighted (devices, shapes, schedule, the files it names).
 pub fn check_config(path: &Path) -> Result<()> {
-    pipe_bd::jobs::check::check_file(&Builtin, path).map(drop)
+    pipebd_cli::jobs::check::check_file(&Builtin, path).map(drop)
 }
 
 /// What `pipebd sweep <path>` reads and checks before running any point.
 pub fn check_sweep(path: &Path) -> Result<()> {
-    pipe_bd::jobs::sweep::load(&Builtin, path).map(drop)
+    pipebd_cli::jobs::sweep::load(&Builtin, path).map(drop)
 }
 
 /// A SmolLM2 (`llama` or `deci`) GGUF file as a run loads it: the model

@@ -2,7 +2,7 @@
 //!
 //! The teachers of `pipebd-teachers` and the students of `pipebd-students`
 //! with the data they are distilled on, behind pipe-bd's
-//! [`Zoo`](pipe_bd::zoo::Zoo) trait like any user's zoo ([`Builtin`]):
+//! [`Zoo`](pipebd_cli::zoo::Zoo) trait like any user's zoo ([`Builtin`]):
 //!
 //! - the pretrained MNIST CNN on MNIST-format images ([`mnist`]:
 //!   `data.dataset = "mnist"`, `teacher.kind = "mnist-cnn"`),
@@ -15,7 +15,7 @@
 //!
 //! The engine (`pipe-bd`) depends on none of this: it names no teacher,
 //! student, data set or file format. The `pipebd` binary is [`cli`], that is
-//! `pipe_bd::cli::run_with(Builtin)`.
+//! `pipebd_cli::cli::run_with(Builtin)`.
 #![warn(missing_docs)]
 
 mod builtin;
@@ -40,14 +40,14 @@ pub use pipebd_students as students;
 pub use pipebd_teachers as teachers;
 
 /// The `pipebd` command line with the built-in zoo
-/// (`pipe_bd::cli::run_with(Builtin)`).
+/// (`pipebd_cli::cli::run_with(Builtin)`).
 ///
 /// Not generic, so this library compiles the whole engine for the built-in
 /// zoo once, here, and `pipebd` and the tests link that copy: in a release
 /// build every crate that names `Builtin` in a generic call compiles the
 /// engine for it again (minutes for each).
 pub fn cli() -> ExitCode {
-    pipe_bd::cli::run_with(Builtin)
+    pipebd_cli::cli::run_with(Builtin)
 }
 
 /// Lifts a teacher's or student's own error into pipe-bd's (boxed in

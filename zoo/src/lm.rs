@@ -17,7 +17,7 @@ use pipebd_kernels::FusedBackend;
 use pipebd_teachers::smollm2::{LmHead, SmolTokenizer, TokenEmbeddings};
 
 use pipe_bd::data::text::LanguageReport;
-use pipe_bd::jobs::eval::{Evaluate, Network, Score};
+use pipe_bd::eval::{Evaluate, Network, Score};
 use pipe_bd::{Error, Result};
 
 use crate::text::embed_batch;

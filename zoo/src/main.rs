@@ -1,4 +1,4 @@
-//! The `pipebd` command line: the built-in zoo through `pipe_bd::cli`.
+//! The `pipebd` command line: the built-in zoo through `pipebd_cli::cli`.
 
 fn main() -> std::process::ExitCode {
     pipebd_zoo::cli()

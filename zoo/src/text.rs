@@ -22,7 +22,7 @@ use pipe_bd::data::text::{
     cosine_by_length, cosines, mean_and_min_cosine, LogisticProbe, ProbeReport, TextReport, PROBE_ITERATIONS,
     PROBE_L2,
 };
-use pipe_bd::jobs::eval::{Evaluate, Network, Score};
+use pipe_bd::eval::{Evaluate, Network, Score};
 use pipe_bd::{Error, Result};
 
 use crate::Lift;

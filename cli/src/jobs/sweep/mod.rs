@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::config::RunConfig;
-use crate::error::{Error, Result};
+use pipe_bd::error::{Error, Result};
 use crate::jobs::run::{run, RunFlags};
 use crate::zoo::Zoo;
 
@@ -244,7 +244,7 @@ pub struct LoadedSweep {
 /// Reads the sweep at `path` and its base config and checks every point's
 /// config (what `pipebd sweep` does before running any point).
 pub fn load<Z: Zoo>(zoo: &Z, path: &Path) -> Result<LoadedSweep> {
-    let text = crate::fsio::read_small_text(path)
+    let text = pipe_bd::fsio::read_small_text(path)
         .map_err(|e| config_error(path, format!("cannot read the sweep file: {e}")))?;
     let sweep: SweepConfig = toml::from_str(&text).map_err(|e| config_error(path, toml_message(&e)))?;
     if sweep.grid.is_empty() || sweep.grid.values().any(|v| v.is_empty()) {
@@ -262,7 +262,7 @@ pub fn load<Z: Zoo>(zoo: &Z, path: &Path) -> Result<LoadedSweep> {
         ));
     }
     let base_path = path.parent().unwrap_or(Path::new(".")).join(&sweep.base);
-    let base_text = crate::fsio::read_small_text(&base_path).map_err(|e| {
+    let base_text = pipe_bd::fsio::read_small_text(&base_path).map_err(|e| {
         config_error(path, format!("cannot read the base config {}: {e}", base_path.display()))
     })?;
     let base: toml::Table =
@@ -290,7 +290,7 @@ pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<
         text.push_str(&csv_line(row));
         text.push('\n');
     }
-    crate::fsio::write_atomic(&csv_path, text.as_bytes())?;
+    pipe_bd::fsio::write_atomic(&csv_path, text.as_bytes())?;
     for (i, (point, config)) in points.iter().enumerate() {
         let id = point.id();
         if rows.iter().any(|r| r.id == id) {

@@ -9,8 +9,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use crate::config::Overrides;
-use crate::plan::Schedule;
-use crate::train::Progress;
+use pipe_bd::plan::Schedule;
+use pipe_bd::train::Progress;
 use crate::zoo::Zoo;
 use crate::Error;
 use clap::builder::PossibleValuesParser;
@@ -69,8 +69,8 @@ enum Command {
         /// How the processes of a run talk: `auto` (MPI when started by
         /// `mpirun`/`srun` with more than one rank), `local` (one process),
         /// `mpi` (needs a build with `--features mpi`).
-        #[arg(long, default_value = "auto", value_parser = crate::runtime::launch::TransportChoice::parse)]
-        transport: crate::runtime::launch::TransportChoice,
+        #[arg(long, default_value = "auto", value_parser = pipe_bd::runtime::launch::TransportChoice::parse)]
+        transport: pipe_bd::runtime::launch::TransportChoice,
     },
     /// Time the same workload under several schedules side by side, with the
     /// speedups the single-device block costs predict.
@@ -284,7 +284,7 @@ pub fn run_with<Z: Zoo>(zoo: Z) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One write, so that the lines of several ranks never mix.
-            let message = match crate::runtime::launch::launcher_rank() {
+            let message = match pipe_bd::runtime::launch::launcher_rank() {
                 Some(rank) => format!("error (rank {rank}): {e}\n"),
                 None => format!("error: {e}\n"),
             };
@@ -304,7 +304,7 @@ pub fn run_with<Z: Zoo>(zoo: Z) -> ExitCode {
 /// and shuts MPI down. After a failure a peer may be gone, and shutting down
 /// waits for peers in some MPI libraries: the process then exits on its own
 /// after a grace period rather than hang.
-fn close_transport(transport: std::sync::Arc<dyn crate::runtime::transport::Transport>, failed: bool) {
+fn close_transport(transport: std::sync::Arc<dyn pipe_bd::runtime::transport::Transport>, failed: bool) {
     if failed {
         let rank = transport.rank();
         std::thread::spawn(move || {
@@ -418,7 +418,7 @@ struct RunCommand {
     max_failures: Option<usize>,
     trace: bool,
     quiet: bool,
-    transport: crate::runtime::launch::TransportChoice,
+    transport: pipe_bd::runtime::launch::TransportChoice,
 }
 
 /// Seconds between progress lines when stderr is not a terminal.

@@ -1,7 +1,7 @@
 //! What the command line prints after a command.
 
 /// Resume and failure lines after a run.
-pub(super) fn print_resilience(log: &crate::runtime::recovery::ResilienceLog) {
+pub(super) fn print_resilience(log: &pipe_bd::runtime::recovery::ResilienceLog) {
     for r in &log.resumed {
         let from = match &r.checkpoint {
             Some(path) => format!("step {} ({})", r.step, path.display()),
@@ -30,7 +30,7 @@ pub(super) fn print_resilience(log: &crate::runtime::recovery::ResilienceLog) {
 }
 
 /// The language-model part of a run report, as printed after `run` and `eval`.
-pub(super) fn print_language_report(language: &crate::data::text::LanguageReport) {
+pub(super) fn print_language_report(language: &pipe_bd::data::text::LanguageReport) {
     println!(
         "perplexity: teacher {:.2}  student {:.2} ({:+.1}%)  on {} held-out sequences ({} predicted tokens)",
         language.teacher_perplexity,
@@ -52,7 +52,7 @@ pub(super) fn print_language_report(language: &crate::data::text::LanguageReport
 }
 
 /// The text part of a run report, as printed after `run` and `eval`.
-pub(super) fn print_text_report(text: &crate::data::text::TextReport) {
+pub(super) fn print_text_report(text: &pipe_bd::data::text::TextReport) {
     println!(
         "embedding cosine student/teacher {:.4} (lowest {:.4}) on {} held-out sentences",
         text.embedding_cosine, text.min_embedding_cosine, text.heldout_sentences

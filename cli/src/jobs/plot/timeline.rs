@@ -11,8 +11,8 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::{picture_error, register_font, TIMELINE_STEPS};
-use crate::error::{Error, Result};
-use crate::trace::{worker_name, Span, SpanKind, WorkerSummary};
+use pipe_bd::error::{Error, Result};
+use pipe_bd::trace::{worker_name, Span, SpanKind, WorkerSummary};
 
 /// Width of the timeline pictures in pixels.
 pub const TIMELINE_WIDTH: u32 = 1400;
@@ -423,7 +423,7 @@ mod tests {
     #[test]
     fn rows_come_from_the_workers_and_their_spans() {
         let workers: Vec<WorkerSummary> = (0..2)
-            .map(|w| crate::trace::summarise(w, format!("stage {} replica 0", w + 1), w, &[], 1.0, 0))
+            .map(|w| pipe_bd::trace::summarise(w, format!("stage {} replica 0", w + 1), w, &[], 1.0, 0))
             .collect();
         let spans = vec![
             Span { worker: 1, kind: SpanKind::RecvWait, block: None, start_us: 5, duration_us: 3 },

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use crate::error::{Error, Result};
+use pipe_bd::error::{Error, Result};
 use crate::report::RunReport;
 
 /// Font files tried, in order, for the pictures' text.

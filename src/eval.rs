@@ -1,20 +1,17 @@
-//! Scoring a trained student next to its teacher, saving and reloading
-//! students, and re-scoring a saved run (`pipebd eval`, `eval-teacher`).
+//! Scoring trained students next to their teacher ([`Evaluate`]: top-1
+//! accuracy for classifiers, or a zoo's own metric) and saving and loading
+//! their weights as burn records (`student/block-K.mpk` in a run folder).
 
 use std::path::{Path, PathBuf};
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use pipebd_core::{forward_chain, Activation, Block, BlockSpec, StudentModule, Students};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 
-use crate::config::RunConfig;
 use crate::data::text::{LanguageReport, TextReport};
 use crate::data::ImageDataset;
 use crate::error::{Error, Result};
-use crate::report::RunReport;
-use crate::zoo::Zoo;
-
 /// Test images per evaluation chunk.
 const EVAL_CHUNK: usize = 1000;
 
@@ -61,7 +58,7 @@ impl<'a, B: FusedBackend> Network<'a, B> {
 }
 
 /// How a zoo scores a trained student next to its teacher
-/// ([`crate::zoo::Workload::evaluation`]): [`TopOneAccuracy`] for
+/// (`pipebd_cli::zoo::Workload::evaluation`): [`TopOneAccuracy`] for
 /// classifiers, the built-in zoo's `SentenceEmbeddings` for text, or a zoo's
 /// own test set and metric.
 pub trait Evaluate<B: FusedBackend> {
@@ -168,7 +165,7 @@ fn save_record<B: burn::tensor::backend::Backend, M: Module<B>>(module: M, path:
 
 /// Loads the record at `path` into `module`; a missing file is an error
 /// saying `missing`, a record that does not fit one prefixed by `context`.
-fn load_record<B: burn::tensor::backend::Backend, M: Module<B>>(
+pub fn load_record<B: burn::tensor::backend::Backend, M: Module<B>>(
     module: M,
     path: &Path,
     device: &B::Device,
@@ -215,52 +212,6 @@ pub fn save_candidates<B: DistillBackend, S: StudentModule<B>>(
     Ok(())
 }
 
-/// Loads the trained weights a config's `[[students]]` entries name
-/// (`weights = "..."`, [`RunConfig::student_weights`]) into `students`.
-pub fn load_student_weights<B: DistillBackend, S: StudentModule<B>>(
-    config: &RunConfig,
-    mut students: Students<B, S>,
-    device: &B::Device,
-) -> Result<Students<B, S>> {
-    let weights = config.student_weights();
-    if weights.iter().all(Option::is_none) {
-        return Ok(students);
-    }
-    let blocks = std::mem::take(&mut students.blocks);
-    let mut loaded = Vec::with_capacity(blocks.len());
-    for (k, block) in blocks.into_iter().enumerate() {
-        let Some(path) = weights.get(k).cloned().flatten() else {
-            loaded.push(block);
-            continue;
-        };
-        let missing = format!("not found (the `weights` of block {})", k + 1);
-        let context = format!("cannot load into block {}: ", k + 1);
-        loaded.push(load_record(block, &path, device, &missing, &context)?);
-    }
-    students.blocks = loaded;
-    Ok(students)
-}
-
-/// The CPU training backend the saved students are rebuilt on.
-type CpuTrain = burn::backend::Autodiff<burn::backend::Flex>;
-
-/// The student blocks saved in `run_dir` by `pipebd run` with `config`
-/// (built by `zoo`, then loaded), as inference modules on the CPU, with
-/// their specs.
-pub fn load_students<Z: Zoo>(
-    zoo: &Z,
-    run_dir: &Path,
-    config: &RunConfig,
-    teacher: &[BlockSpec],
-) -> Result<(Vec<<Z::Student<CpuTrain> as AutodiffModule<CpuTrain>>::InnerModule>, Vec<BlockSpec>)> {
-    let device = Default::default();
-    // The records replace the weights: the students' own init is skipped.
-    let shapes = zoo.config_for_saved_weights(config);
-    let students = zoo.students::<CpuTrain>(&shapes, teacher, &device)?;
-    let blocks = students.blocks.into_iter().map(|b| b.valid()).collect();
-    Ok((load_student_records(run_dir, blocks, &device)?, students.specs))
-}
-
 /// Loads the weights [`save_students`] wrote into `run_dir` into `blocks`
 /// (modules of the same architecture, e.g. freshly built ones): any block
 /// type, the built-in zoo's or your own.
@@ -275,105 +226,6 @@ pub fn load_student_records<B: burn::tensor::backend::Backend, M: Module<B>>(
         loaded.push(load_record(block, &student_record_path(run_dir, k), device, missing, "")?);
     }
     Ok(loaded)
-}
-
-/// Figures from re-scoring a saved run.
-#[derive(Debug, Clone)]
-pub struct EvalResult {
-    /// Accuracy of the reloaded stitched student on the test split (text:
-    /// the probe's accuracy).
-    pub student_accuracy: f64,
-    /// The accuracy `report.json` recorded at the end of training.
-    pub recorded_accuracy: f64,
-    /// Test samples scored.
-    pub test_samples: usize,
-    /// Text teachers: the embedding cosine and probe, re-measured.
-    pub text: Option<TextReport>,
-    /// Language models: perplexity, agreement and KL, re-measured.
-    pub language: Option<LanguageReport>,
-}
-
-/// Reloads the student saved in `run_dir` (by `pipebd run` with `zoo`) and
-/// scores it on the evaluation data named in the run's config (on the CPU).
-pub fn eval_run<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<EvalResult> {
-    type B = burn::backend::Flex;
-    let report = RunReport::read(run_dir)?;
-    let config = &report.config;
-    zoo.check(config)?;
-    let device = Default::default();
-    let workload = zoo.workload::<B>(config, &device, true)?;
-    let teacher = &workload.teacher.specs;
-    let (loaded, student_specs) = load_students(zoo, run_dir, config, teacher)?;
-    let evaluation = workload.evaluation.as_deref();
-    let scored = score(evaluation, (&workload.teacher.blocks, teacher), (&loaded, &student_specs), &device)?;
-    Ok(EvalResult {
-        student_accuracy: scored.student_accuracy,
-        recorded_accuracy: report.student_accuracy,
-        test_samples: scored.test_samples,
-        text: scored.text,
-        language: scored.language,
-    })
-}
-
-/// Scores the configured teacher on the test split (on the CPU): top-1
-/// accuracy, or for text the probe's accuracy with the teacher's embeddings.
-pub fn eval_teacher<Z: Zoo>(zoo: &Z, config: &RunConfig) -> Result<(f64, usize)> {
-    type B = burn::backend::Flex;
-    let device = Default::default();
-    zoo.check(config)?;
-    let workload = zoo.workload::<B>(config, &device, true)?;
-    let Some(evaluation) = &workload.evaluation else { return Ok((0.0, 0)) };
-    let blocks = &workload.teacher.blocks;
-    let run_teacher = |x| forward_chain(blocks, x);
-    evaluation.score_teacher(&Network::new(&run_teacher, &workload.teacher.specs), &device)
-}
-
-/// Writes the initial weights of the config's students (exactly as a run
-/// starts them, built on the CPU) to `out_dir/block-K.json`: `{"block": K,
-/// "params": [{"shape": [..], "values": [..]}, ..]}` in the module's
-/// parameter order and burn's layouts (linear weights `[in, out]`). Returns
-/// the files written.
-pub fn export_initial_weights<Z: Zoo>(zoo: &Z, config: &RunConfig, out_dir: &Path) -> Result<Vec<PathBuf>> {
-    zoo.check(config)?;
-    let teacher = zoo.teacher_specs(config)?;
-    let students = zoo.students::<CpuTrain>(config, &teacher, &Default::default())?;
-    std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating directory", out_dir, e))?;
-    let mut files = Vec::new();
-    for (k, block) in students.blocks.iter().enumerate() {
-        let params: Vec<serde_json::Value> = pipebd_core::parameter_tensors(block)
-            .into_iter()
-            .map(|(shape, values)| serde_json::json!({ "shape": shape, "values": values }))
-            .collect();
-        let json = serde_json::json!({ "block": k + 1, "name": students.specs[k].name, "params": params });
-        let path = out_dir.join(format!("block-{}.json", k + 1));
-        crate::fsio::write_atomic(&path, json.to_string().as_bytes())?;
-        files.push(path);
-    }
-    Ok(files)
-}
-
-/// Scores the stitched student of each config (built by `zoo`, starting
-/// from the `weights` its blocks name) on the evaluation data of the first
-/// config, loaded once (on the CPU). The configs must share data and
-/// teacher (the choices of one search run do).
-pub fn score_configs<Z: Zoo>(zoo: &Z, configs: &[RunConfig]) -> Result<Vec<Score>> {
-    type B = burn::backend::Flex;
-    let Some(first) = configs.first() else { return Ok(Vec::new()) };
-    let device = Default::default();
-    let workload = zoo.workload::<B>(first, &device, true)?;
-    let teacher = &workload.teacher.specs;
-    let mut scores = Vec::with_capacity(configs.len());
-    for config in configs {
-        zoo.check(config)?;
-        let students = zoo.students::<CpuTrain>(config, teacher, &device)?;
-        let students = load_student_weights(config, students, &device)?;
-        let blocks: Vec<_> = students.blocks.iter().map(|b| b.valid()).collect();
-        let evaluation = workload.evaluation.as_deref();
-        let scored =
-            score(evaluation, (&workload.teacher.blocks, teacher), (&blocks, &students.specs), &device)?;
-        scores.push(scored);
-    }
-    Ok(scores)
 }
 
 impl Score {

@@ -19,15 +19,15 @@ use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
-use crate::data::epoch_order;
-use crate::device::{dispatch, wait_for, BackendJob};
-use crate::error::{Error, Result};
-use crate::fsio::write_atomic;
+use pipe_bd::data::epoch_order;
+use pipe_bd::device::{dispatch, wait_for, BackendJob};
+use pipe_bd::error::{Error, Result};
+use pipe_bd::fsio::write_atomic;
 use crate::jobs::check::preflight;
-use crate::plan::{Plan, Schedule, StageSpec};
-use crate::planning::planner::{Candidate, CostTable};
-use crate::runtime::{concurrent_workers, threads_per_worker};
-use crate::train::{detached_copy, BlockTrainer, StepLoss};
+use pipe_bd::plan::{Plan, Schedule, StageSpec};
+use pipe_bd::planning::planner::{Candidate, CostTable};
+use pipe_bd::runtime::{concurrent_workers, threads_per_worker};
+use pipe_bd::train::{detached_copy, BlockTrainer, StepLoss};
 use crate::zoo::{Workload, Zoo};
 
 /// Median and spread of repeated timings, in seconds.
@@ -224,7 +224,7 @@ fn time_repeated(mut f: impl FnMut() -> Result<()>) -> std::result::Result<Timin
         match catch_unwind(AssertUnwindSafe(&mut f)) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e.to_string()),
-            Err(panic) => return Err(format!("panicked: {}", crate::error::panic_message(panic.as_ref()))),
+            Err(panic) => return Err(format!("panicked: {}", pipe_bd::error::panic_message(panic.as_ref()))),
         }
         if i > 0 {
             seconds.push(start.elapsed().as_secs_f64());
@@ -555,7 +555,7 @@ pub fn auto_plan<Z: Zoo>(
 fn plan_on(costs: CostTable, config: &RunConfig, say: &mut dyn FnMut(&str)) -> Result<(Plan, CostTable)> {
     let slots = config.device_slots().len();
     let blocks = costs.blocks();
-    let candidates = crate::planning::planner::plan(&costs, slots, config.runtime.memory_per_device, 3);
+    let candidates = pipe_bd::planning::planner::plan(&costs, slots, config.runtime.memory_per_device, 3);
     let best = candidates.first().ok_or_else(|| Error::Plan {
         plan: Schedule::Auto.name().into(),
         message: format!(
@@ -608,7 +608,7 @@ fn rank_costs<Z: Zoo>(zoo: &Z, config: &RunConfig, rank: usize, say: &mut dyn Fn
 pub fn send_rank_costs<Z: Zoo>(
     zoo: &Z,
     config: &RunConfig,
-    transport: &dyn crate::runtime::transport::Transport,
+    transport: &dyn pipe_bd::runtime::transport::Transport,
 ) -> Result<()> {
     let rank = transport.rank();
     let mut quiet = |_: &str| {};
@@ -616,7 +616,7 @@ pub fn send_rank_costs<Z: Zoo>(
         Ok(costs) => serde_json::json!({ "costs": costs }),
         Err(e) => serde_json::json!({ "error": e.to_string() }),
     };
-    transport.post(0, crate::runtime::transport::Tag::Profile, message.to_string().into_bytes())
+    transport.post(0, pipe_bd::runtime::transport::Tag::Profile, message.to_string().into_bytes())
 }
 
 /// `auto` on rank 0 of a run across processes: measures rank 0's device,
@@ -626,13 +626,13 @@ pub fn send_rank_costs<Z: Zoo>(
 pub fn auto_plan_across_ranks<Z: Zoo>(
     zoo: &Z,
     config: &RunConfig,
-    transport: &dyn crate::runtime::transport::Transport,
+    transport: &dyn pipe_bd::runtime::transport::Transport,
     say: &mut dyn FnMut(&str),
 ) -> Result<(Plan, CostTable)> {
     let mine = rank_costs(zoo, config, 0, say)?;
     let mut tables = vec![mine];
     for rank in 1..transport.ranks() {
-        let bytes = transport.receive(rank, crate::runtime::transport::Tag::Profile, PROFILE_WAIT)?.ok_or_else(|| {
+        let bytes = transport.receive(rank, pipe_bd::runtime::transport::Tag::Profile, PROFILE_WAIT)?.ok_or_else(|| {
             Error::Timeout { message: format!("rank 0 waited {} s for rank {rank}'s profile", PROFILE_WAIT.as_secs()) }
         })?;
         tables.push(costs_from_bytes(rank, &bytes)?);

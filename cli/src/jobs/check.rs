@@ -6,9 +6,9 @@ use std::path::Path;
 use pipebd_core::BlockSpec;
 
 use crate::config::RunConfig;
-use crate::device::{parse_slots, DeviceSpec};
-use crate::error::{Error, Result};
-use crate::plan::{flops_cost, Plan, Schedule};
+use pipe_bd::device::{parse_slots, DeviceSpec};
+use pipe_bd::error::{Error, Result};
+use pipe_bd::plan::{flops_cost, Plan, Schedule};
 use crate::zoo::Zoo;
 
 /// `pipebd check <path>`: the config file read, parsed and [`preflight`]ed;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::{close_transport, print, ProgressView, RunCommand};
 use crate::config::Overrides;
-use crate::train::Progress;
+use pipe_bd::train::Progress;
 use crate::zoo::Zoo;
 use crate::Error;
 
@@ -20,10 +20,10 @@ pub(super) fn run<Z: Zoo>(
 
     let out = out.or_else(|| resume.clone()).unwrap_or_else(|| std::path::PathBuf::from("runs/latest"));
     let config = zoo.load_config(config, overrides)?;
-    let transport = crate::runtime::launch::open(transport)?;
+    let transport = pipe_bd::runtime::launch::open(transport)?;
     let rank = transport.as_ref().map_or(0, |t| t.rank());
     let ranks = transport.as_ref().map_or(1, |t| t.ranks());
-    let interrupt = crate::runtime::interrupt::Interrupt::new();
+    let interrupt = pipe_bd::runtime::interrupt::Interrupt::new();
     super::signals::stop_on_signals(&interrupt, rank == 0)?;
     let mut view = ProgressView::new(quiet || rank != 0, config.train.batch_size);
     let mut observer = |p: &Progress| view.show(p);
@@ -48,7 +48,7 @@ pub(super) fn run<Z: Zoo>(
         }
     }
     if let (Ok(_), Some(signal)) = (&report, interrupt.requested()) {
-        let name = crate::runtime::interrupt::signal_name(signal);
+        let name = pipe_bd::runtime::interrupt::signal_name(signal);
         eprintln!("pipebd: {name} came after the last step: the run is complete");
     }
     let Some(report) = report? else {
@@ -74,7 +74,7 @@ pub(super) fn plot(run_dir: &Path) -> Result<(), Error> {
 /// `pipebd link`.
 pub(super) fn link<Z: Zoo>(zoo: &Z, config: &Path, rounds: usize, out: &Path) -> Result<(), Error> {
     let config = zoo.load_config(config, Overrides::default())?;
-    let transport = crate::runtime::launch::open(crate::runtime::launch::TransportChoice::Auto)?;
+    let transport = pipe_bd::runtime::launch::open(pipe_bd::runtime::launch::TransportChoice::Auto)?;
     let mut say = |line: &str| eprintln!("link: {line}");
     let report = crate::jobs::link::link_bench(zoo, &config, transport.clone(), rounds, out, &mut say);
     if let Some(transport) = transport {
@@ -130,11 +130,11 @@ pub(super) fn plan(
     let profile = crate::jobs::profile::Profile::read(profile)?;
     let table = profile.cost_table(devices);
     let start = std::time::Instant::now();
-    let plans = crate::planning::planner::plan(&table, devices, memory_per_device, top.max(1));
+    let plans = pipe_bd::planning::planner::plan(&table, devices, memory_per_device, top.max(1));
     let seconds = start.elapsed().as_secs_f64();
     let Some(best) = plans.first() else {
         return Err(Error::Plan {
-            plan: crate::Schedule::Auto.name().into(),
+            plan: pipe_bd::Schedule::Auto.name().into(),
             message: format!(
                 "no plan of the {} blocks on {devices} slots fits (memory limit {memory_per_device:?})",
                 table.blocks()
@@ -147,7 +147,7 @@ pub(super) fn plan(
         println!("{mark} {:<40} predicted {:.2} ms per step", c.describe(), 1e3 * c.step_seconds);
     }
     let text = plan_as_toml(best, table.blocks(), devices);
-    crate::fsio::write_atomic(out, text.as_bytes())?;
+    pipe_bd::fsio::write_atomic(out, text.as_bytes())?;
     println!("wrote {}", out.display());
     Ok(())
 }
@@ -285,10 +285,10 @@ pub(super) fn search<Z: Zoo>(
     out: Option<PathBuf>,
     pareto: Option<ParetoRequest>,
     objective: crate::jobs::search::Objective,
-) -> crate::error::Result<()> {
+) -> pipe_bd::error::Result<()> {
     use crate::jobs::search::{self, Budget, CostKind, Objective, SearchScores};
     if choice.is_none() && pareto.is_none() {
-        return Err(crate::error::Error::Search {
+        return Err(pipe_bd::error::Error::Search {
             message: "give --budget flops=N|params=N|latency=MS, --argmax, or --pareto flops|params|latency"
                 .into(),
         });
@@ -391,12 +391,12 @@ fn pareto_metrics(
 
 /// The plan as a run config's `schedule = "hybrid"` and `[[stages]]`
 /// (one-based blocks), with a comment saying where it came from.
-fn plan_as_toml(plan: &crate::planning::planner::Candidate, blocks: usize, slots: usize) -> String {
+fn plan_as_toml(plan: &pipe_bd::planning::planner::Candidate, blocks: usize, slots: usize) -> String {
     let mut text = format!(
         "# Written by `pipebd plan`: {blocks} blocks on {slots} device slots, predicted {:.2} ms per step.\n\
          # Use it in a run config with {slots} entries in `devices`.\nschedule = \"{}\"\n",
         1e3 * plan.step_seconds,
-        crate::plan::Schedule::Hybrid.name()
+        pipe_bd::plan::Schedule::Hybrid.name()
     );
     for stage in &plan.stages {
         let blocks: Vec<String> = stage.blocks.clone().map(|k| (k + 1).to_string()).collect();

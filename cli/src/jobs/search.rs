@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
-use crate::error::{Error, Result};
-use crate::search::score::BlockScores;
-use crate::search::{pareto_front, select, Candidate, Selection};
+use pipe_bd::error::{Error, Result};
+use pipe_bd::search::score::BlockScores;
+use pipe_bd::search::{pareto_front, select, Candidate, Selection};
 
 /// What a search run writes as `search.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -34,7 +34,7 @@ impl SearchScores {
     pub fn write(&self, run_dir: &Path) -> Result<()> {
         let json = serde_json::to_string_pretty(self)
             .map_err(|e| Error::Search { message: format!("cannot write the scores as JSON: {e}") })?;
-        crate::fsio::write_atomic(&run_dir.join(SCORES_FILE), json.as_bytes())?;
+        pipe_bd::fsio::write_atomic(&run_dir.join(SCORES_FILE), json.as_bytes())?;
         let mut csv = String::from(
             "block,candidate,name,loss,normalised_loss,output_loss,flops,params,latency_ms,probability\n",
         );
@@ -55,7 +55,7 @@ impl SearchScores {
                 ));
             }
         }
-        crate::fsio::write_atomic(&run_dir.join("search.csv"), csv.as_bytes())
+        pipe_bd::fsio::write_atomic(&run_dir.join("search.csv"), csv.as_bytes())
     }
 
     /// Reads `search.json` from a run folder (or the file itself).
@@ -109,7 +109,7 @@ impl CostKind {
         }
     }
 
-    fn of(self, c: &crate::search::score::CandidateScore) -> f64 {
+    fn of(self, c: &pipe_bd::search::score::CandidateScore) -> f64 {
         match self {
             Self::Flops => c.flops as f64,
             Self::Params => c.params as f64,
@@ -257,7 +257,7 @@ impl SearchScores {
 /// One candidate's loss under `objective` (`block` is its block's number).
 fn objective_loss(
     block: usize,
-    candidate: &crate::search::score::CandidateScore,
+    candidate: &pipe_bd::search::score::CandidateScore,
     objective: Objective,
 ) -> Result<f64> {
     match objective {
@@ -440,7 +440,7 @@ pub fn write_pareto_csv(dir: &Path, points: &[ParetoPoint]) -> Result<PathBuf> {
         ));
     }
     let path = dir.join("pareto.csv");
-    crate::fsio::write_atomic(&path, csv.as_bytes())?;
+    pipe_bd::fsio::write_atomic(&path, csv.as_bytes())?;
     Ok(path)
 }
 
@@ -468,7 +468,7 @@ pub fn write_chosen(
         chosen.point.params,
     );
     let text = format!("{header}{}", chosen.config.to_toml());
-    crate::fsio::write_atomic(path, text.as_bytes())
+    pipe_bd::fsio::write_atomic(path, text.as_bytes())
 }
 
 /// A candidate's table as `search.json` keeps it (a JSON object), back as

@@ -12,26 +12,25 @@ use pipebd_core::{Block, BlockSpec, Dataset, Loss, OutputHead, Samples, StudentM
 use pipebd_kernels::DistillBackend;
 
 use crate::config::RunConfig;
-use crate::data::held_out_split;
-use crate::device::{dispatch, BackendJob};
-use crate::error::{Error, Result};
+use pipe_bd::data::held_out_split;
+use pipe_bd::device::{dispatch, BackendJob};
+use pipe_bd::error::{Error, Result};
 use crate::jobs::check::{check_out_dir, preflight};
-use crate::jobs::eval::{
-    candidate_record_path, load_student_weights, save_candidates, save_students, score, student_record_path,
-};
+use crate::jobs::eval::load_student_weights;
+use pipe_bd::eval::{candidate_record_path, save_candidates, save_students, score, student_record_path};
 use crate::jobs::profile::{auto_plan, auto_plan_across_ranks, send_rank_costs};
 use crate::jobs::search::SearchScores;
-use crate::plan::Plan;
-use crate::planning::planner::CostTable;
-use crate::planning::simulate::simulate_shared;
+use pipe_bd::plan::Plan;
+use pipe_bd::planning::planner::CostTable;
+use pipe_bd::planning::simulate::simulate_shared;
 use crate::report::{write_metrics, BlockReport, RunReport, Startup, StitchedReport};
-use crate::runtime::launch::ranks_on_this_node;
-use crate::runtime::transport::{rank_mismatch, Tag, Transport};
-use crate::runtime::{concurrent_workers, cores, threads_per_worker, Distillation};
-use crate::search::score::{block_scores, measure_candidates};
-use crate::trace::write_chrome_trace;
-use crate::train::stitch::{OutputLoss, OutputLossKind, StitchedPass};
-use crate::train::{inference_blocks, Progress};
+use pipe_bd::runtime::launch::ranks_on_this_node;
+use pipe_bd::runtime::transport::{rank_mismatch, Tag, Transport};
+use pipe_bd::runtime::{concurrent_workers, cores, threads_per_worker, Distillation};
+use pipe_bd::search::score::{block_scores, measure_candidates};
+use pipe_bd::trace::write_chrome_trace;
+use pipe_bd::train::stitch::{OutputLoss, OutputLossKind, StitchedPass};
+use pipe_bd::train::{inference_blocks, Progress};
 use crate::zoo::{Workload, Zoo};
 
 /// Command-line flags of a run that are not part of its config (`--trace`,
@@ -47,14 +46,14 @@ pub struct RunFlags {
     pub max_failures: Option<usize>,
     /// Stop after the steps in flight when this is requested (the command
     /// line routes SIGINT and SIGTERM here).
-    pub interrupt: crate::runtime::interrupt::Interrupt,
+    pub interrupt: pipe_bd::runtime::interrupt::Interrupt,
 }
 
 /// The runtime settings of a run, built here once: the config's
 /// ([`RunConfig::runtime_settings`]), with checkpoints in
 /// `out_dir/checkpoints` (resumed only under the same config fields, the
 /// zoo's `zoo_identity` among them), the flags' resume folder and failure budget,
-/// faults from [`crate::fault::ENV`], the cost table for re-planning and,
+/// faults from [`pipe_bd::fault::ENV`], the cost table for re-planning and,
 /// across processes, the transport (ranks on one machine share its cores).
 pub fn runtime_settings_for(
     config: &RunConfig,
@@ -63,12 +62,12 @@ pub fn runtime_settings_for(
     flags: &RunFlags,
     costs: Option<&CostTable>,
     transport: Option<&Arc<dyn Transport>>,
-) -> Result<crate::runtime::RuntimeSettings> {
+) -> Result<pipe_bd::runtime::RuntimeSettings> {
     let mut runtime = config.runtime_settings();
     runtime.checkpoints = Some(config.checkpoint_policy(out_dir.join("checkpoints"), zoo_identity));
     runtime.resume_from = flags.resume.clone().filter(|dir| !stopped_before_any_checkpoint(dir, out_dir, config));
     runtime.interrupt = flags.interrupt.clone();
-    runtime.faults.extend(crate::fault::from_env()?);
+    runtime.faults.extend(pipe_bd::fault::from_env()?);
     if let Some(max) = flags.max_failures {
         runtime.max_failures = max;
     }
@@ -92,9 +91,9 @@ fn stopped_before_any_checkpoint(resume: &Path, out_dir: &Path, config: &RunConf
         (Ok(a), Ok(b)) => a == b,
         _ => a == b,
     };
-    let checkpoints = crate::train::checkpoint::resolve_dir(resume);
+    let checkpoints = pipe_bd::train::checkpoint::resolve_dir(resume);
     let blocks = config.students.len();
-    let empty = (1..=blocks).all(|b| crate::train::checkpoint::list(&checkpoints, b).is_empty());
+    let empty = (1..=blocks).all(|b| pipe_bd::train::checkpoint::list(&checkpoints, b).is_empty());
     let fresh = same(resume, out_dir) && empty;
     if fresh {
         eprintln!(
@@ -185,11 +184,7 @@ pub fn rank_devices(device: &str, ranks: usize, per_node: usize) -> Vec<String> 
 
 /// Rank 0's `auto` plan (or why it has none) for the other ranks.
 fn share_plan(transport: &dyn Transport, plan: std::result::Result<&Plan, String>) -> Result<()> {
-    let message = match plan {
-        Ok(plan) => serde_json::json!({ "plan": plan }),
-        Err(error) => serde_json::json!({ "error": error }),
-    };
-    let bytes = serde_json::to_vec(&message).unwrap_or_default();
+    let bytes = pipe_bd::runtime::frames::encode_plan(plan);
     for rank in 1..transport.ranks() {
         transport.post(rank, Tag::Plan, bytes.clone())?;
     }
@@ -208,19 +203,7 @@ fn receive_plan(transport: &dyn Transport) -> Result<Plan> {
             PLAN_WAIT.as_secs()
         ),
     })?;
-    plan_from_bytes(&bytes)
-}
-
-/// The plan (or rank 0's failure to choose one) in a `Tag::Plan` message.
-#[doc(hidden)]
-pub fn plan_from_bytes(bytes: &[u8]) -> Result<Plan> {
-    let bad = |e: String| Error::Transport { message: format!("rank 0's plan does not decode: {e}") };
-    let mut message: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
-    if let Some(error) = message.get("error").and_then(|e| e.as_str()) {
-        return Err(Error::Peer { rank: 0, message: format!("could not choose a plan: {error}") });
-    }
-    let plan = message.get_mut("plan").ok_or_else(|| bad("no `plan` in the message".into()))?;
-    serde_json::from_value(plan.take()).map_err(|e| bad(e.to_string()))
+    pipe_bd::runtime::frames::decode_plan(&bytes)
 }
 
 /// The students of `config`, built (and initialised) by `zoo` with their
@@ -383,11 +366,11 @@ fn stitched_output_head<Z: Zoo, B: DistillBackend>(
 fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
     config: &RunConfig,
     students: Students<B, S>,
-    log: &mut crate::train::TrainLog,
+    log: &mut pipe_bd::train::TrainLog,
     run: (
         &pipebd_core::Teacher<B::InnerBackend, T>,
         &dyn Dataset<B::InnerBackend>,
-        &crate::train::TrainSettings,
+        &pipe_bd::train::TrainSettings,
         Option<&dyn OutputHead<B>>,
         &B::Device,
     ),
@@ -413,7 +396,7 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
             .map(|kind| OutputLoss { kind, weight: config.train.stitched_output_weight }),
         block_weight: config.train.stitched_block_weight,
     };
-    let (students, pass) = crate::train::stitch::stitched_pass(
+    let (students, pass) = pipe_bd::train::stitch::stitched_pass(
         teacher, students, data, settings, &pass, head, device, observer,
     )?;
     let report = StitchedReport {
@@ -455,7 +438,7 @@ fn predicted_step_seconds(
 fn block_reports(
     teacher: &[BlockSpec],
     students: &[BlockSpec],
-    log: &crate::train::TrainLog,
+    log: &pipe_bd::train::TrainLog,
     stitched: Option<&StitchedReport>,
 ) -> Vec<crate::report::BlockReport> {
     let final_losses = match stitched {
@@ -548,7 +531,7 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
         for (block, module) in blocks.iter_mut().zip(trained) {
             let Some(alpha) = module.arch_logits() else { continue };
             let logits: Vec<f32> = alpha.into_data().iter::<f32>().collect();
-            for (candidate, p) in block.candidates.iter_mut().zip(crate::train::arch::softmax(&logits)) {
+            for (candidate, p) in block.candidates.iter_mut().zip(pipe_bd::train::arch::softmax(&logits)) {
                 candidate.probability = Some(p);
             }
         }

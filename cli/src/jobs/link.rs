@@ -26,14 +26,14 @@ use pipebd_core::{Activation, BlockSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
-use crate::error::{Error, Result};
-use crate::fsio::write_atomic;
+use pipe_bd::error::{Error, Result};
+use pipe_bd::fsio::write_atomic;
 use crate::jobs::profile::{cached_profile, plan_from_candidate};
-use crate::plan::Plan;
-use crate::planning::planner::{plan as best_plans, CostTable};
-use crate::planning::simulate::simulate;
-use crate::runtime::transport::{Tag, Transport};
-use crate::runtime::wire::{decode_activation, encode_activation, Reader, Writer};
+use pipe_bd::plan::Plan;
+use pipe_bd::planning::planner::{plan as best_plans, CostTable};
+use pipe_bd::planning::simulate::simulate;
+use pipe_bd::runtime::transport::{Tag, Transport};
+use pipe_bd::runtime::wire::{decode_activation, encode_activation, Reader, Writer};
 use crate::zoo::Zoo;
 
 /// One kind of message of a pipelined run, and what handing it on cost.

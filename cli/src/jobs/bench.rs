@@ -10,20 +10,20 @@ use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
-use crate::data::held_out_split;
-use crate::device::{dispatch, BackendJob};
-use crate::error::{Error, Result};
-use crate::fsio::write_atomic;
+use pipe_bd::data::held_out_split;
+use pipe_bd::device::{dispatch, BackendJob};
+use pipe_bd::error::{Error, Result};
+use pipe_bd::fsio::write_atomic;
 use crate::jobs::check::{plan_for, preflight};
 use crate::jobs::plot::timeline::{draw_timelines, Timeline, TimelineGroup};
 use crate::jobs::profile::plan_from_candidate;
 use crate::jobs::profile::{reset_peak_resident, resident_bytes};
-use crate::plan::{Plan, Schedule};
-use crate::planning::planner::CostTable;
-use crate::planning::simulate::simulate_shared;
-use crate::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeSettings};
-use crate::trace::{Span, WorkerSummary};
-use crate::train::{detached_copy, steps_per_epoch};
+use pipe_bd::plan::{Plan, Schedule};
+use pipe_bd::planning::planner::CostTable;
+use pipe_bd::planning::simulate::simulate_shared;
+use pipe_bd::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeSettings};
+use pipe_bd::trace::{Span, WorkerSummary};
+use pipe_bd::train::{detached_copy, steps_per_epoch};
 use crate::zoo::{Workload, Zoo};
 
 /// One schedule's timing: seconds, spans, workers, peak memory.
@@ -342,7 +342,7 @@ fn bench_plans(
     let memory = config.runtime.memory_per_device;
     let plan = |name: &String| {
         if name == Schedule::Auto.name() {
-            let best = crate::planning::planner::plan(costs, slots, memory, 1);
+            let best = pipe_bd::planning::planner::plan(costs, slots, memory, 1);
             let best = best.first().ok_or_else(|| Error::Plan {
                 plan: Schedule::Auto.name().into(),
                 message: "no feasible plan for the profiled costs".into(),

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 
-use crate::runtime::interrupt::{signal_name, Interrupt};
+use pipe_bd::runtime::interrupt::{signal_name, Interrupt};
 use crate::Error;
 
 /// Routes SIGINT, SIGTERM and SIGUSR1 to `interrupt` for the rest of the process,

@@ -2,8 +2,8 @@
 
 use pipebd_kernels::DistillBackend;
 
-use crate::device::{dispatch, BackendJob, DeviceSpec};
-use crate::error::{Error, Result};
+use pipe_bd::device::{dispatch, BackendJob, DeviceSpec};
+use pipe_bd::error::{Error, Result};
 
 /// What `pipebd kernels` measured: the fused ops against burn's ops.
 #[derive(Debug, Default)]

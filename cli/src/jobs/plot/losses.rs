@@ -13,8 +13,8 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::{picture_error, register_font, series_color, short_number};
-use crate::error::{Error, Result};
-use crate::train::MetricRow;
+use pipe_bd::error::{Error, Result};
+use pipe_bd::train::MetricRow;
 
 /// Size of `losses.png` in pixels.
 pub const LOSSES_SIZE: (u32, u32) = (1280, 900);

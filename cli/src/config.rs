@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 use pipebd_core::Schedule;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
-use crate::train::optim::OptimizerConfig;
-use crate::train::stitch::{OutputLossKind, StitchedGradients};
+use pipe_bd::error::{Error, Result};
+use pipe_bd::train::optim::OptimizerConfig;
+use pipe_bd::train::stitch::{OutputLossKind, StitchedGradients};
 
 /// A whole run: data, teacher, students, training and where to run it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -35,7 +35,7 @@ pub struct RunConfig {
     /// sees the same batches; students of `Conv2d` and `Linear` layers only;
     /// a stitched pass keeps pipe-bd's own shuffle).
     #[serde(default)]
-    pub generator: crate::rng::Generator,
+    pub generator: pipe_bd::rng::Generator,
     /// Device: `cpu`, `cuda[:N]` or `wgpu[:N]` (one slot; see `devices`).
     #[serde(default = "default_device")]
     pub device: String,
@@ -49,7 +49,7 @@ pub struct RunConfig {
     pub schedule: String,
     /// Stages of a `hybrid` schedule, in block order.
     #[serde(default)]
-    pub stages: Vec<crate::plan::StageSpec>,
+    pub stages: Vec<pipe_bd::plan::StageSpec>,
     /// Pipeline runtime knobs.
     #[serde(default)]
     pub runtime: RuntimeConfig,
@@ -76,7 +76,7 @@ pub struct RunConfig {
     pub search: SearchConfig,
     /// Injected faults, for testing recovery (`[[faults]]`; see also `PIPEBD_FAULTS`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub faults: Vec<crate::fault::Fault>,
+    pub faults: Vec<pipe_bd::fault::Fault>,
     /// Settings of a user's zoo (`[custom]`, free-form; the built-in zoo
     /// takes none).
     #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
@@ -374,7 +374,7 @@ pub enum SearchMode {
 
 impl Default for SearchConfig {
     fn default() -> Self {
-        let single_path = crate::train::arch::SinglePath::default();
+        let single_path = pipe_bd::train::arch::SinglePath::default();
         Self {
             held_out: default_held_out(),
             mode: SearchMode::All,
@@ -386,13 +386,13 @@ impl Default for SearchConfig {
 }
 
 fn default_arch_every() -> usize {
-    crate::train::arch::SinglePath::default().arch_every
+    pipe_bd::train::arch::SinglePath::default().arch_every
 }
 fn default_arch_warmup() -> f64 {
-    crate::train::arch::SinglePath::default().warmup
+    pipe_bd::train::arch::SinglePath::default().warmup
 }
 fn default_arch_lr() -> f64 {
-    crate::train::arch::SinglePath::default().arch_lr
+    pipe_bd::train::arch::SinglePath::default().arch_lr
 }
 
 fn default_held_out() -> f64 {
@@ -496,7 +496,7 @@ impl RunConfig {
 
     /// The text of the config file at `path`.
     pub fn read_text(path: &Path) -> Result<String> {
-        crate::fsio::read_small_text(path).map_err(|e| Error::Config {
+        pipe_bd::fsio::read_small_text(path).map_err(|e| Error::Config {
             path: path.to_path_buf(),
             line: None,
             field: None,
@@ -593,9 +593,9 @@ impl RunConfig {
         if schedule == Schedule::Hybrid && self.stages.is_empty() {
             return broken("", "schedule", "`hybrid` needs [[stages]] entries (blocks = [..], replicas = N)");
         }
-        crate::device::DeviceSpec::parse(&self.device).map_err(|e| Broken::new("", "device", e))?;
+        pipe_bd::device::DeviceSpec::parse(&self.device).map_err(|e| Broken::new("", "device", e))?;
         if let Some(devices) = &self.devices {
-            crate::device::parse_slots(devices).map_err(|e| Broken::new("", "devices", e))?;
+            pipe_bd::device::parse_slots(devices).map_err(|e| Broken::new("", "devices", e))?;
         }
         if self.runtime.channel_capacity == 0 {
             return broken("runtime", "channel_capacity", "must be at least 1");
@@ -727,8 +727,8 @@ impl RunConfig {
     }
 
     /// The runtime settings as the runtime takes them.
-    pub fn runtime_settings(&self) -> crate::runtime::RuntimeSettings {
-        crate::runtime::RuntimeSettings {
+    pub fn runtime_settings(&self) -> pipe_bd::runtime::RuntimeSettings {
+        pipe_bd::runtime::RuntimeSettings {
             channel_capacity: self.runtime.channel_capacity,
             timeout: std::time::Duration::from_secs_f64(self.runtime.timeout_seconds),
             threads_per_worker: self.runtime.threads_per_worker,
@@ -748,14 +748,14 @@ impl RunConfig {
         &self,
         dir: PathBuf,
         zoo_fields: std::collections::BTreeMap<String, serde_json::Value>,
-    ) -> crate::train::checkpoint::CheckpointPolicy {
+    ) -> pipe_bd::train::checkpoint::CheckpointPolicy {
         use serde_json::json;
         let mut identity = zoo_fields;
         identity.insert("data.dataset".into(), json!(self.data.dataset));
         identity.insert("data.train_limit".into(), json!(self.data.train_limit));
         identity.insert("teacher.kind".into(), json!(self.teacher.kind));
         identity.insert("train.epochs".into(), json!(self.train.epochs));
-        crate::train::checkpoint::CheckpointPolicy {
+        pipe_bd::train::checkpoint::CheckpointPolicy {
             dir,
             every_steps: self.checkpoint.every_steps,
             every_seconds: self.checkpoint.every_minutes * 60.0,
@@ -765,8 +765,8 @@ impl RunConfig {
     }
 
     /// The training settings as the runtime takes them.
-    pub fn train_settings(&self) -> crate::train::TrainSettings {
-        crate::train::TrainSettings {
+    pub fn train_settings(&self) -> pipe_bd::train::TrainSettings {
+        pipe_bd::train::TrainSettings {
             epochs: self.train.epochs,
             batch_size: self.train.batch_size,
             seed: self.seed,
@@ -775,7 +775,7 @@ impl RunConfig {
             optimizer: self.optimizer.clone(),
             temperature: self.train.temperature,
             single_path: (self.search.mode == SearchMode::SinglePath).then(|| {
-                crate::train::arch::SinglePath {
+                pipe_bd::train::arch::SinglePath {
                     arch_every: self.search.arch_every,
                     warmup: self.search.arch_warmup,
                     arch_lr: self.search.arch_lr,
@@ -962,16 +962,16 @@ impl RunConfig {
             message,
         };
         if let Some(device) = overrides.device {
-            crate::device::DeviceSpec::parse(&device).map_err(|m| flag_error("--device", "device", m))?;
+            pipe_bd::device::DeviceSpec::parse(&device).map_err(|m| flag_error("--device", "device", m))?;
             config.devices = None;
             config.device = device;
         }
         if let Some(devices) = overrides.devices {
-            crate::device::parse_slots(&devices).map_err(|m| flag_error("--devices", "devices", m))?;
+            pipe_bd::device::parse_slots(&devices).map_err(|m| flag_error("--devices", "devices", m))?;
             config.devices = Some(devices);
         }
         if let Some(schedule) = overrides.schedule {
-            if let Err(e) = crate::plan::Schedule::parse(&schedule) {
+            if let Err(e) = pipe_bd::plan::Schedule::parse(&schedule) {
                 return Err(flag_error("--schedule", "schedule", e.0));
             }
             config.schedule = schedule;

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::error::Result;
+use pipe_bd::error::Result;
 use crate::jobs::plot::{picture_error, register_font, series_color, short_number};
 use crate::jobs::sweep::Row;
 

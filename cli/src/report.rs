@@ -6,8 +6,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
-use crate::error::{Error, Result};
-use crate::train::MetricRow;
+use pipe_bd::error::{Error, Result};
+use pipe_bd::train::MetricRow;
 
 /// Per-block figures of a run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -59,7 +59,7 @@ pub struct StitchedReport {
     /// Passes over the data.
     pub epochs: usize,
     /// Through the stitched chain or stopped at each block.
-    pub gradients: crate::train::stitch::StitchedGradients,
+    pub gradients: pipe_bd::train::stitch::StitchedGradients,
     /// Optimizer steps per block.
     pub steps: usize,
     /// Peak learning rate.
@@ -121,11 +121,11 @@ pub struct RunReport {
     pub test_samples: usize,
     /// Text teachers: embedding cosine to the teacher, probe, size ratios.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text: Option<crate::data::text::TextReport>,
+    pub text: Option<pipe_bd::data::text::TextReport>,
     /// Language models: held-out perplexity of teacher and student,
     /// next-token agreement and KL to the teacher, size ratios.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub language: Option<crate::data::text::LanguageReport>,
+    pub language: Option<pipe_bd::data::text::LanguageReport>,
     /// Training samples available.
     pub train_samples: usize,
     /// Optimizer steps per block.
@@ -163,13 +163,13 @@ pub struct RunReport {
     /// Per-block figures.
     pub blocks: Vec<BlockReport>,
     /// Busy and idle time of each pipeline worker.
-    pub workers: Vec<crate::trace::WorkerSummary>,
+    pub workers: Vec<pipe_bd::trace::WorkerSummary>,
     /// The stitched fine-tuning after the blockwise epochs, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stitched: Option<StitchedReport>,
     /// Resume, failures survived and checkpoints written.
     #[serde(default)]
-    pub resilience: crate::runtime::recovery::ResilienceLog,
+    pub resilience: pipe_bd::runtime::recovery::ResilienceLog,
     /// The configuration, echoed back.
     pub config: RunConfig,
 }
@@ -181,7 +181,7 @@ impl RunReport {
             path: dir.join("report.json"),
             message: format!("cannot serialise the report: {e}"),
         })?;
-        crate::fsio::write_atomic(&dir.join("report.json"), json.as_bytes())
+        pipe_bd::fsio::write_atomic(&dir.join("report.json"), json.as_bytes())
     }
 
     /// Reads `report.json` from a run folder.
@@ -199,7 +199,7 @@ pub fn write_metrics(dir: &Path, rows: &[MetricRow]) -> Result<()> {
     for r in rows {
         text.push_str(&format!("{},{},{},{},{}\n", r.epoch, r.step, r.block, r.loss, r.lr));
     }
-    crate::fsio::write_atomic(&dir.join("metrics.csv"), text.as_bytes())
+    pipe_bd::fsio::write_atomic(&dir.join("metrics.csv"), text.as_bytes())
 }
 
 /// This process's peak resident memory so far, in bytes: `VmHWM` of
