@@ -41,9 +41,9 @@
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod eval;
 pub mod fault;
 pub mod fsio;
-pub mod eval;
 pub use pipebd_core::plan;
 pub mod planning;
 pub mod rng;

@@ -10,7 +10,9 @@
 //!   the engine settings they become,
 //! - [`jobs`]: what each command does, from a [`config::RunConfig`] and a zoo
 //!   ([`jobs::run`]: a whole run; plots, sweeps, search, profile, bench),
-//! - [`report`]: `report.json` and `metrics.csv`,
+//! - [`report`]: `report.json`; [`metrics`]: `metrics.csv`, written and read,
+//! - [`reporter`]: every line written while a command works (`--quiet`,
+//!   `--log-format json`),
 //! - [`zoo`]: the [`Zoo`] trait and the helpers a zoo's config sections use.
 //!
 //! The engine (`pipe-bd`: blocks, schedules, planner, runtime, evaluation)
@@ -21,7 +23,9 @@
 pub mod cli;
 pub mod config;
 pub mod jobs;
+pub mod metrics;
 pub mod report;
+pub mod reporter;
 pub mod zoo;
 
 pub use cli::run_with;

@@ -1,5 +1,5 @@
 //! What a run measured, written where the user can find it: `report.json`
-//! and `metrics.csv` in the run's output folder.
+//! in the run's output folder (its loss log, `metrics.csv`, is [`crate::metrics`]'s).
 
 use std::path::Path;
 
@@ -7,7 +7,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use pipe_bd::error::{Error, Result};
-use pipe_bd::train::MetricRow;
 
 /// Per-block figures of a run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -191,15 +190,6 @@ impl RunReport {
         serde_json::from_str(&text)
             .map_err(|e| Error::Data { path, message: format!("not a pipebd report: {e}") })
     }
-}
-
-/// Writes `metrics.csv` (`epoch,step,block,loss,lr`) into `dir`.
-pub fn write_metrics(dir: &Path, rows: &[MetricRow]) -> Result<()> {
-    let mut text = String::from("epoch,step,block,loss,lr\n");
-    for r in rows {
-        text.push_str(&format!("{},{},{},{},{}\n", r.epoch, r.step, r.block, r.loss, r.lr));
-    }
-    pipe_bd::fsio::write_atomic(&dir.join("metrics.csv"), text.as_bytes())
 }
 
 /// This process's peak resident memory so far, in bytes: `VmHWM` of

@@ -212,3 +212,20 @@ impl<B: Backend> Activation<B> {
         })
     }
 }
+
+impl<B: pipebd_kernels::FusedBackend> Activation<B> {
+    /// Token states run through `layers` in turn, the mask riding along
+    /// (a stack of transformer layers as one block); an error naming
+    /// `block` if this is another kind.
+    pub fn through_token_layers<L: pipebd_kernels::TokenLayer<B>>(
+        self,
+        layers: &[L],
+        block: usize,
+    ) -> Result<Self> {
+        let (mut hidden, mask) = self.into_tokens(block)?;
+        for layer in layers {
+            hidden = layer.forward_tokens(hidden, mask.clone());
+        }
+        Ok(Activation::Tokens { hidden, mask })
+    }
+}

@@ -38,9 +38,7 @@ pub fn head_kl<B: FusedBackend>(
     teacher: Activation<B>,
     temperature: f64,
 ) -> Result<Tensor<B, 1>> {
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(crate::Error::block(format!("temperature {temperature} must be a positive number")));
-    }
+    crate::loss::check_temperature(temperature)?;
     let student = head.scores(student)?;
     let teacher = head.scores(teacher)?;
     if student.scores.dims() != teacher.scores.dims() {

@@ -42,6 +42,6 @@ pub use block::{
 pub use dataset::{Dataset, Samples};
 pub use error::{panic_message, Error, Result};
 pub use head::{head_kl, HeadScores, OutputHead};
-pub use loss::{Loss, LossKind};
+pub use loss::{is_valid_temperature, Loss, LossKind};
 pub use pipebd_kernels::{DistillBackend, FusedBackend};
 pub use plan::{Phase, Plan, PlanError, Schedule, Stage, StageSpec};

@@ -7,6 +7,21 @@ use serde::{Deserialize, Serialize};
 use crate::activation::Activation;
 use crate::error::{Error, Result};
 
+/// Whether `temperature` can soften a softmax: a finite positive number
+/// (the one rule, which configs and losses both apply).
+pub fn is_valid_temperature(temperature: f64) -> bool {
+    temperature.is_finite() && temperature > 0.0
+}
+
+/// [`is_valid_temperature`] as an error naming the value.
+pub(crate) fn check_temperature(temperature: f64) -> Result<()> {
+    if is_valid_temperature(temperature) {
+        Ok(())
+    } else {
+        Err(Error::block(format!("temperature {temperature} must be a positive number")))
+    }
+}
+
 /// How a block's student output is compared with the teacher's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -129,9 +144,7 @@ impl Loss {
                 if temperature == 1.0 {
                     return Ok(loss::soft_target_cross_entropy(s, t));
                 }
-                if !(temperature.is_finite() && temperature > 0.0) {
-                    return Err(Error::block(format!("temperature {temperature} must be a positive number")));
-                }
+                check_temperature(temperature)?;
                 let scale = 1.0 / temperature;
                 let ce = loss::soft_target_cross_entropy(s.mul_scalar(scale), t.mul_scalar(scale));
                 Ok(ce.mul_scalar(temperature * temperature))

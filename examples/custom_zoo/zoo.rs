@@ -7,12 +7,12 @@ use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig};
 use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
-use pipebd_cli::config::{ConfigIssue, RunConfig};
 use pipe_bd::eval::TopOneAccuracy;
 use pipe_bd::serde::Deserialize;
-use pipebd_cli::zoo::{parse_custom, parse_students, Workload, Zoo};
 use pipe_bd::{forward_chain, Activation, Block, BlockError, BlockResult, BlockSpec, DistillBackend};
 use pipe_bd::{FusedBackend, Students, Teacher};
+use pipebd_cli::config::{ConfigIssue, RunConfig};
+use pipebd_cli::zoo::{parse_custom, parse_students, Workload, Zoo};
 use pipebd_zoo::mnist::Split;
 use pipebd_zoo::teachers::mnist_cnn::{block_flops, MnistBlock, MnistCnn};
 

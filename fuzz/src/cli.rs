@@ -47,64 +47,26 @@ pub struct KillTally {
 /// pipelined, `epochs` epochs of 10 steps, a checkpoint every 3 steps).
 fn tiny_config(root: &Path, epochs: usize) -> String {
     let data = root.join("data");
+    let sections = pipebd_zoo::smoke_sections(
+        &data.join("mnist"),
+        &data.join("teachers/mnist-cnn.pth"),
+        (640, 100),
+        epochs,
+    );
     format!(
-        r#"name = "fuzz"
-seed = 7
-device = "cpu"
-devices = ["cpu", "cpu"]
-schedule = "tr-dpu"
-
-[checkpoint]
-every_steps = 3
-every_minutes = 0.0
-
-[data]
-dataset = "mnist"
-dir = "{mnist}"
-train_limit = 640
-test_limit = 100
-
-[teacher]
-kind = "mnist-cnn"
-weights = "{weights}"
-
-[train]
-epochs = {epochs}
-batch_size = 64
-log_every = 1
-
-[optimizer]
-kind = "adam"
-lr = 0.002
-
-[[students]]
-kind = "conv"
-width = 16
-out_channels = 32
-
-[[students]]
-kind = "bottleneck"
-rank = 16
-out_channels = 64
-
-[[students]]
-kind = "bottleneck"
-rank = 24
-out_channels = 128
-
-[[students]]
-kind = "head"
-hidden = 64
-classes = 10
-"#,
-        mnist = data.join("mnist").display(),
-        weights = data.join("teachers/mnist-cnn.pth").display(),
+        "name = \"fuzz\"\nseed = 7\ndevice = \"cpu\"\ndevices = [\"cpu\", \"cpu\"]\nschedule = \"tr-dpu\"\n\n\
+         [checkpoint]\nevery_steps = 3\nevery_minutes = 0.0\n\n{sections}"
     )
 }
 
 /// Runs `pipebd` with `args` in `cwd` for at most `limit`: (exit code or
 /// `None` when killed by a signal, stderr, over the limit).
-fn pipebd(bin: &Path, cwd: &Path, args: &[String], limit: Duration) -> Result<(Option<i32>, String, bool), String> {
+fn pipebd(
+    bin: &Path,
+    cwd: &Path,
+    args: &[String],
+    limit: Duration,
+) -> Result<(Option<i32>, String, bool), String> {
     let mut child = Command::new(bin)
         .args(args)
         .current_dir(cwd)
@@ -136,15 +98,56 @@ fn pipebd(bin: &Path, cwd: &Path, args: &[String], limit: Duration) -> Result<(O
 }
 
 const COMMANDS: [&str; 17] = [
-    "run", "check", "eval", "plot", "search", "export", "eval-gguf", "plan", "sweep", "profile", "bench",
-    "kernels", "eval-teacher", "export-init", "help", "--version", "frobnicate",
+    "run",
+    "check",
+    "eval",
+    "plot",
+    "search",
+    "export",
+    "eval-gguf",
+    "plan",
+    "sweep",
+    "profile",
+    "bench",
+    "kernels",
+    "eval-teacher",
+    "export-init",
+    "help",
+    "--version",
+    "frobnicate",
 ];
 
 const FLAGS: [&str; 30] = [
-    "--out", "--resume", "--device", "--devices", "--schedule", "--epochs", "--trace", "--quiet",
-    "--max-failures", "--transport", "--budget", "--pareto", "--evaluate", "--points", "--argmax",
-    "--objective", "--format", "--type", "--teacher", "--text", "--context", "--chunks", "--save-text",
-    "--top", "--memory-per-device", "--check", "--bench", "--repeats", "--only", "--help",
+    "--out",
+    "--resume",
+    "--device",
+    "--devices",
+    "--schedule",
+    "--epochs",
+    "--trace",
+    "--quiet",
+    "--max-failures",
+    "--transport",
+    "--budget",
+    "--pareto",
+    "--evaluate",
+    "--points",
+    "--argmax",
+    "--objective",
+    "--format",
+    "--type",
+    "--teacher",
+    "--text",
+    "--context",
+    "--chunks",
+    "--save-text",
+    "--top",
+    "--memory-per-device",
+    "--check",
+    "--bench",
+    "--repeats",
+    "--only",
+    "--help",
 ];
 
 /// One argument vector of input `i`, with its config and run folder
@@ -179,8 +182,27 @@ fn argument_vector(rng: &mut Rng, work: &Path, base: &[u8], run: &Path) -> Resul
     };
     let any_value = |rng: &mut Rng| -> String {
         let choices = [
-            "0", "1", "-1", "3", "1e309", "nan", "18446744073709551616", "cpu", "cuda:7", "wgpu", "tr",
-            "auto", "gguf", "q8_0", "flops", "loss", "local", "mpi", "\u{1F600}", "--", "=",
+            "0",
+            "1",
+            "-1",
+            "3",
+            "1e309",
+            "nan",
+            "18446744073709551616",
+            "cpu",
+            "cuda:7",
+            "wgpu",
+            "tr",
+            "auto",
+            "gguf",
+            "q8_0",
+            "flops",
+            "loss",
+            "local",
+            "mpi",
+            "\u{1F600}",
+            "--",
+            "=",
         ];
         rng.pick(&choices).to_string()
     };
@@ -265,7 +287,11 @@ pub fn fuzz_cli(
             let _ = std::fs::copy(work.join("input.toml"), kept.join("input.toml"));
             let _ = std::fs::write(kept.join("argv.txt"), args.join("\n"));
             let _ = std::fs::write(kept.join("stderr.txt"), &stderr);
-            tally.failures.push(format!("input {i}: {problem}: pipebd {} (kept in {})", args.join(" "), kept.display()));
+            tally.failures.push(format!(
+                "input {i}: {problem}: pipebd {} (kept in {})",
+                args.join(" "),
+                kept.display()
+            ));
         }
         if (i + 1) % 50 == 0 {
             eprintln!("fuzz: cli {}/{inputs} inputs, {} failures", i + 1, tally.failures.len());
@@ -336,7 +362,10 @@ pub fn fuzz_kills(bin: &Path, root: &Path, work: &Path, rounds: u64, seed: u64) 
         }
         let (code, stderr, _) = pipebd(bin, work, &run(&out, true), Duration::from_secs(600))?;
         if code != Some(0) {
-            tally.failures.push(format!("round {round} ({}): the resume failed ({code:?}): {stderr}", stops.join(", ")));
+            tally.failures.push(format!(
+                "round {round} ({}): the resume failed ({code:?}): {stderr}",
+                stops.join(", ")
+            ));
             continue;
         }
         let got = student_weights(&out)?;

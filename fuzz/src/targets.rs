@@ -146,9 +146,11 @@ fn input_targets() -> Vec<Target> {
 fn run_folder_targets() -> Vec<Target> {
     vec![
         committed("metrics", "metrics.csv", "metrics.csv", |p, _| {
-            pipebd_cli::jobs::plot::losses::read_metrics(p).into()
+            pipebd_cli::metrics::read_metrics(p).into()
         }),
-        committed("report", "report.json", "report.json", |_, w| pipebd_cli::report::RunReport::read(w).into()),
+        committed("report", "report.json", "report.json", |_, w| {
+            pipebd_cli::report::RunReport::read(w).into()
+        }),
         committed("search", "search.json", "search.json", |p, _| {
             pipebd_cli::jobs::search::SearchScores::read(p).into()
         }),

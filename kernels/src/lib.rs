@@ -32,6 +32,15 @@
 //! ordinary burn ops ([`reference`]), which are also what the tests and the
 //! benchmark compare the kernels against.
 //!
+//! Three modules are folders whose `mod.rs` holds the entry points (a
+//! backend's `impl`, or the public functions) and depends on its leaf
+//! modules, which depend only on the shared modules beneath them, never
+//! back up: `cube/` (the CubeCL kernels: matmul, dense and depthwise
+//! convolutions, pooling, the optimizer update, over `common.rs` and the
+//! convolutions' `geometry.rs`), `flex/` (the native CPU paths on burn's
+//! flex backend, over `epilogue.rs` and `gemm.rs`) and [`check`] (the
+//! correctness checks by subject, over `common.rs`).
+//!
 //! # Feature flags
 //! - `wgpu`: the kernels on burn's wgpu backend (also Mesa's software Vulkan).
 //! - `cuda`: the kernels on burn's CUDA backend.
@@ -43,19 +52,16 @@ mod wide;
 mod autodiff;
 pub mod bench;
 pub mod check;
-mod check_decoder;
 #[cfg(feature = "cubecl")]
 mod cube;
 pub mod decoder;
 pub mod encoder;
 mod flex;
-mod flex_decoder;
-mod flex_encoder;
-mod flex_optim;
 pub mod llama;
 pub mod loss;
 pub mod optim;
 pub mod reference;
+pub mod token_layer;
 pub mod transformer;
 
 use burn::nn::conv::Conv2d;
@@ -65,6 +71,7 @@ use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 pub use optim::{AdamRule, ParamSlot, ParamState, ParamUpdate, SgdMomentum, SgdRule, UpdateRule};
+pub use token_layer::TokenLayer;
 
 /// The activation applied in the epilogue of a fused matmul.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -18,13 +18,13 @@
 //! `(x[2i], x[2i+1])` by `pos * base^(-2i / head_dim)` (GGUF's layout).
 
 use burn::nn::RmsNorm;
-use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::transformer::MASKED_SCORE;
-use crate::{FusedBackend, LossWithGrad};
+use crate::FusedBackend;
 
 /// What [`FusedBackend::rms_norm`] returns.
 #[derive(Debug)]
@@ -251,29 +251,7 @@ pub fn causal_attention_backward_reference<B: Backend>(
     [unwrap(merge(dq)), unwrap(merge(dk)), unwrap(merge(narrow(dv)))]
 }
 
-/// [`FusedBackend::weighted_kl_loss`] with burn ops: the loss and, with
-/// `with_grad`, `T w_r / W (softmax(s_r / T) - softmax(t_r / T))`.
-pub fn weighted_kl_reference<B: Backend>(
-    student: FloatTensor<B>,
-    teacher: FloatTensor<B>,
-    weights: FloatTensor<B>,
-    temperature: f64,
-    with_grad: bool,
-) -> LossWithGrad<B> {
-    let (student, teacher, weights) = (wrap::<B, 2>(student), wrap::<B, 2>(teacher), wrap::<B, 1>(weights));
-    let [rows, _] = student.dims();
-    let scale = 1.0 / temperature;
-    let s = log_softmax(student.mul_scalar(scale), 1);
-    let t = log_softmax(teacher.mul_scalar(scale), 1);
-    let per_row = (t.clone().exp() * (t.clone() - s.clone())).sum_dim(1).reshape([rows]);
-    let total = weights.clone().sum().clamp_min(1e-12);
-    let loss = (per_row * weights.clone()).sum().div(total.clone()).mul_scalar(temperature * temperature);
-    let grad = with_grad.then(|| {
-        let row_scale = (weights / total).mul_scalar(temperature).reshape([rows, 1]);
-        unwrap((s.exp() - t.exp()) * row_scale)
-    });
-    LossWithGrad { loss: unwrap(loss), grad }
-}
+pub use crate::loss::weighted_kl_reference;
 
 /// RMSNorm of `[rows, hidden]` rows by `norm` (its scale and epsilon), one
 /// pass forward and one backward where the backend has a native path.

@@ -4,9 +4,48 @@
 //! called on the result directly. They go through [`FusedBackend`], so on
 //! wgpu and cuda they run as one fused kernel that also writes the gradient.
 
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::FusedBackend;
+use crate::{FusedBackend, LossWithGrad};
+
+/// `KL(teacher || student)` of each row of `[rows, classes]`
+/// log-probabilities: `sum_j exp(t_j) (t_j - s_j)`, as `[rows]`. The one
+/// place the formula is written: the distillation loss through an LM head
+/// ([`weighted_kl_reference`]) and the language-model evaluation's KL both
+/// use it.
+pub fn kl_rows<B: Backend>(student_log_probs: Tensor<B, 2>, teacher_log_probs: Tensor<B, 2>) -> Tensor<B, 1> {
+    let [rows, _] = student_log_probs.dims();
+    (teacher_log_probs.clone().exp() * (teacher_log_probs - student_log_probs)).sum_dim(1).reshape([rows])
+}
+
+/// [`FusedBackend::weighted_kl_loss`] with burn ops: the loss and, with
+/// `with_grad`, `T w_r / W (softmax(s_r / T) - softmax(t_r / T))`.
+pub fn weighted_kl_reference<B: Backend>(
+    student: FloatTensor<B>,
+    teacher: FloatTensor<B>,
+    weights: FloatTensor<B>,
+    temperature: f64,
+    with_grad: bool,
+) -> LossWithGrad<B> {
+    let student = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(student));
+    let teacher = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(teacher));
+    let weights = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(weights));
+    let [rows, _] = student.dims();
+    let scale = 1.0 / temperature;
+    let s = log_softmax(student.mul_scalar(scale), 1);
+    let t = log_softmax(teacher.mul_scalar(scale), 1);
+    let per_row = kl_rows(s.clone(), t.clone());
+    let total = weights.clone().sum().clamp_min(1e-12);
+    let loss = (per_row * weights.clone()).sum().div(total.clone()).mul_scalar(temperature * temperature);
+    let grad = with_grad.then(|| {
+        let row_scale = (weights / total).mul_scalar(temperature).reshape([rows, 1]);
+        ((s.exp() - t.exp()) * row_scale).into_primitive().tensor()
+    });
+    LossWithGrad { loss: loss.into_primitive().tensor(), grad }
+}
 
 /// Mean squared error between a student block's output and the teacher's,
 /// averaged over every element (batch included).
@@ -134,8 +173,8 @@ pub fn weighted_kl<B: FusedBackend>(
     temperature: f64,
 ) -> Tensor<B, 1> {
     // The reference's burn ops, differentiated by autodiff (the formula
-    // lives once, in `llama::weighted_kl_reference`).
-    let out = crate::llama::weighted_kl_reference::<B>(
+    // lives once, in `weighted_kl_reference`).
+    let out = weighted_kl_reference::<B>(
         student.into_primitive().tensor(),
         teacher.detach().into_primitive().tensor(),
         weights.into_primitive().tensor(),

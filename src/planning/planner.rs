@@ -42,7 +42,9 @@ impl CostTable {
     /// Seconds per step of every block on one replica (teacher forward and
     /// student step), for comparing devices; infeasible entries count 0.
     pub fn single_replica_seconds(&self) -> f64 {
-        let first = |rows: &Vec<Vec<Option<f64>>>| rows.iter().map(|r| r.first().copied().flatten().unwrap_or(0.0)).sum::<f64>();
+        let first = |rows: &Vec<Vec<Option<f64>>>| {
+            rows.iter().map(|r| r.first().copied().flatten().unwrap_or(0.0)).sum::<f64>()
+        };
         first(&self.teacher_forward) + first(&self.student_step)
     }
 

@@ -68,7 +68,13 @@ impl ClusterWatch {
             last_sent: None,
             silence_limit,
             announced: false,
-            agreement: StopAgreement { interrupt, phase, first_step, proposed: None, proposals: BTreeMap::new() },
+            agreement: StopAgreement {
+                interrupt,
+                phase,
+                first_step,
+                proposed: None,
+                proposals: BTreeMap::new(),
+            },
         }
     }
 
@@ -217,7 +223,8 @@ impl ClusterWatch {
                     continue;
                 }
                 if let Some(bytes) = self.transport.receive(rank, Tag::PhaseEnd, Duration::ZERO)? {
-                    let end = PhaseEnd::decode(&bytes).map_err(|e| Error::damaged_frame(rank, "end-of-phase", e))?;
+                    let end = PhaseEnd::decode(&bytes)
+                        .map_err(|e| Error::damaged_frame(rank, "end-of-phase", e))?;
                     ends.insert(rank, end);
                 }
             }
@@ -336,7 +343,8 @@ pub(super) fn decode_interrupt(bytes: &[u8]) -> std::result::Result<(usize, i32,
     let mut read = || r.u64().map_err(|e| e.to_string());
     let (phase, signal, step) = (read()?, read()?, read()?);
     r.finish().map_err(|e| e.to_string())?;
-    let signal = i32::try_from(signal).ok().filter(|&s| s > 0).ok_or(format!("signal {signal} is not one"))?;
+    let signal =
+        i32::try_from(signal).ok().filter(|&s| s > 0).ok_or(format!("signal {signal} is not one"))?;
     Ok((phase as usize, signal, step as usize))
 }
 

@@ -72,9 +72,9 @@ pub fn decode(kind: FrameKind, bytes: &[u8]) -> Result<()> {
             reader.finish()
         }
         FrameKind::Plan => decode_plan(bytes).map(drop),
-        FrameKind::Interrupt => decode_interrupt(bytes)
-            .map(drop)
-            .map_err(|message| crate::Error::Transport { message: format!("an interrupt message: {message}") }),
+        FrameKind::Interrupt => decode_interrupt(bytes).map(drop).map_err(|message| {
+            crate::Error::Transport { message: format!("an interrupt message: {message}") }
+        }),
     }
 }
 
@@ -119,8 +119,14 @@ pub fn samples() -> Result<Vec<(FrameKind, Vec<u8>)>> {
         duration_us: 20,
     }];
     let workers: Vec<WorkerSummary> = Vec::new();
-    let end =
-        PhaseEnd { states: vec![(2, state.clone())], rows, spans, workers, checkpoints_written: 3, interrupted: 15 };
+    let end = PhaseEnd {
+        states: vec![(2, state.clone())],
+        rows,
+        spans,
+        workers,
+        checkpoints_written: 3,
+        interrupted: 15,
+    };
     let mut state_frame = Writer::default();
     encode_state(&mut state_frame, &state);
     let device = Default::default();

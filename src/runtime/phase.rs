@@ -79,14 +79,10 @@ where
     let heartbeats: Vec<Heartbeat> = (0..count).map(|_| Heartbeat::new(Instant::now())).collect();
     let stop = Stop::new();
     let barrier = context.phase.barrier.then(|| phase_barrier(context, count));
-    let mut watch = context
-        .runtime
-        .transport
-        .clone()
-        .map(|t| {
-            let silence = context.runtime.timeout.as_secs_f64();
-            ClusterWatch::new(t, silence, context.runtime.interrupt.clone(), (context.phase_index, start_step))
-        });
+    let mut watch = context.runtime.transport.clone().map(|t| {
+        let silence = context.runtime.timeout.as_secs_f64();
+        ClusterWatch::new(t, silence, context.runtime.interrupt.clone(), (context.phase_index, start_step))
+    });
     let (progress_tx, progress_rx) = unbounded::<ProgressMsg>();
     let stages = context.phase.stages.len();
     let threads = threads_per_worker(context.runtime.threads_per_worker, count);

@@ -412,7 +412,8 @@ mod window_tests {
     fn a_sender_to_another_rank_keeps_at_most_the_capacity_in_flight() {
         let ranks = Loopback::group(2);
         let peer = |rank: usize, of: usize| Peer { transport: ranks[of].clone(), rank };
-        let sink: Sink<Vec<u8>> = Sink::Remote(peer(1, 0), Window { capacity: 2, in_flight: Default::default() });
+        let sink: Sink<Vec<u8>> =
+            Sink::Remote(peer(1, 0), Window { capacity: 2, in_flight: Default::default() });
         let source: Source<Vec<u8>> = Source::Remote(peer(0, 1));
         let stop = Stop::new();
         let short = Duration::from_millis(200);
@@ -435,7 +436,8 @@ mod window_tests {
         let source: Source<Vec<u8>> = Source::Remote(Peer { transport: ranks[0].clone(), rank: 2 });
         ranks[2].post(0, Tag::Activation, vec![1, 2, 3]).unwrap();
         let stop = Stop::new();
-        let refuse = |_: Vec<u8>| -> Result<Vec<u8>> { Err(Error::Transport { message: "cut short".into() }) };
+        let refuse =
+            |_: Vec<u8>| -> Result<Vec<u8>> { Err(Error::Transport { message: "cut short".into() }) };
         let wait = Duration::from_secs(5);
         match receive_from(&source, Tag::Activation, refuse, &stop, wait, || "receive".into()) {
             Err(Halt::Failed(error)) => {

@@ -171,10 +171,7 @@ pub fn encode_activation<B: Backend>(writer: &mut Writer, activation: Activation
 }
 
 /// The activation [`encode_activation`] wrote, on `device`.
-pub fn decode_activation<B: Backend>(
-    reader: &mut Reader<'_>,
-    device: &B::Device,
-) -> Result<Activation<B>> {
+pub fn decode_activation<B: Backend>(reader: &mut Reader<'_>, device: &B::Device) -> Result<Activation<B>> {
     Ok(match reader.u64()? {
         0 => Activation::Flat(reader.tensor(device)?),
         1 => Activation::Tokens { hidden: reader.tensor(device)?, mask: reader.tensor(device)? },
@@ -293,10 +290,7 @@ pub fn decode_gradients<B: DistillBackend, S: StudentModule<B>>(
 }
 
 /// A block's weights as bytes (as a checkpoint keeps them).
-pub fn encode_module<B: DistillBackend, S: StudentModule<B>>(
-    writer: &mut Writer,
-    module: &S,
-) -> Result<()> {
+pub fn encode_module<B: DistillBackend, S: StudentModule<B>>(writer: &mut Writer, module: &S) -> Result<()> {
     let bytes = module_bytes(module)
         .map_err(|e| Error::Transport { message: format!("cannot serialise a block for sending: {e}") })?;
     writer.bytes(&bytes);

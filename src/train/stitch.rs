@@ -240,6 +240,11 @@ where
             for (k, (&loss, &lr)) in losses.iter().zip(&lrs).enumerate() {
                 log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });
             }
+            // The stitched student's output loss, the one an output-only
+            // pass minimises, as block 0 (at the last block's rate).
+            if let (Some(loss), Some(&lr)) = (output, lrs.last()) {
+                log.rows.push(MetricRow { epoch, step: first_step + step, block: 0, loss, lr });
+            }
         }
         observer(&Progress {
             phase: 0,

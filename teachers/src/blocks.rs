@@ -30,11 +30,7 @@ pub struct EncoderStack<B: FusedBackend> {
 
 impl<B: FusedBackend> Block<B> for EncoderStack<B> {
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
-        let (mut hidden, mask) = input.into_tokens(0)?;
-        for layer in &self.layers {
-            hidden = layer.forward(hidden, mask.clone());
-        }
-        Ok(Activation::Tokens { hidden, mask })
+        input.through_token_layers(&self.layers, 0)
     }
 }
 
@@ -47,11 +43,7 @@ pub struct DecoderStack<B: FusedBackend> {
 
 impl<B: FusedBackend> Block<B> for DecoderStack<B> {
     fn forward(&self, input: Activation<B>) -> Result<Activation<B>> {
-        let (mut hidden, mask) = input.into_tokens(0)?;
-        for layer in &self.layers {
-            hidden = layer.forward(hidden, mask.clone());
-        }
-        Ok(Activation::Tokens { hidden, mask })
+        input.through_token_layers(&self.layers, 0)
     }
 }
 

@@ -9,10 +9,10 @@
 use std::path::Path;
 use std::time::Instant;
 
+use pipe_bd::planning::planner::{plan as best_plans, Candidate};
 use pipebd_cli::config::RunConfig;
 use pipebd_cli::jobs::profile::{plan_from_candidate, profile_key, Profile, PROFILE_CACHE};
 use pipebd_cli::jobs::run::RunFlags;
-use pipe_bd::planning::planner::{plan as best_plans, Candidate};
 use pipebd_cli::report::RunReport;
 use pipebd_zoo::run_builtin;
 

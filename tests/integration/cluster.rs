@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
-use pipebd_cli::config::RunConfig;
 use pipe_bd::fault::{Fault, FaultKind};
 use pipe_bd::flat_parameters;
 use pipe_bd::plan::{flops_cost, Plan, StageSpec};
 use pipe_bd::runtime::transport::{Loopback, Tag, Transport};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
+use pipebd_cli::config::RunConfig;
 use pipebd_cli::zoo::Zoo;
 use pipebd_zoo::mnist::Split;
 use pipebd_zoo::{build_teacher, Builtin};

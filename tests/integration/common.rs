@@ -40,53 +40,9 @@ pub fn teacher_weights() -> PathBuf {
 
 /// A small but complete run config on real MNIST, as TOML text.
 pub fn small_config(train_limit: usize, test_limit: usize, epochs: usize) -> String {
-    format!(
-        r#"name = "test"
-seed = 7
-device = "cpu"
-
-[data]
-dataset = "mnist"
-dir = "{data}"
-train_limit = {train_limit}
-test_limit = {test_limit}
-
-[teacher]
-kind = "mnist-cnn"
-weights = "{weights}"
-
-[train]
-epochs = {epochs}
-batch_size = 64
-log_every = 1
-
-[optimizer]
-kind = "adam"
-lr = 0.002
-
-[[students]]
-kind = "conv"
-width = 16
-out_channels = 32
-
-[[students]]
-kind = "bottleneck"
-rank = 16
-out_channels = 64
-
-[[students]]
-kind = "bottleneck"
-rank = 24
-out_channels = 128
-
-[[students]]
-kind = "head"
-hidden = 64
-classes = 10
-"#,
-        data = mnist_dir().display(),
-        weights = teacher_weights().display(),
-    )
+    let sections =
+        pipebd_zoo::smoke_sections(&mnist_dir(), &teacher_weights(), (train_limit, test_limit), epochs);
+    format!("name = \"test\"\nseed = 7\ndevice = \"cpu\"\n\n{sections}")
 }
 
 /// Runs the `pipebd` binary with `args`; returns (exit code, stdout, stderr).
@@ -197,7 +153,8 @@ pub fn student_weights(run_dir: &std::path::Path) -> Vec<Vec<f32>> {
     let report = pipebd_cli::report::RunReport::read(run_dir).unwrap();
     let teacher = pipebd_zoo::Builtin.teacher_specs(&report.config).unwrap();
     let (blocks, _) =
-        pipebd_cli::jobs::eval::load_students(&pipebd_zoo::Builtin, run_dir, &report.config, &teacher).unwrap();
+        pipebd_cli::jobs::eval::load_students(&pipebd_zoo::Builtin, run_dir, &report.config, &teacher)
+            .unwrap();
     blocks
         .iter()
         .map(|b| {

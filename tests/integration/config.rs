@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
+use pipe_bd::Error;
 use pipebd_cli::config::RunConfig;
 use pipebd_cli::zoo::Zoo;
-use pipe_bd::Error;
 use pipebd_zoo::Builtin;
 
 use crate::common;

@@ -78,7 +78,10 @@ fn every_link_of_the_readme_and_the_guide_resolves() {
     for page in pages() {
         let text = std::fs::read_to_string(&page).unwrap();
         for target in links(&text) {
-            if target.starts_with("http://") || target.starts_with("https://") || target.starts_with("mailto:") {
+            if target.starts_with("http://")
+                || target.starts_with("https://")
+                || target.starts_with("mailto:")
+            {
                 continue;
             }
             let (file, anchor) = match target.split_once('#') {
@@ -135,7 +138,10 @@ fn commands_shown(text: &str) -> BTreeSet<String> {
                 .collect();
             // `pipebd run`, not `pipebd-fuzz` or a prose word ending a sentence.
             let before = text[..at].chars().last();
-            if word.len() > 1 && !word.starts_with('-') && before.is_none_or(|c| !c.is_alphanumeric() && c != '-') {
+            if word.len() > 1
+                && !word.starts_with('-')
+                && before.is_none_or(|c| !c.is_alphanumeric() && c != '-')
+            {
                 commands.insert(word);
             }
         }

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
-use pipebd_cli::config::RunConfig;
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
-use pipebd_cli::zoo::Zoo;
 use pipe_bd::Error;
 use pipe_bd::{Activation, Block, Students};
+use pipebd_cli::config::RunConfig;
+use pipebd_cli::zoo::Zoo;
 use pipebd_kernels::FusedBackend;
 use pipebd_students::StudentBlock;
 use pipebd_zoo::mnist::Split;

@@ -53,6 +53,11 @@ fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) {
     }
 }
 
+/// A file of unit tests of its own (`#[cfg(test)] mod tests;` beside it).
+fn is_test_module(file: &Path) -> bool {
+    file.file_name().is_some_and(|name| name == "tests.rs")
+}
+
 /// The code of a file: its lines up to its unit tests, without comments.
 fn code_of(text: &str) -> Vec<(usize, &str)> {
     text.lines()
@@ -85,7 +90,7 @@ fn names_no_zoo_part(crate_dir: &str) {
     rust_files(&src, &mut files);
     assert!(files.len() > 20, "the engine's files are found: {files:?}");
     let mut broken = Vec::new();
-    for file in &files {
+    for file in files.iter().filter(|f| !is_test_module(f)) {
         let text = std::fs::read_to_string(file).unwrap();
         for place in zoo_names_in(&text) {
             broken.push(format!("{}:{place}", file.strip_prefix(&src).unwrap().display()));
@@ -168,9 +173,10 @@ fn long_functions(text: &str, limit: usize) -> Vec<String> {
 fn no_function_is_longer_than_a_hundred_lines() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    for dir in
-        ["src", "cli", "zoo", "core", "kernels", "teachers", "students", "fuzz", "tests", "examples", "benches"]
-    {
+    for dir in [
+        "src", "cli", "zoo", "core", "kernels", "teachers", "students", "fuzz", "tests", "examples",
+        "benches",
+    ] {
         if root.join(dir).is_dir() {
             rust_files(&root.join(dir), &mut files);
         }
@@ -186,10 +192,40 @@ fn no_function_is_longer_than_a_hundred_lines() {
     assert!(long.is_empty(), "functions over {MAX_FUNCTION_LINES} lines:\n{}", long.join("\n"));
 }
 
+/// The most lines a file may have before its unit tests (ARCHITECTURE.md:
+/// one concept per file); the integration tests are not counted.
+const MAX_FILE_LINES: usize = 800;
+
+#[test]
+fn no_file_is_longer_than_eight_hundred_lines_before_its_tests() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src", "cli", "zoo", "core", "kernels", "teachers", "students", "fuzz", "examples", "benches"]
+    {
+        if root.join(dir).is_dir() {
+            rust_files(&root.join(dir), &mut files);
+        }
+    }
+    assert!(files.len() > 100, "the workspace's files are found: {}", files.len());
+    let long: Vec<String> = files
+        .iter()
+        .filter(|f| !is_test_module(f))
+        .filter_map(|file| {
+            let text = std::fs::read_to_string(file).unwrap();
+            let lines = code_of(&text).len();
+            (lines > MAX_FILE_LINES)
+                .then(|| format!("{}: {lines} lines", file.strip_prefix(root).unwrap().display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "files over {MAX_FILE_LINES} lines before their tests:\n{}", long.join("\n"));
+}
+
 #[test]
 fn the_length_check_counts_a_function_by_its_braces() {
     let text = "fn short() {\n    let s = \"}\";\n    let c = '{';\n}\n\npub(crate) fn long<T>(x: T) {\n    if true {\n        // }\n    }\n}\n";
     assert_eq!(long_functions(text, 4), ["6: long (5 lines)"], "strings, chars and comments hold no braces");
     assert!(long_functions(text, 5).is_empty());
     assert_eq!(braces_of("let s = \"a\\\"{\"; { // }"), "{");
+    // A file's length stops at its unit tests.
+    assert_eq!(code_of("fn a() {}\n\n#[cfg(test)]\nmod tests {}\n").len(), 2);
 }

@@ -4,11 +4,11 @@
 //! and copied to `tests/data/minilm-l6-reference.json`.
 
 use burn::backend::Flex;
-use pipebd_cli::config::RunConfig;
 use pipe_bd::data::text::cosine;
 use pipe_bd::eval::Network;
-use pipebd_cli::zoo::{student_table, Zoo};
 use pipe_bd::{forward_chain, Activation};
+use pipebd_cli::config::RunConfig;
+use pipebd_cli::zoo::{student_table, Zoo};
 use pipebd_teachers::minilm::MiniLmTokenizer;
 use pipebd_zoo::build_minilm;
 use pipebd_zoo::text::sentence_embeddings;

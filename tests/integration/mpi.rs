@@ -328,7 +328,9 @@ fn auto_under_mpirun_plans_from_every_ranks_own_profile() {
     let config = write_config(dir.path(), "auto.toml", 640, 1, "schedule = \"auto\"");
     let out = dir.path().join("auto");
     // In the temporary folder: the profile cache (runs/.profile-cache) starts empty.
-    let output = run_args(&mut mpirun(2), &config, &out).current_dir(dir.path()).output().unwrap();
+    // Without --quiet: the `auto:` lines are what this test reads.
+    let output =
+        mpirun(2).arg("run").arg(&config).arg("--out").arg(&out).current_dir(dir.path()).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     succeed(output, "auto on 2 ranks");
     for rank in 0..2 {

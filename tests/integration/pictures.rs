@@ -8,10 +8,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use pipebd_cli::jobs::plot::losses::{read_metrics, LossCurves, LOSSES_SIZE};
-use pipebd_cli::jobs::plot::timeline::{timeline_height, Timeline, TimelineGroup, TIMELINE_WIDTH};
-use pipebd_cli::report::RunReport;
 use pipe_bd::trace::worker_name;
+use pipebd_cli::jobs::plot::losses::{LossCurves, LOSSES_SIZE};
+use pipebd_cli::jobs::plot::timeline::{timeline_height, Timeline, TimelineGroup, TIMELINE_WIDTH};
+use pipebd_cli::metrics::read_metrics;
+use pipebd_cli::report::RunReport;
 use pipebd_core::LossKind;
 
 use crate::common;

@@ -135,9 +135,9 @@ struct OrderDigest {
 /// (`tests/data/torch-init.json`, written by `bench/peers/reference_init.py`).
 #[test]
 fn torch_generator_draws_what_pytorch_draws() {
-    use pipebd_cli::config::Overrides;
     use pipe_bd::data::DataOrder;
     use pipe_bd::rng::Generator;
+    use pipebd_cli::config::Overrides;
     use pipebd_cli::zoo::Zoo;
     use pipebd_zoo::Builtin;
 

@@ -5,10 +5,10 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use pipebd_cli::config::RunConfig;
 use pipe_bd::flat_parameters;
 use pipe_bd::plan::{flops_cost, Plan, StageSpec};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
+use pipebd_cli::config::RunConfig;
 use pipebd_cli::zoo::Zoo;
 use pipebd_zoo::mnist::Split;
 use pipebd_zoo::{build_teacher, Builtin};

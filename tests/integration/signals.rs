@@ -94,7 +94,8 @@ fn sigint_and_sigterm_finish_the_step_checkpoint_every_block_and_the_printed_com
     let dir = tempfile::tempdir().unwrap();
     let config = signal_config(dir.path());
     let reference = dir.path().join("reference");
-    let output = pipebd().arg("run").arg(&config).arg("--out").arg(&reference).arg("--quiet").output().unwrap();
+    let output =
+        pipebd().arg("run").arg(&config).arg("--out").arg(&reference).arg("--quiet").output().unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
 
     for (signal, code) in [("INT", 130), ("TERM", 143)] {
@@ -126,7 +127,8 @@ fn sigint_and_sigterm_finish_the_step_checkpoint_every_block_and_the_printed_com
 
         let words = printed_resume_command(&stderr);
         assert_eq!(words[0], common::pipebd_bin(), "{words:?}");
-        let resumed = Command::new(&words[0]).args(&words[1..]).env_remove(pipe_bd::fault::ENV).output().unwrap();
+        let resumed =
+            Command::new(&words[0]).args(&words[1..]).env_remove(pipe_bd::fault::ENV).output().unwrap();
         assert!(resumed.status.success(), "{words:?}: {}", String::from_utf8_lossy(&resumed.stderr));
         let report = RunReport::read(&out).unwrap();
         let from: Vec<usize> = report.resilience.resumed.iter().map(|r| r.step).collect();
@@ -192,18 +194,33 @@ fn resuming_a_run_stopped_before_its_first_checkpoint_starts_it_and_a_mistyped_f
     let out = dir.path().join("never-saved");
     // The printed resume command of a run stopped before any checkpoint (or
     // a scheduler's requeue): its own folder, with nothing in it yet.
-    let run = pipebd().arg("run").arg(&config).arg("--out").arg(&out).arg("--resume").arg(&out).output().unwrap();
+    let run =
+        pipebd().arg("run").arg(&config).arg("--out").arg(&out).arg("--resume").arg(&out).output().unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{stderr}");
-    assert!(stderr.contains("nothing to resume") && stderr.contains("starting from the first step"), "{stderr}");
+    assert!(
+        stderr.contains("nothing to resume") && stderr.contains("starting from the first step"),
+        "{stderr}"
+    );
     let report = RunReport::read(&out).unwrap();
     assert_eq!(report.steps_run, report.steps);
     assert!(report.resilience.resumed.is_empty());
     // Another folder without checkpoints is a mistake: refused, named.
     let typo = dir.path().join("never-saved-typo");
     let other = dir.path().join("other");
-    let run = pipebd().arg("run").arg(&config).arg("--out").arg(&other).arg("--resume").arg(&typo).output().unwrap();
+    let run = pipebd()
+        .arg("run")
+        .arg(&config)
+        .arg("--out")
+        .arg(&other)
+        .arg("--resume")
+        .arg(&typo)
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("no checkpoints to resume from") && stderr.contains("never-saved-typo"), "{stderr}");
+    assert!(
+        stderr.contains("no checkpoints to resume from") && stderr.contains("never-saved-typo"),
+        "{stderr}"
+    );
 }

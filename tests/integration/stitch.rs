@@ -7,14 +7,14 @@ use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use pipebd_cli::config::RunConfig;
 use pipe_bd::data::ImageDataset;
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
 use pipe_bd::train::stitch::{stitched_pass, OutputLoss, OutputLossKind, StitchedGradients, StitchedPass};
 use pipe_bd::train::TrainSettings;
-use pipebd_cli::zoo::Zoo;
 use pipe_bd::{forward_chain, Activation, Teacher};
+use pipebd_cli::config::RunConfig;
+use pipebd_cli::zoo::Zoo;
 use pipebd_teachers::TeacherBlock;
 use pipebd_zoo::mnist::Split;
 use pipebd_zoo::{build_teacher, Builtin};

@@ -1,8 +1,8 @@
 //! The pretrained MNIST CNN teacher imported from its PyTorch state dict.
 
 use burn::backend::Flex;
-use pipebd_cli::config::{RunConfig, TeacherConfig};
 use pipe_bd::eval::{accuracy, Network};
+use pipebd_cli::config::{RunConfig, TeacherConfig};
 use pipebd_zoo::build_teacher;
 use pipebd_zoo::mnist::Split;
 

@@ -7,10 +7,10 @@ use std::collections::{HashMap, HashSet};
 use std::ops::RangeInclusive;
 use std::path::Path;
 
+use pipe_bd::trace::SpanKind;
 use pipebd_cli::config::RunConfig;
 use pipebd_cli::jobs::run::RunFlags;
 use pipebd_cli::report::RunReport;
-use pipe_bd::trace::SpanKind;
 use pipebd_zoo::run_builtin;
 
 use crate::common;

@@ -5,9 +5,9 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use pipebd_cli::config::RunConfig;
 use pipe_bd::eval::{accuracy, Network};
 use pipe_bd::train::inference_blocks;
+use pipebd_cli::config::RunConfig;
 use pipebd_cli::zoo::Zoo;
 use pipebd_zoo::mnist::Split;
 use pipebd_zoo::{build_teacher, Builtin};

@@ -5,11 +5,11 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
+use pipe_bd::train::inference_blocks;
+use pipe_bd::Error;
 use pipebd_cli::config::RunConfig;
 use pipebd_cli::report::RunReport;
-use pipe_bd::train::inference_blocks;
 use pipebd_cli::zoo::Zoo;
-use pipe_bd::Error;
 use pipebd_zoo::Builtin;
 
 use crate::common;
@@ -112,8 +112,7 @@ fn a_user_zoo_trains_resumes_and_rescores_through_its_own_command_line() {
     let untrained = MyZoo.students::<Autodiff<Flex>>(&config, &workload.teacher.specs, &device).unwrap();
     let teacher = (&workload.teacher.blocks[..], &workload.teacher.specs[..]);
     let student = (&inference_blocks(&untrained)[..], &untrained.specs[..]);
-    let scored =
-        pipe_bd::eval::score(workload.evaluation.as_deref(), teacher, student, &device).unwrap();
+    let scored = pipe_bd::eval::score(workload.evaluation.as_deref(), teacher, student, &device).unwrap();
     assert!(scored.test_samples > 0, "the zoo scores its students");
     let before = scored.student_accuracy;
 

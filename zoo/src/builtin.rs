@@ -2,59 +2,236 @@
 //! `pipebd-teachers` and the students of `pipebd-students` (both implement
 //! the block API of `pipebd-core` themselves) built into a [`Teacher`] and
 //! [`Students`], with their data.
+//!
+//! Each teacher's own code is its module's ([`crate::mnist_cnn`],
+//! [`crate::minilm`], [`crate::smollm2`]); this one keeps the [`Zoo`] impl,
+//! the checks of the config that every teacher shares, the students'
+//! building, and [`TeacherKind`]: the one place that picks the teacher of a
+//! config and sends each per-teacher question to its module. A new teacher
+//! is its module, a variant of [`TeacherKind`] with its arms, and the
+//! students it takes.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use pipebd_core::{
-    check_against_teacher, check_block_count, BlockSpec, LossKind, OutputHead, Students, Teacher,
-};
-use pipebd_kernels::decoder::{DecoderLayer, MixerKind};
-use pipebd_kernels::encoder::EncoderLayer;
-use pipebd_kernels::encoder::{top_indices, NeuronStatistics};
+use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, OutputHead, Students, Teacher};
 use pipebd_kernels::{DistillBackend, FusedBackend};
-use pipebd_students::{Candidate, EncoderInit, StudentBlock, StudentBlockConfig};
-use pipebd_teachers::blocks::{decoder_blocks, decoder_specs, minilm_blocks, minilm_specs, mnist_specs};
-use pipebd_teachers::minilm::{self, Embeddings, MiniLm, MiniLmTokenizer};
-use pipebd_teachers::mnist_cnn::MnistCnn;
-use pipebd_teachers::smollm2::{LlamaSizes, LmHead, SmolLm2, SmolTokenizer, TokenEmbeddings, SMOLLM2_135M};
+use pipebd_students::{EncoderInit, StudentBlock, StudentBlockConfig};
+use pipebd_teachers::minilm::{LAYERS as MINILM_LAYERS, MAX_POSITIONS};
+use pipebd_teachers::smollm2::SMOLLM2_135M;
 use pipebd_teachers::TeacherBlock;
 
+use pipe_bd::{Error, Result};
 use pipebd_cli::config::{ConfigIssue, RunConfig};
-use pipe_bd::eval::TopOneAccuracy;
 use pipebd_cli::jobs::export::{ExportRequest, Exported, TextScore, TextScoreRequest};
 use pipebd_cli::zoo::{parse_options, parse_students, Workload, Zoo};
-use pipe_bd::{Error, Result};
-use serde::{Deserialize, Serialize};
 
-use crate::lm::{ffn_importance, prune_decoder, tokenize_lm, NextTokenHead, NextTokenScores};
-use crate::mnist::{self, Split};
-use crate::text::{brown_splits, tokenize, ProbeConfig, ProbeData, SentenceEmbeddings, TextDataset};
-use crate::Lift;
+use crate::options::{grouped_layers, DataOptions, TeacherOptions};
+use crate::smollm2::SMOLLM2;
+use crate::text::ProbeConfig;
+use crate::{minilm, mnist_cnn, smollm2, Lift};
 
-/// True for the built-in text corpus (Brown: MiniLM and token-state blocks);
-/// every other dataset is MNIST-format images.
-fn is_text(config: &RunConfig) -> bool {
-    config.data.dataset == "brown"
+/// The built-in teacher a config names, picked once ([`TeacherKind::of`]);
+/// each method answers one per-teacher question from that teacher's module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TeacherKind {
+    /// The MNIST CNN on MNIST-format images ([`crate::mnist_cnn`]).
+    MnistCnn,
+    /// MiniLM on the Brown corpus ([`crate::minilm`]).
+    MiniLm,
+    /// The decoder LLM SmolLM2-135M on the Brown corpus ([`crate::smollm2`]).
+    SmolLm2,
 }
 
-/// `teacher.kind` of the decoder LLM SmolLM2-135M-Instruct.
-pub const SMOLLM2: &str = "smollm2-135m";
+impl TeacherKind {
+    /// Every built-in teacher, in the order the config errors list them.
+    const ALL: [Self; 3] = [Self::MnistCnn, Self::MiniLm, Self::SmolLm2];
 
-/// True for the decoder LLM teacher (on text).
-pub(crate) fn is_decoder(config: &RunConfig) -> bool {
-    config.teacher.kind == SMOLLM2
-}
-
-/// Layers of the configured text teacher.
-fn teacher_layers(config: &RunConfig) -> usize {
-    if is_decoder(config) {
-        SMOLLM2_135M.layers
-    } else {
-        minilm::LAYERS
+    /// The teacher of `config`: `teacher.kind = "smollm2-135m"`, else
+    /// MiniLM on `data.dataset = "brown"`, else the MNIST CNN (a config
+    /// whose kind does not fit its dataset is refused by
+    /// [`Zoo::check_config`]).
+    pub(crate) fn of(config: &RunConfig) -> Self {
+        if smollm2::is_decoder(config) {
+            Self::SmolLm2
+        } else if config.data.dataset == crate::text::DATASET {
+            Self::MiniLm
+        } else {
+            Self::MnistCnn
+        }
     }
+
+    /// Its `teacher.kind`.
+    fn name(self) -> &'static str {
+        match self {
+            Self::MnistCnn => mnist_cnn::KIND,
+            Self::MiniLm => minilm::KIND,
+            Self::SmolLm2 => SMOLLM2,
+        }
+    }
+
+    /// The `data.dataset` it is distilled on.
+    fn dataset(self) -> &'static str {
+        match self {
+            Self::MnistCnn => crate::mnist::DATASET,
+            Self::MiniLm | Self::SmolLm2 => crate::text::DATASET,
+        }
+    }
+
+    /// The datasets of the built-in teachers, each once, in order.
+    fn datasets() -> Vec<&'static str> {
+        let mut datasets: Vec<&'static str> = Vec::new();
+        for teacher in Self::ALL {
+            if !datasets.contains(&teacher.dataset()) {
+                datasets.push(teacher.dataset());
+            }
+        }
+        datasets
+    }
+
+    /// Layers that `teacher.layers_per_block` groups (one block each by
+    /// default). The MNIST CNN has no layers option: a `layers_per_block`
+    /// given for it is checked against MiniLM's count, as it always was.
+    fn layers(self) -> usize {
+        match self {
+            Self::SmolLm2 => SMOLLM2_135M.layers,
+            Self::MiniLm | Self::MnistCnn => MINILM_LAYERS,
+        }
+    }
+
+    /// Blocks it is cut into under `options`.
+    fn blocks(self, options: &TeacherOptions) -> usize {
+        match self {
+            Self::MnistCnn => mnist_cnn::blocks(),
+            Self::MiniLm | Self::SmolLm2 => options.layers_per_block.as_ref().map_or(self.layers(), Vec::len),
+        }
+    }
+
+    /// Whether its students may be drawn by `generator = "torch"` (built of
+    /// Conv2d and Linear layers only).
+    fn takes_torch_generator(self) -> bool {
+        self == Self::MnistCnn
+    }
+
+    /// Why a student (or candidate) of kind `kind` cannot stand in for
+    /// block `k` (zero-based) of this teacher, if it cannot: a bidirectional
+    /// `encoder` for a decoder LLM (it would see the tokens it predicts), a
+    /// `decoder` for any other teacher.
+    fn refused_student(self, config: &RunConfig, k: usize, kind: &str) -> Option<String> {
+        match (self, kind) {
+            (Self::SmolLm2, "encoder") => Some(smollm2::encoder_student_refused(k)),
+            (Self::MnistCnn | Self::MiniLm, "decoder") => {
+                Some(smollm2::decoder_student_refused(k, &config.teacher.kind))
+            }
+            _ => None,
+        }
+    }
+
+    /// Its block specs, cheaply (no large weight file read).
+    fn specs(self, config: &RunConfig) -> Result<Vec<BlockSpec>> {
+        match self {
+            Self::MnistCnn => mnist_cnn::specs(config),
+            Self::MiniLm => minilm::specs(config),
+            Self::SmolLm2 => smollm2::specs(config),
+        }
+    }
+
+    /// It with its weights on `device`, cut into the configured blocks.
+    fn build<B: FusedBackend>(self, config: &RunConfig, device: &B::Device) -> Result<BuiltinTeacher<B>> {
+        match self {
+            Self::MnistCnn => mnist_cnn::build_teacher(config, device),
+            Self::MiniLm => Ok(minilm::build_minilm(config, device)?.1),
+            Self::SmolLm2 => Ok(smollm2::build_smollm2(config, device)?.teacher),
+        }
+    }
+
+    /// Loads the config's training data, teacher and evaluation data on
+    /// `device`. With `with_evaluation = false` the held-out and probe data
+    /// are skipped.
+    fn workload<B: FusedBackend>(
+        self,
+        config: &RunConfig,
+        device: &B::Device,
+        with_evaluation: bool,
+    ) -> Result<Workload<B, TeacherBlock<B>>> {
+        match self {
+            Self::MnistCnn => mnist_cnn::load_workload(config, device, with_evaluation),
+            Self::MiniLm => minilm::load_workload(config, device, with_evaluation),
+            Self::SmolLm2 => smollm2::load_decoder_workload(config, device, with_evaluation),
+        }
+    }
+
+    /// Replaces the students (and candidates) of `students` that start from
+    /// the teacher (`init = "teacher"`) in `blocks` by its layers, pruned to
+    /// their size.
+    fn init_from_teacher(
+        self,
+        config: &RunConfig,
+        students: &[StudentBlockConfig],
+        blocks: &mut [StudentBlock<burn::backend::Flex>],
+    ) -> Result<()> {
+        match self {
+            // Its students start at random (an `encoder`, the one kind
+            // pruned from MiniLM, does not fit its image blocks).
+            Self::MnistCnn => Ok(()),
+            Self::MiniLm => minilm::init_from_teacher(config, students, blocks),
+            Self::SmolLm2 => smollm2::init_decoders_from_teacher(config, students, blocks),
+        }
+    }
+
+    /// Checks that the files a config names are there and what they should be,
+    /// without reading what training reads: the MNIST files' headers and sizes
+    /// and the MNIST teacher's weights (loaded on the CPU: 1.5 MB), or the
+    /// Brown corpus' file list, the probe's folder, MiniLM's safetensors header and its
+    /// tokenizer. Every error names the file.
+    fn check_inputs(self, config: &RunConfig) -> Result<()> {
+        match self {
+            Self::MnistCnn => mnist_cnn::check_inputs(config),
+            Self::MiniLm => minilm::check_inputs(config),
+            Self::SmolLm2 => smollm2::check_inputs(config),
+        }
+    }
+
+    /// Training samples of `config`, where known without loading them.
+    fn train_samples(self, config: &RunConfig) -> Result<Option<usize>> {
+        match self {
+            Self::MnistCnn => mnist_cnn::train_samples(config),
+            // Counting the corpus's sentences means reading it: only a limit is known.
+            Self::MiniLm | Self::SmolLm2 => Ok(config.data.train_limit),
+        }
+    }
+
+    /// Whether a frozen head follows its last block (SmolLM2's LM head).
+    fn has_output_head(self) -> bool {
+        self == Self::SmolLm2
+    }
+
+    /// The frozen head after its last block, if it has one.
+    fn output_head<B: DistillBackend>(
+        self,
+        config: &RunConfig,
+        device: &B::Device,
+    ) -> Result<Option<Box<dyn OutputHead<B>>>> {
+        match self {
+            Self::SmolLm2 => Ok(Some(smollm2::output_head(config, device)?)),
+            Self::MnistCnn | Self::MiniLm => Ok(None),
+        }
+    }
+}
+
+/// Text teacher layers per block: `teacher.layers_per_block`, or one each.
+pub fn layers_per_block(config: &RunConfig) -> Result<Vec<usize>> {
+    grouped_layers(config, TeacherKind::of(config).layers())
+}
+
+/// Builds the teacher named in the config on `device`, with its weights.
+pub fn build_teacher<B: FusedBackend>(
+    config: &RunConfig,
+    device: &B::Device,
+) -> Result<Teacher<B, TeacherBlock<B>>> {
+    TeacherKind::of(config).build(config, device)
 }
 
 /// `config` with every student built at random (`init = "random"`, no
@@ -97,273 +274,6 @@ pub fn eval_builtin_run(run_dir: &Path) -> Result<pipebd_cli::jobs::eval::EvalRe
 /// A built-in teacher, cut into blocks.
 pub type BuiltinTeacher<B> = Teacher<B, TeacherBlock<B>>;
 
-/// The built-in zoo's own keys of `[data]` (for text: the Brown corpus).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct DataOptions {
-    /// Every sentence is truncated or padded to this many tokens, `[CLS]`
-    /// and `[SEP]` included (default [`DEFAULT_MAX_TOKENS`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_tokens: Option<usize>,
-    /// The downstream probe on frozen sentence embeddings (`[data.probe]`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub probe: Option<ProbeConfig>,
-}
-
-/// Default `data.max_tokens`.
-pub const DEFAULT_MAX_TOKENS: usize = 64;
-
-impl DataOptions {
-    /// The keys, as [`Zoo::data_options`] declares them.
-    const KEYS: &'static [&'static str] = &["max_tokens", "probe"];
-
-    /// `config`'s `[data]` options (checked when the config was loaded).
-    pub fn of(config: &RunConfig) -> Result<Self> {
-        parse_options("data", &config.data.options).map_err(ConfigIssue::into_plain_error)
-    }
-
-    /// Tokens per sequence for text data.
-    pub fn max_tokens(&self) -> usize {
-        self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
-    }
-}
-
-/// The built-in zoo's own keys of `[teacher]` (for `minilm-l6`).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct TeacherOptions {
-    /// The tokenizer (default: `tokenizer.json` beside the weights).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tokenizer: Option<PathBuf>,
-    /// Teacher layers per block, in order (default one each: six blocks).
-    /// `[2, 2, 2]` cuts three blocks of two layers, so that one student
-    /// block replaces two teacher layers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub layers_per_block: Option<Vec<usize>>,
-    /// The loss of every block whose default is the MSE: `mse`, `nmse`
-    /// (normalized per sequence: every block's loss on the same scale,
-    /// Puzzle's BLD loss) or `nmse-token` (normalized per token vector).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub block_loss: Option<BlockLoss>,
-}
-
-/// The losses `teacher.block_loss` may name: those that compare any two
-/// block outputs of one shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum BlockLoss {
-    /// [`LossKind::Mse`].
-    Mse,
-    /// [`LossKind::Nmse`].
-    Nmse,
-    /// [`LossKind::NmseToken`].
-    NmseToken,
-}
-
-impl From<BlockLoss> for LossKind {
-    fn from(loss: BlockLoss) -> Self {
-        match loss {
-            BlockLoss::Mse => LossKind::Mse,
-            BlockLoss::Nmse => LossKind::Nmse,
-            BlockLoss::NmseToken => LossKind::NmseToken,
-        }
-    }
-}
-
-impl TeacherOptions {
-    /// The keys, as [`Zoo::teacher_options`] declares them.
-    const KEYS: &'static [&'static str] = &["tokenizer", "layers_per_block", "block_loss"];
-
-    /// `config`'s `[teacher]` options (checked when the config was loaded).
-    pub fn of(config: &RunConfig) -> Result<Self> {
-        parse_options("teacher", &config.teacher.options).map_err(ConfigIssue::into_plain_error)
-    }
-}
-
-/// The tokenizer file of the text teacher of `config`.
-pub fn tokenizer_path(config: &RunConfig) -> Result<PathBuf> {
-    let weights = &config.teacher.weights;
-    Ok(TeacherOptions::of(config)?
-        .tokenizer
-        .unwrap_or_else(|| weights.parent().unwrap_or(Path::new(".")).join("tokenizer.json")))
-}
-
-/// `specs` with `teacher.block_loss` in place of each MSE (the students
-/// and the search's scores take their loss from the teacher's specs).
-pub fn with_block_loss(config: &RunConfig, specs: Vec<BlockSpec>) -> Result<Vec<BlockSpec>> {
-    let Some(kind) = TeacherOptions::of(config)?.block_loss.map(LossKind::from) else { return Ok(specs) };
-    Ok(specs
-        .into_iter()
-        .map(|spec| if spec.loss == LossKind::Mse { spec.with_loss(kind) } else { spec })
-        .collect())
-}
-
-/// Text teacher layers per block: `teacher.layers_per_block`, or one each.
-pub fn layers_per_block(config: &RunConfig) -> Result<Vec<usize>> {
-    Ok(TeacherOptions::of(config)?.layers_per_block.unwrap_or_else(|| vec![1; teacher_layers(config)]))
-}
-
-/// SmolLM2 as a run uses it: cut into blocks, with what stays frozen around them.
-pub struct Smollm2Parts<B: FusedBackend> {
-    /// The tokenizer (from the same file).
-    pub tokenizer: SmolTokenizer,
-    /// Token embeddings: the input preparation.
-    pub embeddings: TokenEmbeddings<B>,
-    /// Final norm and LM head: what scores the last block's states.
-    pub head: LmHead<B>,
-    /// The decoder layers, cut into the configured blocks.
-    pub teacher: BuiltinTeacher<B>,
-}
-
-/// Loads SmolLM2 (one read of the file) and cuts it into the configured blocks.
-pub fn build_smollm2<B: FusedBackend>(config: &RunConfig, device: &B::Device) -> Result<Smollm2Parts<B>> {
-    let model = SmolLm2::<B>::load(&config.teacher.weights, device).lift()?;
-    check_smollm2_sizes(&model.sizes, &config.teacher.weights)?;
-    let groups = layers_per_block(config)?;
-    let specs = with_block_loss(config, decoder_specs(&model.sizes, &groups, max_tokens(config)?))?;
-    let blocks = decoder_blocks(model.layers, &groups);
-    Ok(Smollm2Parts {
-        tokenizer: model.tokenizer,
-        embeddings: model.embeddings,
-        head: model.head,
-        teacher: Teacher::new(blocks, specs)?,
-    })
-}
-
-/// Fails unless `sizes` (read from `path`) are SmolLM2-135M's, which the
-/// specs and the student defaults assume.
-fn check_smollm2_sizes(sizes: &LlamaSizes, path: &Path) -> Result<()> {
-    if *sizes != SMOLLM2_135M {
-        return Err(Error::teacher(pipebd_teachers::TeacherError::BadWeights {
-            path: path.to_path_buf(),
-            message: format!(
-                "a Llama of other sizes ({sizes:?}); teacher `{SMOLLM2}` is SmolLM2-135M ({SMOLLM2_135M:?})"
-            ),
-        }));
-    }
-    Ok(())
-}
-
-/// Tokens per sequence of the text data of `config` (`data.max_tokens`).
-pub fn max_tokens(config: &RunConfig) -> Result<usize> {
-    Ok(DataOptions::of(config)?.max_tokens())
-}
-
-/// Loads MiniLM and cuts it into the configured blocks; returns the frozen
-/// embeddings (input preparation) with the teacher.
-pub fn build_minilm<B: FusedBackend>(
-    config: &RunConfig,
-    device: &B::Device,
-) -> Result<(Embeddings<B>, BuiltinTeacher<B>)> {
-    // Building modules may draw from burn's generator (before the weights
-    // replace the draws): not from under a concurrent seeded build.
-    let rng = pipe_bd::rng::burn_rng_lock();
-    let (embeddings, layers) = MiniLm::<B>::load(&config.teacher.weights, device).lift()?.into_parts();
-    drop(rng);
-    let groups = layers_per_block(config)?;
-    let blocks = minilm_blocks(layers, &groups);
-    let specs = with_block_loss(config, minilm_specs(&groups, max_tokens(config)?))?;
-    Ok((embeddings, Teacher::new(blocks, specs)?))
-}
-
-/// Builds the teacher named in the config on `device`, with its weights.
-pub fn build_teacher<B: FusedBackend>(
-    config: &RunConfig,
-    device: &B::Device,
-) -> Result<Teacher<B, TeacherBlock<B>>> {
-    if is_decoder(config) {
-        return Ok(build_smollm2(config, device)?.teacher);
-    }
-    if is_text(config) {
-        return Ok(build_minilm(config, device)?.1);
-    }
-    let teacher = mnist_teacher(&config.teacher.weights, device)?;
-    let specs = with_block_loss(config, teacher.specs.clone())?;
-    Ok(Teacher::new(teacher.blocks, specs)?)
-}
-
-/// The pretrained MNIST CNN teacher (`scripts/setup-data.sh` installs its
-/// weights as `data/teachers/mnist-cnn.pth`), cut into its 4 blocks.
-pub fn mnist_teacher<B: FusedBackend>(
-    weights: &Path,
-    device: &B::Device,
-) -> Result<Teacher<B, TeacherBlock<B>>> {
-    // As in `build_minilm`: building may draw from burn's generator.
-    let rng = pipe_bd::rng::burn_rng_lock();
-    let blocks = MnistCnn::<B>::load_pytorch(weights, device).lift()?.into_blocks();
-    let specs = mnist_specs(&blocks);
-    drop(rng);
-    Ok(Teacher::new(blocks.into_iter().map(TeacherBlock::Mnist).collect(), specs)?)
-}
-
-/// Loads the config's training data, teacher and evaluation data on `device`.
-/// With `with_evaluation = false` the held-out and probe data are skipped.
-fn load_workload<B: FusedBackend>(
-    config: &RunConfig,
-    device: &B::Device,
-    with_evaluation: bool,
-) -> Result<Workload<B, TeacherBlock<B>>> {
-    let data = &config.data;
-    if !is_text(config) {
-        let train = mnist::load(&data.dir, Split::Train, data.train_limit)?;
-        let test = if with_evaluation {
-            mnist::load(&data.dir, Split::Test, data.test_limit)?
-        } else {
-            mnist::load(&data.dir, Split::Test, Some(0))?
-        };
-        let teacher = build_teacher::<B>(config, device)?;
-        let evaluation = Some(Box::new(TopOneAccuracy(test)) as _);
-        return Ok(Workload { teacher, train: Box::new(train), evaluation });
-    }
-    if is_decoder(config) {
-        return load_decoder_workload(config, device, with_evaluation);
-    }
-    let tokenizer = MiniLmTokenizer::load(&tokenizer_path(config)?).lift()?;
-    let options = DataOptions::of(config)?;
-    let max_tokens = options.max_tokens();
-    let (train, heldout) = brown_splits(&data.dir, data.train_limit, data.test_limit)?;
-    let train = tokenize(&tokenizer, &train, max_tokens)?;
-    let heldout = if with_evaluation { tokenize(&tokenizer, &heldout, max_tokens)? } else { Vec::new() };
-    let probe = match (&options.probe, with_evaluation) {
-        (Some(probe), true) => Some(ProbeData::load(probe, &tokenizer)?),
-        _ => None,
-    };
-    let (embeddings, teacher) = build_minilm::<B>(config, device)?;
-    let dataset = TextDataset::new(train, max_tokens, embeddings.clone());
-    let mean_tokens = dataset.mean_tokens();
-    Ok(Workload {
-        teacher,
-        train: Box::new(dataset),
-        evaluation: Some(Box::new(SentenceEmbeddings {
-            embeddings,
-            heldout,
-            max_tokens,
-            probe,
-            mean_tokens,
-        })),
-    })
-}
-
-/// The decoder LLM's workload: Brown sentences by SmolLM2's tokenizer, its
-/// token embeddings in front of the first block, next-token scores.
-fn load_decoder_workload<B: FusedBackend>(
-    config: &RunConfig,
-    device: &B::Device,
-    with_evaluation: bool,
-) -> Result<Workload<B, TeacherBlock<B>>> {
-    let data = &config.data;
-    let max_tokens = max_tokens(config)?;
-    let (train, heldout) = brown_splits(&data.dir, data.train_limit, data.test_limit)?;
-    let Smollm2Parts { tokenizer, embeddings, head, teacher } = build_smollm2::<B>(config, device)?;
-    let train = tokenize_lm(&tokenizer, &train, max_tokens)?;
-    let heldout = if with_evaluation { tokenize_lm(&tokenizer, &heldout, max_tokens)? } else { Vec::new() };
-    Ok(Workload {
-        teacher,
-        train: Box::new(TextDataset::new(train, max_tokens, embeddings.clone())),
-        evaluation: Some(Box::new(NextTokenScores { embeddings, head, heldout, max_tokens })),
-    })
-}
-
 /// Specs of the student blocks described by `configs`, built for the
 /// teacher's input shapes. Fails on a block whose shapes do not match.
 /// Students initialised from the teacher are checked against it too.
@@ -398,241 +308,14 @@ fn init_student_blocks<B: FusedBackend>(
     Ok((blocks, specs))
 }
 
-/// A student block's config that the teacher cannot serve: the user's
-/// error (`pipebd` exits with 2 and names the config file).
-fn config_block_error(block: usize, message: impl std::fmt::Display) -> Error {
-    Error::Student(format!("student block {block}: {message}").into())
-}
-
-/// Fails unless student `k` (zero-based), if it is an `encoder` with
-/// `init = "teacher"`, fits inside the teacher layer it is pruned from.
+/// Fails unless student `k` (zero-based), if it starts from the teacher
+/// (`init = "teacher"`: an `encoder` pruned from MiniLM, a `decoder` from
+/// SmolLM2), fits inside the teacher layer it is pruned from.
 fn check_teacher_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
     if let StudentBlockConfig::Decoder { init: EncoderInit::Teacher, .. } = student {
-        return check_decoder_init(k, student);
+        return smollm2::check_decoder_init(k, student);
     }
-    let StudentBlockConfig::Encoder { heads, head_dim, ffn, init: EncoderInit::Teacher } = *student else {
-        return Ok(());
-    };
-    let size = minilm::layer_config();
-    if heads > size.heads || head_dim != size.head_dim || ffn > size.ffn {
-        return Err(config_block_error(
-            k + 1,
-            format!(
-                "init = \"teacher\" needs heads <= {}, head_dim = {} and ffn <= {} (the teacher layer's), \
-                 got heads {heads}, head_dim {head_dim}, ffn {ffn}; use init = \"random\" otherwise",
-                size.heads, size.head_dim, size.ffn
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Fails unless the `decoder` student `student` of block `k` (zero-based)
-/// fits inside the SmolLM2 layer it is pruned from: no more key/value heads
-/// or query heads per key/value head, the same head width, no wider a
-/// feed-forward.
-fn check_decoder_init(k: usize, student: &StudentBlockConfig) -> Result<()> {
-    let teacher = SMOLLM2_135M.layer;
-    let Some(size) = student.decoder_config(teacher.hidden) else { return Ok(()) };
-    // A layer that cannot exist is the clearer error.
-    size.validate().map_err(|message| config_block_error(k + 1, message))?;
-    let group = teacher.heads / teacher.kv_heads;
-    let attention_fits = size.mixer != MixerKind::Attention
-        || (size.kv_heads <= teacher.kv_heads
-            && size.heads / size.kv_heads.max(1) <= group
-            && size.head_dim == teacher.head_dim);
-    if !attention_fits || size.ffn > teacher.ffn {
-        return Err(config_block_error(
-            k + 1,
-            format!(
-                "init = \"teacher\" needs kv_heads <= {}, heads / kv_heads <= {group}, head_dim = {} and \
-                 ffn <= {} (the teacher layer's), got heads {}, kv_heads {}, head_dim {}, ffn {}; use init = \"random\" otherwise",
-                teacher.kv_heads, teacher.head_dim, teacher.ffn, size.heads, size.kv_heads, size.head_dim, size.ffn
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Calibration sentences of the decoder's pruning (about 7k real tokens at
-/// 32): they rank the feed-forward neurons and refit the pruned layers.
-const DECODER_CALIBRATION_SENTENCES: usize = 256;
-/// Ridge of the decoder's least-squares refit, relative to the mean
-/// diagonal of each Gram matrix (toward the pruned weights).
-const DECODER_REFIT_RIDGE: f64 = 1e-2;
-
-/// Replaces the `decoder` students with `init = "teacher"` by the first
-/// SmolLM2 layer of their block, pruned to their size
-/// ([`crate::lm::prune_decoder`]) and refitted by least squares to the
-/// teacher layer on the first training sentences (a linear mixer's map and
-/// the feed-forward's down projection: `DecoderLayer::refit`); the
-/// feed-forward neurons are ranked on the same sentences.
-fn init_decoders_from_teacher(
-    config: &RunConfig,
-    students: &[StudentBlockConfig],
-    blocks: &mut [StudentBlock<burn::backend::Flex>],
-) -> Result<()> {
-    type Cpu = burn::backend::Flex;
-    let wanted =
-        |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Decoder { init: EncoderInit::Teacher, .. });
-    let groups = layers_per_block(config)?;
-    let first_layer = |k: usize| groups[..k.min(groups.len())].iter().sum::<usize>();
-    // A block that starts from saved `weights` gets them after this: no
-    // need to prune it (nor to load the teacher for it).
-    let saved = config.student_weights();
-    let pruned = |k: usize| {
-        saved.get(k).is_none_or(Option::is_none)
-            && (wanted(&students[k]) || students[k].candidates().iter().any(wanted))
-    };
-    let needed: Vec<usize> = (0..students.len()).filter(|&k| pruned(k)).collect();
-    let Some(deepest) = needed.iter().map(|&k| first_layer(k)).max() else { return Ok(()) };
-    let device = Default::default();
-    let model = SmolLm2::<Cpu>::load(&config.teacher.weights, &device).lift()?;
-    if deepest >= model.layers.len() {
-        let k = needed.iter().copied().find(|&k| first_layer(k) == deepest).unwrap_or_default();
-        return Err(Error::block(k + 1, "no teacher layer to initialise this student from"));
-    }
-    let (sentences, _) = brown_splits(&config.data.dir, Some(DECODER_CALIBRATION_SENTENCES), Some(0))?;
-    let max_tokens = max_tokens(config)?;
-    let ids = tokenize_lm(&model.tokenizer, &sentences, max_tokens)?;
-    let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-    let (mut hidden, mask) =
-        crate::text::embed_batch(&model.embeddings, &refs, max_tokens, &device).into_tokens(0)?;
-    // Layer by layer, the students that start from it, on the calibration
-    // batch entering it (minutes for a search's 30 layers: a line every
-    // half minute).
-    let (start, mut last_line) = (std::time::Instant::now(), std::time::Instant::now());
-    for (n, teacher) in model.layers.iter().enumerate().take(deepest + 1) {
-        if last_line.elapsed().as_secs() >= 30 {
-            last_line = std::time::Instant::now();
-            let seconds = start.elapsed().as_secs_f64();
-            eprintln!(
-                "init: pruned and refitted the students of {n}/{} SmolLM2 layers after {seconds:.0}s",
-                deepest + 1
-            );
-        }
-        let here: Vec<usize> = needed.iter().copied().filter(|&k| first_layer(k) == n).collect();
-        let targets = (!here.is_empty()).then(|| teacher.refit_targets(hidden.clone(), mask.clone()));
-        if let Some(targets) = &targets {
-            let neurons = ffn_importance(teacher, hidden.clone(), mask.clone());
-            let full = model.sizes.layer;
-            let prune = |k: usize, c: &StudentBlockConfig| -> Result<Option<DecoderLayer<Cpu>>> {
-                if !wanted(c) {
-                    return Ok(None);
-                }
-                check_decoder_init(k, c)?;
-                let size =
-                    c.decoder_config(full.hidden).ok_or_else(|| Error::block(k + 1, "not a decoder"))?;
-                let mut student = prune_decoder(teacher, &size, neurons.as_deref(), &device);
-                let whole = (size.mixer, size.heads, size.kv_heads, size.ffn)
-                    == (full.mixer, full.heads, full.kv_heads, full.ffn);
-                if !whole {
-                    student.refit(targets, hidden.clone(), mask.clone(), DECODER_REFIT_RIDGE);
-                }
-                Ok(Some(student))
-            };
-            for k in here {
-                if let Some(student) = prune(k, &students[k])? {
-                    blocks[k] = StudentBlock::Decoder(student);
-                }
-                if let StudentBlock::Candidates(set) = &mut blocks[k] {
-                    for (c, candidate) in students[k].candidates().iter().enumerate() {
-                        if let Some(student) = prune(k, candidate)? {
-                            set.candidates[c] = Candidate::Decoder(student);
-                        }
-                    }
-                }
-            }
-        }
-        hidden = match targets {
-            Some(targets) => targets.next,
-            None => teacher.forward(hidden, mask.clone()),
-        };
-    }
-    Ok(())
-}
-
-/// Sentences whose activations rank the teacher's feed-forward neurons and
-/// refit the pruned output projection (about 7k real tokens at 32 tokens).
-const CALIBRATION_SENTENCES: usize = 256;
-/// Ridge of the output projection's refit, relative to the mean diagonal
-/// of the Gram matrix.
-const REFIT_RIDGE: f64 = 1e-3;
-
-/// Replaces the `encoder` students with `init = "teacher"` by the first
-/// teacher layer of their block, pruned to their size: the heads with the
-/// largest weights and the feed-forward neurons that move the residual
-/// stream most on the first training sentences are kept.
-fn init_from_teacher(
-    config: &RunConfig,
-    students: &[StudentBlockConfig],
-    blocks: &mut [StudentBlock<burn::backend::Flex>],
-) -> Result<()> {
-    if is_decoder(config) {
-        return init_decoders_from_teacher(config, students, blocks);
-    }
-    let wanted =
-        |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Encoder { init: EncoderInit::Teacher, .. });
-    if !students.iter().any(|s| wanted(s) || s.candidates().iter().any(wanted)) {
-        return Ok(());
-    }
-    let device = Default::default();
-    let (embeddings, layers) =
-        MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device).lift()?.into_parts();
-    let groups = layers_per_block(config)?;
-    // The calibration batch entering each teacher layer.
-    let tokenizer = MiniLmTokenizer::load(&tokenizer_path(config)?).lift()?;
-    let (sentences, _) = brown_splits(&config.data.dir, Some(CALIBRATION_SENTENCES), Some(0))?;
-    let max_tokens = max_tokens(config)?;
-    let ids = tokenize(&tokenizer, &sentences, max_tokens)?;
-    let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-    let (mut hidden, mask) =
-        crate::text::embed_batch(&embeddings, &refs, max_tokens, &device).into_tokens(0)?;
-    let mut layer_inputs = Vec::with_capacity(layers.len());
-    for layer in &layers {
-        layer_inputs.push(hidden.clone());
-        hidden = layer.forward(hidden, mask.clone());
-    }
-    // Each teacher layer's neuron statistics, computed once however many
-    // students and candidates are pruned from it.
-    let mut layer_statistics = vec![None; layers.len()];
-    for (k, student) in students.iter().enumerate() {
-        let first = groups[..k.min(groups.len())].iter().sum::<usize>();
-        let mut prune = |config: &StudentBlockConfig| -> Result<Option<EncoderLayer<burn::backend::Flex>>> {
-            let StudentBlockConfig::Encoder { heads, ffn, init: EncoderInit::Teacher, .. } = *config else {
-                return Ok(None);
-            };
-            let teacher = layers
-                .get(first)
-                .ok_or_else(|| Error::block(k + 1, "no teacher layer to initialise this student from"))?;
-            check_teacher_init(k, config)?;
-            let size = teacher.config();
-            let kept_heads = top_indices(&teacher.head_importance(), heads);
-            let statistics: &NeuronStatistics = layer_statistics[first]
-                .get_or_insert_with(|| teacher.neuron_statistics(layer_inputs[first].clone(), mask.clone()));
-            let kept_neurons = top_indices(&statistics.importance, ffn);
-            let mut pruned =
-                teacher.pruned_compensated(&kept_heads, &kept_neurons, &statistics.mean_activation);
-            // Least-squares refit of the output projection on the calibration
-            // batch (kept as compensated if the system is singular). Nothing
-            // pruned: the teacher layer itself.
-            if heads < size.heads || ffn < size.ffn {
-                pruned.refit_ffn_out(teacher, layer_inputs[first].clone(), mask.clone(), REFIT_RIDGE);
-            }
-            Ok(Some(pruned))
-        };
-        if let Some(pruned) = prune(student)? {
-            blocks[k] = StudentBlock::Encoder(pruned);
-        }
-        if let StudentBlock::Candidates(set) = &mut blocks[k] {
-            for (c, candidate) in student.candidates().iter().enumerate() {
-                if let Some(pruned) = prune(candidate)? {
-                    set.candidates[c] = Candidate::Encoder(pruned);
-                }
-            }
-        }
-    }
-    Ok(())
+    minilm::check_teacher_init(k, student)
 }
 
 /// Builds the config's student blocks on `device` (random weights seeded by
@@ -656,7 +339,7 @@ fn build_students<B: DistillBackend>(
     let (cpu_blocks, specs) = {
         <burn::backend::Flex as burn::tensor::backend::Backend>::seed(&cpu, seed);
         let (mut blocks, specs) = init_student_blocks::<burn::backend::Flex>(configs, teacher, &cpu)?;
-        init_from_teacher(config, configs, &mut blocks)?;
+        TeacherKind::of(config).init_from_teacher(config, configs, &mut blocks)?;
         if config.generator == pipe_bd::rng::Generator::Torch {
             let mut rng = pipe_bd::rng::TorchRng::new(seed);
             blocks = blocks
@@ -691,87 +374,6 @@ fn build_students<B: DistillBackend>(
     Ok(Students::new(blocks, specs, teacher)?)
 }
 
-/// Checks that the files a config names are there and what they should be,
-/// without reading what training reads: the MNIST files' headers and sizes
-/// and the MNIST teacher's weights (loaded on the CPU: 1.5 MB), or the
-/// Brown corpus' file list, the probe's folder, MiniLM's safetensors header and its
-/// tokenizer. Every error names the file.
-fn check_builtin_inputs(config: &RunConfig) -> Result<()> {
-    let data = &config.data;
-    if !is_text(config) {
-        let _training_images = mnist::check_mnist_files(&data.dir)?;
-        pipebd_teachers::mnist_cnn::MnistCnn::<burn::backend::Flex>::load_pytorch(
-            &config.teacher.weights,
-            &Default::default(),
-        )
-        .lift()?;
-        return Ok(());
-    }
-    crate::text::brown_files(&data.dir)?;
-    if is_decoder(config) {
-        // The header, metadata and tensor table (the tensors are not read).
-        let file = pipebd_teachers::gguf::Gguf::open(&config.teacher.weights).lift()?;
-        check_smollm2_sizes(&LlamaSizes::of(&file).lift()?, &config.teacher.weights)?;
-        SmolTokenizer::from_gguf(&file).lift()?;
-        return Ok(());
-    }
-    if let Some(probe) = &DataOptions::of(config)?.probe {
-        if !probe.dir.is_dir() {
-            return Err(pipe_bd::data::data_error(
-                &probe.dir,
-                "folder not found (run scripts/setup-data.sh, or fix `data.probe.dir` in the config)",
-            ));
-        }
-    }
-    check_safetensors_header(&config.teacher.weights)?;
-    pipebd_teachers::minilm::MiniLmTokenizer::load(&tokenizer_path(config)?).lift()?;
-    Ok(())
-}
-
-/// Checks that `path` is laid out as a safetensors file (an 8-byte header
-/// length, a JSON header, tensor data up to the last offset it announces)
-/// without reading the tensors.
-fn check_safetensors_header(path: &Path) -> Result<()> {
-    use pipebd_teachers::TeacherError;
-    use std::io::Read;
-    let bad =
-        |message: String| Error::teacher(TeacherError::BadWeights { path: path.to_path_buf(), message });
-    if path.is_dir() {
-        return Err(bad("is a folder, expected the `model.safetensors` file".into()));
-    }
-    if !path.is_file() {
-        return Err(Error::teacher(TeacherError::MissingWeights { path: path.to_path_buf() }));
-    }
-    let mut file = std::fs::File::open(path).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let size = file.metadata().map_err(|e| bad(format!("cannot read: {e}")))?.len();
-    let not_safetensors = |what: String| bad(format!("not a safetensors file: {what}"));
-    let mut word = [0u8; 8];
-    file.read_exact(&mut word)
-        .map_err(|_| not_safetensors(format!("{size} bytes, too short for the header length")))?;
-    let header_len = u64::from_le_bytes(word);
-    if header_len > size.saturating_sub(8) {
-        return Err(not_safetensors(format!(
-            "the header length {header_len} exceeds the file's {size} bytes"
-        )));
-    }
-    let mut header = Vec::new();
-    file.take(header_len).read_to_end(&mut header).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| not_safetensors(format!("the header is not a JSON object ({e})")))?;
-    let tensors: Vec<&serde_json::Value> =
-        header.iter().filter(|(name, _)| name.as_str() != "__metadata__").map(|(_, t)| t).collect();
-    if tensors.is_empty() {
-        return Err(not_safetensors("the header lists no tensors".into()));
-    }
-    let data_end =
-        tensors.iter().filter_map(|tensor| tensor.get("data_offsets")?.get(1)?.as_u64()).max().unwrap_or(0);
-    let needed = header_len.saturating_add(data_end).saturating_add(8);
-    if needed > size {
-        return Err(bad(format!("truncated: the tensors end at byte {needed}, the file has {size}")));
-    }
-    Ok(())
-}
-
 /// The built-in zoo: the MNIST CNN teacher on MNIST/Fashion-MNIST images
 /// (`data.dataset = "mnist"`, `teacher.kind = "mnist-cnn"`), MiniLM and
 /// SmolLM2 on the Brown corpus (`"brown"`; `"minilm-l6"`, `"smollm2-135m"`),
@@ -800,7 +402,7 @@ impl Zoo for Builtin {
 
     /// Decoder students (and SmolLM2 itself) as GGUF files for llama.cpp.
     fn export(&self, request: &ExportRequest) -> Result<Exported> {
-        crate::export::export(request)
+        crate::export::export(self, request)
     }
 
     /// A Llama or `deci` GGUF file's perplexity, llama.cpp's way.
@@ -821,14 +423,16 @@ impl Zoo for Builtin {
 
     fn check_config(&self, config: &RunConfig) -> std::result::Result<(), ConfigIssue> {
         let data = &config.data;
-        if !["mnist", "brown"].contains(&data.dataset.as_str()) {
+        let datasets = TeacherKind::datasets();
+        if !datasets.contains(&data.dataset.as_str()) {
             return Err(ConfigIssue::new(
                 "data",
                 "dataset",
-                format!("unknown dataset `{}`: expected `mnist` or `brown`", data.dataset),
+                format!("unknown dataset `{}`: expected `{}`", data.dataset, datasets.join("` or `")),
             ));
         }
-        let expected: &[&str] = if is_text(config) { &["minilm-l6", SMOLLM2] } else { &["mnist-cnn"] };
+        let expected: Vec<&str> =
+            TeacherKind::ALL.iter().filter(|t| t.dataset() == data.dataset).map(|t| t.name()).collect();
         if !expected.contains(&config.teacher.kind.as_str()) {
             let expected_teacher = expected.join("` or `");
             return Err(ConfigIssue::new(
@@ -840,7 +444,8 @@ impl Zoo for Builtin {
                 ),
             ));
         }
-        if config.generator == pipe_bd::rng::Generator::Torch && is_text(config) {
+        let teacher = TeacherKind::of(config);
+        if config.generator == pipe_bd::rng::Generator::Torch && !teacher.takes_torch_generator() {
             return Err(ConfigIssue::new(
                 "",
                 "generator",
@@ -858,7 +463,7 @@ impl Zoo for Builtin {
         }
         let options: DataOptions = parse_options("data", &data.options)?;
         let teacher_options: TeacherOptions = parse_options("teacher", &config.teacher.options)?;
-        let positions = 2..=minilm::MAX_POSITIONS;
+        let positions = 2..=MAX_POSITIONS;
         if let Some(tokens) = options.max_tokens {
             if !positions.contains(&tokens) {
                 return Err(ConfigIssue::new(
@@ -869,10 +474,10 @@ impl Zoo for Builtin {
             }
         }
         if let Some(probe) = &options.probe {
-            check_probe(config, probe)?;
+            check_probe(teacher, probe)?;
         }
         if let Some(groups) = &teacher_options.layers_per_block {
-            let layers = teacher_layers(config);
+            let layers = teacher.layers();
             if groups.contains(&0) || groups.iter().sum::<usize>() != layers {
                 return Err(ConfigIssue::new(
                     "teacher",
@@ -882,12 +487,8 @@ impl Zoo for Builtin {
             }
         }
         let students: Vec<StudentBlockConfig> = parse_students(config)?;
-        check_student_kinds(config, &students)?;
-        let teacher_blocks = if is_text(config) {
-            teacher_options.layers_per_block.as_ref().map_or(teacher_layers(config), Vec::len)
-        } else {
-            pipebd_teachers::mnist_cnn::block_output_shapes().len()
-        };
+        check_student_kinds(config, teacher, &students)?;
+        let teacher_blocks = teacher.blocks(&teacher_options);
         if students.len() != teacher_blocks {
             return Err(ConfigIssue::new(
                 "students",
@@ -904,18 +505,7 @@ impl Zoo for Builtin {
     }
 
     fn teacher_specs(&self, config: &RunConfig) -> Result<Vec<BlockSpec>> {
-        if is_decoder(config) {
-            let specs = decoder_specs(&SMOLLM2_135M, &layers_per_block(config)?, max_tokens(config)?);
-            return with_block_loss(config, specs);
-        }
-        if is_text(config) {
-            return with_block_loss(config, minilm_specs(&layers_per_block(config)?, max_tokens(config)?));
-        }
-        // An initialised (random) teacher, for its shapes: its draws must not
-        // land inside a concurrent seeded build.
-        let _rng = pipe_bd::rng::burn_rng_lock();
-        let blocks = MnistCnn::<burn::backend::Flex>::init(&Default::default()).into_blocks();
-        with_block_loss(config, mnist_specs(&blocks))
+        TeacherKind::of(config).specs(config)
     }
 
     fn student_specs(&self, config: &RunConfig, teacher: &[BlockSpec]) -> Result<Vec<BlockSpec>> {
@@ -960,17 +550,11 @@ impl Zoo for Builtin {
     }
 
     fn check_inputs(&self, config: &RunConfig) -> Result<()> {
-        check_builtin_inputs(config)
+        TeacherKind::of(config).check_inputs(config)
     }
 
     fn train_samples(&self, config: &RunConfig) -> Result<Option<usize>> {
-        let data = &config.data;
-        if is_text(config) {
-            // Counting the corpus's sentences means reading it: only a limit is known.
-            return Ok(data.train_limit);
-        }
-        let images = mnist::check_mnist_files(&data.dir)?;
-        Ok(Some(data.train_limit.map_or(images, |limit| limit.min(images))))
+        TeacherKind::of(config).train_samples(config)
     }
 
     fn workload<B: FusedBackend>(
@@ -979,7 +563,7 @@ impl Zoo for Builtin {
         device: &B::Device,
         with_evaluation: bool,
     ) -> Result<Workload<B, TeacherBlock<B>>> {
-        load_workload(config, device, with_evaluation)
+        TeacherKind::of(config).workload(config, device, with_evaluation)
     }
 
     fn students<B: DistillBackend>(
@@ -992,7 +576,7 @@ impl Zoo for Builtin {
     }
 
     fn has_output_head(&self, config: &RunConfig) -> bool {
-        is_decoder(config)
+        TeacherKind::of(config).has_output_head()
     }
 
     fn output_head<B: DistillBackend>(
@@ -1000,24 +584,20 @@ impl Zoo for Builtin {
         config: &RunConfig,
         device: &B::Device,
     ) -> Result<Option<Box<dyn OutputHead<B>>>> {
-        if !is_decoder(config) {
-            return Ok(None);
-        }
-        let head = LmHead::<B>::load(&config.teacher.weights, device).lift()?;
-        Ok(Some(Box::new(NextTokenHead::new(head))))
+        TeacherKind::of(config).output_head(config, device)
     }
 }
 
 /// Checks the `[data.probe]` table of `config`.
-fn check_probe(config: &RunConfig, probe: &ProbeConfig) -> std::result::Result<(), ConfigIssue> {
-    if is_decoder(config) {
+fn check_probe(teacher: TeacherKind, probe: &ProbeConfig) -> std::result::Result<(), ConfigIssue> {
+    if teacher == TeacherKind::SmolLm2 {
         return Err(ConfigIssue::new(
             "data",
             "probe",
             format!("the spam probe scores sentence embeddings of `minilm-l6`, not of `{SMOLLM2}`"),
         ));
     }
-    if !(2..=minilm::MAX_POSITIONS).contains(&probe.max_tokens) {
+    if !(2..=MAX_POSITIONS).contains(&probe.max_tokens) {
         let message = format!("must be in 2..=512, got {}", probe.max_tokens);
         return Err(ConfigIssue::new("data.probe", "max_tokens", message));
     }
@@ -1037,25 +617,14 @@ fn check_probe(config: &RunConfig, probe: &ProbeConfig) -> std::result::Result<(
 /// predicts), a `decoder` for MiniLM.
 fn check_student_kinds(
     config: &RunConfig,
+    teacher: TeacherKind,
     students: &[StudentBlockConfig],
 ) -> std::result::Result<(), ConfigIssue> {
-    let decoder = is_decoder(config);
     for (k, student) in students.iter().enumerate() {
         for kind in std::iter::once(student).chain(student.candidates()).map(StudentBlockConfig::kind) {
-            let message = match kind {
-                "encoder" if decoder => format!(
-                    "block {}: `encoder` students attend both ways and would see the tokens a decoder LLM \
-                     predicts: use `decoder` (or `skip`) for teacher `{SMOLLM2}`",
-                    k + 1
-                ),
-                "decoder" if !decoder => format!(
-                    "block {}: `decoder` students are causal Llama layers for teacher `{SMOLLM2}`; use `encoder` for `{}`",
-                    k + 1,
-                    config.teacher.kind
-                ),
-                _ => continue,
-            };
-            return Err(ConfigIssue::in_entry("students", k, message));
+            if let Some(message) = teacher.refused_student(config, k, kind) {
+                return Err(ConfigIssue::in_entry("students", k, message));
+            }
         }
     }
     Ok(())

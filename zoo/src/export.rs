@@ -2,30 +2,42 @@
 //! students (and SmolLM2 itself) written as GGUF files of llama.cpp's
 //! `deci` architecture ([`pipebd_teachers::export`]), and any Llama or
 //! `deci` GGUF file scored with llama.cpp's perplexity protocol.
+//!
+//! Generic over the zoo that reads the configs and rebuilds a run's
+//! students (the built-in one passes itself in): this module knows SmolLM2
+//! and the decoder students, not the built-in zoo's other teachers.
 
 use std::path::Path;
 use std::str::FromStr;
 use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData};
+use pipe_bd::{Error, Result};
 use pipebd_cli::config::{Overrides, RunConfig};
 use pipebd_cli::jobs::export::{ExportRequest, ExportSource, Exported, TextScore, TextScoreRequest};
 use pipebd_cli::report::RunReport;
 use pipebd_cli::zoo::Zoo;
-use pipe_bd::{Error, Result};
 use pipebd_students::StudentBlock;
 use pipebd_teachers::export::{write_deci, ExportLayer, ExportSummary, ExportType};
 use pipebd_teachers::gguf::{Gguf, MetaValue};
 use pipebd_teachers::smollm2::SmolLm2;
 
-use crate::builtin::{is_decoder, layers_per_block, Builtin};
+use crate::smollm2::{is_decoder, layers_per_block};
 use crate::Lift;
 
 /// The CPU inference backend exports and scores run on.
 type Cpu = burn::backend::Flex;
 
-/// `pipebd export` with the built-in zoo.
-pub fn export(request: &ExportRequest) -> Result<Exported> {
+/// The CPU training backend a finished run's students are rebuilt on
+/// ([`pipebd_cli::jobs::eval::load_students`]).
+type CpuTrain = burn::backend::Autodiff<Cpu>;
+
+/// `pipebd export` with the built-in zoo: `zoo` (the built-in zoo, or one
+/// with its students) reads the configs and rebuilds a run's students.
+pub fn export<Z>(zoo: &Z, request: &ExportRequest) -> Result<Exported>
+where
+    Z: Zoo<Student<CpuTrain> = StudentBlock<CpuTrain>>,
+{
     if request.format != "gguf" {
         return Err(Error::Zoo {
             path: None,
@@ -38,12 +50,12 @@ pub fn export(request: &ExportRequest) -> Result<Exported> {
     let kind = ExportType::from_str(&request.kind).map_err(|message| Error::Zoo { path: None, message })?;
     let summary = match &request.source {
         ExportSource::Teacher(config_path) => {
-            let config = Builtin.load_config(config_path, Overrides::default())?;
+            let config = zoo.load_config(config_path, Overrides::default())?;
             let config_name = config_path.display().to_string();
             require_decoder(&config, &config_name)?;
             export_teacher(&config, kind, &request.out)?
         }
-        ExportSource::Run(run_dir) => export_run(run_dir, kind, &request.out)?,
+        ExportSource::Run(run_dir) => export_run(zoo, run_dir, kind, &request.out)?,
     };
     Ok(describe(summary))
 }
@@ -72,11 +84,14 @@ fn export_teacher(config: &RunConfig, kind: ExportType, out: &Path) -> Result<Ex
 }
 
 /// The student saved in `run_dir`.
-fn export_run(run_dir: &Path, kind: ExportType, out: &Path) -> Result<ExportSummary> {
+fn export_run<Z>(zoo: &Z, run_dir: &Path, kind: ExportType, out: &Path) -> Result<ExportSummary>
+where
+    Z: Zoo<Student<CpuTrain> = StudentBlock<CpuTrain>>,
+{
     let report = RunReport::read(run_dir)?;
     let config = &report.config;
     require_decoder(config, &format!("run folder {}", run_dir.display()))?;
-    Builtin.check(config)?;
+    zoo.check(config)?;
     let student_dir = run_dir.join("student");
     if !student_dir.is_dir() {
         return Err(Error::Zoo {
@@ -85,8 +100,8 @@ fn export_run(run_dir: &Path, kind: ExportType, out: &Path) -> Result<ExportSumm
                 .into(),
         });
     }
-    let teacher_specs = Builtin.teacher_specs(config)?;
-    let (blocks, _) = pipebd_cli::jobs::eval::load_students(&Builtin, run_dir, config, &teacher_specs)?;
+    let teacher_specs = zoo.teacher_specs(config)?;
+    let (blocks, _) = pipebd_cli::jobs::eval::load_students(zoo, run_dir, config, &teacher_specs)?;
     let groups = layers_per_block(config)?;
     let layers = decoder_layers(&blocks, &groups)?;
     let file = Gguf::open(&config.teacher.weights).lift()?;
@@ -197,7 +212,7 @@ pub fn score_model_file(request: &TextScoreRequest) -> Result<TextScore> {
     let first = context / 2;
     let per_batch = (SCORE_BATCH_TOKENS / context).max(1);
     let (mut nll, mut scored) = (0f64, 0usize);
-    let mut last_print = Instant::now();
+    let mut throttle = pipebd_cli::reporter::Throttle::every(std::time::Duration::from_secs(10));
     for batch_start in (0..windows).step_by(per_batch) {
         let batch = per_batch.min(windows - batch_start);
         let mut ids = tokens[batch_start * context..(batch_start + batch) * context].to_vec();
@@ -206,14 +221,13 @@ pub fn score_model_file(request: &TextScoreRequest) -> Result<TextScore> {
         }
         nll += window_nll(&model, &ids, batch, context, first, &device);
         scored += batch * (context - 1 - first);
-        if last_print.elapsed().as_secs() >= 10 {
-            eprintln!(
-                "eval-gguf: {}/{windows} windows, perplexity so far {:.4}",
+        pipebd_cli::reporter::reporter().periodic(&mut throttle, "eval-gguf", || {
+            format!(
+                "{}/{windows} windows, perplexity so far {:.4}",
                 batch_start + batch,
                 (nll / scored as f64).exp()
-            );
-            last_print = Instant::now();
-        }
+            )
+        });
     }
     Ok(TextScore {
         perplexity: (nll / scored as f64).exp(),

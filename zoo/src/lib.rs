@@ -5,13 +5,27 @@
 //! [`Zoo`](pipebd_cli::zoo::Zoo) trait like any user's zoo ([`Builtin`]):
 //!
 //! - the pretrained MNIST CNN on MNIST-format images ([`mnist`]:
-//!   `data.dataset = "mnist"`, `teacher.kind = "mnist-cnn"`),
+//!   `data.dataset = "mnist"`, `teacher.kind = "mnist-cnn"`; the teacher:
+//!   [`mnist_teacher`]),
 //! - all-MiniLM-L6-v2 on the Brown corpus, evaluated by sentence-embedding
-//!   cosine and a SpamAssassin probe ([`text`]: `"brown"`, `"minilm-l6"`),
+//!   cosine and a SpamAssassin probe ([`text`]: `"brown"`, `"minilm-l6"`;
+//!   the teacher: [`build_minilm`]),
 //! - the decoder LLM SmolLM2-135M from its GGUF file on the Brown corpus,
 //!   evaluated by perplexity, top-1 agreement and KL to the teacher ([`lm`]:
-//!   `"brown"`, `teacher.kind = "smollm2-135m"`), its students leaving as GGUF
-//!   files for llama.cpp ([`export`]).
+//!   `"brown"`, `teacher.kind = "smollm2-135m"`; the teacher:
+//!   [`build_smollm2`]), its students leaving as GGUF files for llama.cpp
+//!   ([`export`]).
+//!
+//! Inside, one module per teacher (`mnist_cnn.rs`, `minilm.rs`,
+//! `smollm2.rs`: building it, its specs, workload, file checks and students
+//! pruned from it) over the data modules above and the zoo's own config
+//! keys (`options.rs`: [`DataOptions`], [`TeacherOptions`]); `builtin.rs`
+//! holds the [`Zoo`](pipebd_cli::zoo::Zoo) impl, which picks a config's
+//! teacher once and asks its module. Imports go one way: `builtin.rs` uses
+//! the teacher modules and `export.rs` (which uses `smollm2.rs` only), the
+//! teacher modules use the data modules and `options.rs`, and nothing
+//! below `builtin.rs` names it. A new teacher is its module, one variant
+//! of the dispatching enum in `builtin.rs` with its arms, and its students.
 //!
 //! The engine (`pipe-bd`) depends on none of this: it names no teacher,
 //! student, data set or file format. The `pipebd` binary is [`cli`], that is
@@ -23,21 +37,25 @@ pub mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod lm;
+mod minilm;
 pub mod mnist;
+mod mnist_cnn;
+mod options;
+mod smollm2;
 pub mod text;
 
 use std::process::ExitCode;
 
-pub use builtin::{
-    build_minilm, build_smollm2, build_teacher, eval_builtin_run, layers_per_block, max_tokens,
-    mnist_teacher, run_builtin, tokenizer_path, BlockLoss, Builtin, BuiltinTeacher, DataOptions,
-    Smollm2Parts, TeacherOptions, DEFAULT_MAX_TOKENS, SMOLLM2,
-};
+pub use builtin::{build_teacher, eval_builtin_run, layers_per_block, run_builtin, Builtin, BuiltinTeacher};
+pub use minilm::build_minilm;
+pub use mnist_cnn::{mnist_teacher, smoke_sections};
+pub use options::{max_tokens, tokenizer_path, BlockLoss, DataOptions, TeacherOptions, DEFAULT_MAX_TOKENS};
 /// The built-in student zoo (`pipebd-students`), for a zoo that reuses its blocks.
 pub use pipebd_students as students;
 /// The built-in teachers and their weight import (`pipebd-teachers`), for a
 /// zoo that reuses them.
 pub use pipebd_teachers as teachers;
+pub use smollm2::{build_smollm2, Smollm2Parts, SMOLLM2};
 
 /// The `pipebd` command line with the built-in zoo
 /// (`pipebd_cli::cli::run_with(Builtin)`).

@@ -153,7 +153,7 @@ pub fn tally<B: FusedBackend>(
     let teacher_top = host_ids(teacher.clone().argmax(1));
     let student_top = host_ids(student.clone().argmax(1));
     tally.agree = (0..scored.len()).filter(|&r| scored[r] && teacher_top[r] == student_top[r]).count();
-    let kl = host_f32((teacher.clone().exp() * (teacher - student)).sum_dim(1));
+    let kl = host_f32(pipebd_kernels::loss::kl_rows(student, teacher).unsqueeze_dim(1));
     tally.kl = sum_scored(&kl, &scored, f64::from);
     tally
 }

@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use pipe_bd::data::{data_error, GrayImages, ImageDataset};
 use pipe_bd::{Error, Result};
 
+/// `data.dataset` of MNIST-format images (MNIST, Fashion-MNIST).
+pub(crate) const DATASET: &str = "mnist";
+
 const IMAGES_MAGIC: u32 = 0x0000_0803;
 const LABELS_MAGIC: u32 = 0x0000_0801;
 const IMAGES_WHAT: &str = "image (idx3, u8)";

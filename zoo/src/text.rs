@@ -52,6 +52,9 @@ fn default_test_fraction() -> f64 {
     0.3
 }
 
+/// `data.dataset` of the Brown corpus (MiniLM's and SmolLM2's).
+pub(crate) const DATASET: &str = "brown";
+
 /// Seed of the fixed shuffles that split the corpora (independent of a run's
 /// seed, so every run of a config sees the same held-out sentences).
 const SPLIT_SEED: u64 = 0x5EED_B0B5;

@@ -3,11 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{close_transport, print, ProgressView, RunCommand};
+use super::{close_transport, print, RunCommand};
 use crate::config::Overrides;
-use pipe_bd::train::Progress;
+use crate::reporter::{reporter, ProgressView};
 use crate::zoo::Zoo;
 use crate::Error;
+use pipe_bd::train::Progress;
 
 /// `pipebd run`.
 pub(super) fn run<Z: Zoo>(
@@ -16,7 +17,7 @@ pub(super) fn run<Z: Zoo>(
     overrides: Overrides,
     flags: RunCommand,
 ) -> Result<(), Error> {
-    let RunCommand { out, resume, max_failures, trace, quiet, transport } = flags;
+    let RunCommand { out, resume, max_failures, trace, transport } = flags;
 
     let out = out.or_else(|| resume.clone()).unwrap_or_else(|| std::path::PathBuf::from("runs/latest"));
     let config = zoo.load_config(config, overrides)?;
@@ -25,16 +26,25 @@ pub(super) fn run<Z: Zoo>(
     let ranks = transport.as_ref().map_or(1, |t| t.ranks());
     let interrupt = pipe_bd::runtime::interrupt::Interrupt::new();
     super::signals::stop_on_signals(&interrupt, rank == 0)?;
-    let mut view = ProgressView::new(quiet || rank != 0, config.train.batch_size);
+    let mut view = ProgressView::new(rank == 0, config.train.batch_size);
     let mut observer = |p: &Progress| view.show(p);
     let flags = crate::jobs::run::RunFlags { trace, resume, max_failures, interrupt: interrupt.clone() };
     let report = crate::jobs::run::run_rank(zoo, &config, &out, &flags, transport.clone(), &mut observer);
     view.finish();
     let report = report.map_err(|e| match e {
         Error::Interrupted { signal, completed_steps, most_steps, total_steps, checkpoints, .. } => {
-            let resume_command =
-                checkpoints.as_ref().map(|_| super::signals::resume_command(&out, ranks)).filter(|_| rank == 0);
-            Error::Interrupted { signal, completed_steps, most_steps, total_steps, checkpoints, resume_command }
+            let resume_command = checkpoints
+                .as_ref()
+                .map(|_| super::signals::resume_command(&out, ranks))
+                .filter(|_| rank == 0);
+            Error::Interrupted {
+                signal,
+                completed_steps,
+                most_steps,
+                total_steps,
+                checkpoints,
+                resume_command,
+            }
         }
         other => other,
     });
@@ -49,7 +59,7 @@ pub(super) fn run<Z: Zoo>(
     }
     if let (Ok(_), Some(signal)) = (&report, interrupt.requested()) {
         let name = pipe_bd::runtime::interrupt::signal_name(signal);
-        eprintln!("pipebd: {name} came after the last step: the run is complete");
+        reporter().info("pipebd", &format!("{name} came after the last step: the run is complete"));
     }
     let Some(report) = report? else {
         return Ok(());
@@ -59,7 +69,7 @@ pub(super) fn run<Z: Zoo>(
     // are a warning, and `pipebd plot` draws them later.
     match crate::jobs::plot::draw_run(&out, Some(&report)) {
         Ok(written) => print::print_pictures(&written),
-        Err(e) => eprintln!("warning: {e}"),
+        Err(e) => reporter().warn("plot", &e.to_string()),
     }
     Ok(())
 }
@@ -75,7 +85,7 @@ pub(super) fn plot(run_dir: &Path) -> Result<(), Error> {
 pub(super) fn link<Z: Zoo>(zoo: &Z, config: &Path, rounds: usize, out: &Path) -> Result<(), Error> {
     let config = zoo.load_config(config, Overrides::default())?;
     let transport = pipe_bd::runtime::launch::open(pipe_bd::runtime::launch::TransportChoice::Auto)?;
-    let mut say = |line: &str| eprintln!("link: {line}");
+    let mut say = |line: &str| reporter().info("link", line);
     let report = crate::jobs::link::link_bench(zoo, &config, transport.clone(), rounds, out, &mut say);
     if let Some(transport) = transport {
         close_transport(transport, report.is_err());
@@ -96,7 +106,7 @@ pub(super) fn bench<Z: Zoo>(
     out: &Path,
 ) -> Result<(), Error> {
     let config = zoo.load_config(config, Overrides { devices, ..Default::default() })?;
-    let mut say = |line: &str| eprintln!("bench: {line}");
+    let mut say = |line: &str| reporter().info("bench", line);
     let report = crate::jobs::bench::bench(zoo, &config, schedules, out, &mut say)?;
     print::print_bench(&report);
     println!("wrote {}/bench.json, bench.csv and bench.png", out.display());
@@ -112,7 +122,7 @@ pub(super) fn profile<Z: Zoo>(
 ) -> Result<(), Error> {
     let config = zoo.load_config(config, Overrides { devices, ..Default::default() })?;
     let slots = config.device_slots().len();
-    let mut say = |line: &str| eprintln!("profile: {line}");
+    let mut say = |line: &str| reporter().info("profile", line);
     let profile = crate::jobs::profile::profile(zoo, &config, slots, out, &mut say)?;
     print::print_profile(&profile);
     println!("wrote {}", out.display());
@@ -154,7 +164,7 @@ pub(super) fn plan(
 
 /// `pipebd sweep`.
 pub(super) fn sweep<Z: Zoo>(zoo: &Z, sweep: &Path) -> Result<(), Error> {
-    let mut say = |line: &str| eprintln!("sweep: {line}");
+    let mut say = |line: &str| reporter().info("sweep", line);
     let rows = crate::jobs::sweep::sweep(zoo, sweep, &mut say)?;
     print::print_sweep(&rows);
     Ok(())
@@ -338,7 +348,8 @@ pub(super) fn search<Z: Zoo>(
             let mut configs: Vec<_> =
                 front.iter().map(|(s, _)| scores.chosen_config(run_dir, &s.choice)).collect();
             configs.push(scores.chosen_config(run_dir, &first));
-            eprintln!("scoring {} stitched students on the test set...", configs.len());
+            reporter()
+                .info("search", &format!("scoring {} stitched students on the test set...", configs.len()));
             let scored = crate::jobs::eval::score_configs(zoo, &configs)?;
             for (point, score) in points.iter_mut().chain([&mut reference]).zip(scored) {
                 point.accuracy = Some(score.headline());

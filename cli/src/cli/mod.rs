@@ -3,19 +3,16 @@
 //! and datasets gets the same commands for them with its own zoo (see
 //! `examples/custom_zoo/`).
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
 
 use crate::config::Overrides;
-use pipe_bd::plan::Schedule;
-use pipe_bd::train::Progress;
+use crate::reporter::LogFormat;
 use crate::zoo::Zoo;
 use crate::Error;
 use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
+use pipe_bd::plan::Schedule;
 
 mod commands;
 mod print;
@@ -23,10 +20,24 @@ mod signals;
 
 /// Pipelined parallel blockwise knowledge distillation.
 #[derive(Parser)]
-#[command(name = "pipebd", version, about, long_about = None)]
+#[command(
+    name = "pipebd",
+    version,
+    about = "Pipelined parallel blockwise knowledge distillation (Pipe-BD) on burn",
+    long_about = None
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// No progress, no informative or periodic lines (warnings and errors
+    /// are still written).
+    #[arg(long, global = true)]
+    quiet: bool,
+    /// How stderr's lines are written: `text`, or `json` (one object per
+    /// line: time, level, source, message; for log collectors and batch
+    /// schedulers).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -63,9 +74,6 @@ enum Command {
         /// Override the config's `train.epochs`.
         #[arg(long)]
         epochs: Option<usize>,
-        /// Hide the progress bar.
-        #[arg(long)]
-        quiet: bool,
         /// How the processes of a run talk: `auto` (MPI when started by
         /// `mpirun`/`srun` with more than one rank), `local` (one process),
         /// `mpi` (needs a build with `--features mpi`).
@@ -280,15 +288,11 @@ enum Command {
 /// errors in the user's input, 1 otherwise).
 pub fn run_with<Z: Zoo>(zoo: Z) -> ExitCode {
     let cli = Cli::parse();
+    crate::reporter::init(cli.quiet, cli.log_format);
     match execute(&zoo, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // One write, so that the lines of several ranks never mix.
-            let message = match pipe_bd::runtime::launch::launcher_rank() {
-                Some(rank) => format!("error (rank {rank}): {e}\n"),
-                None => format!("error: {e}\n"),
-            };
-            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), message.as_bytes());
+            crate::reporter::reporter().error(&e.to_string());
             if let Error::Interrupted { signal, .. } = &e {
                 ExitCode::from((128 + signal).clamp(1, 255) as u8)
             } else if e.is_user_error() {
@@ -309,7 +313,8 @@ fn close_transport(transport: std::sync::Arc<dyn pipe_bd::runtime::transport::Tr
         let rank = transport.rank();
         std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_secs(15));
-            eprintln!("pipebd: rank {rank}: MPI did not shut down within 15 s of the failure; exiting");
+            let message = format!("rank {rank}: MPI did not shut down within 15 s of the failure; exiting");
+            crate::reporter::reporter().warn("pipebd", &message);
             std::process::exit(1);
         });
     }
@@ -345,10 +350,9 @@ fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             schedule,
             trace,
             epochs,
-            quiet,
             transport,
         } => {
-            let flags = RunCommand { out, resume, max_failures, trace, quiet, transport };
+            let flags = RunCommand { out, resume, max_failures, trace, transport };
             commands::run(zoo, &config, Overrides { device, devices, schedule, epochs }, flags)
         }
         Command::Link { config, rounds, out } => commands::link(zoo, &config, rounds, &out),
@@ -417,160 +421,5 @@ struct RunCommand {
     resume: Option<PathBuf>,
     max_failures: Option<usize>,
     trace: bool,
-    quiet: bool,
     transport: pipe_bd::runtime::launch::TransportChoice,
-}
-
-/// Seconds between progress lines when stderr is not a terminal.
-const LOG_LINE_SECONDS: u64 = 30;
-
-/// Training progress on stderr: a bar on a terminal, a line every
-/// [`LOG_LINE_SECONDS`] otherwise (log files, batch schedulers), nothing
-/// with `--quiet`; both with the samples per second and the time left.
-struct ProgressView {
-    bar: Option<ProgressBar>,
-    lines: bool,
-    batch_size: usize,
-    rate: StepRate,
-    start: Instant,
-    last_line: Instant,
-}
-
-impl ProgressView {
-    /// Progress of a run of `batch_size` samples per step.
-    fn new(quiet: bool, batch_size: usize) -> Self {
-        let terminal = std::io::stderr().is_terminal();
-        let bar = (!quiet && terminal).then(|| {
-            let bar = ProgressBar::new(0);
-            bar.set_style(
-                ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
-            );
-            bar
-        });
-        let now = Instant::now();
-        Self {
-            bar,
-            lines: !quiet && !terminal,
-            batch_size,
-            rate: StepRate::default(),
-            start: now,
-            last_line: now,
-        }
-    }
-
-    fn show(&mut self, p: &Progress) {
-        let per_phase = p.epochs * p.steps_per_epoch;
-        let total = p.phases * per_phase;
-        let done = p.phase * per_phase + p.epoch * p.steps_per_epoch + p.step_in_epoch + 1;
-        let speed = match self.rate.update(done, total, Instant::now()) {
-            Some((steps_per_second, left)) => format!(
-                "{:.0} samples/s, {} left, ",
-                steps_per_second * self.batch_size as f64,
-                duration_text(left)
-            ),
-            None => String::new(),
-        };
-        let losses: Vec<String> = p.losses.iter().map(|&l| print::loss_text(l.into())).collect();
-        let phase = if p.phases > 1 { format!("phase {}/{} ", p.phase + 1, p.phases) } else { String::new() };
-        let output =
-            p.output_loss.map(|l| format!(" output {}", print::loss_text(l.into()))).unwrap_or_default();
-        let message =
-            format!("{speed}{phase}epoch {}/{} losses [{}]{output}", p.epoch + 1, p.epochs, losses.join(" "));
-        if let Some(bar) = &self.bar {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-            bar.set_message(message);
-        } else if self.lines && (self.last_line.elapsed().as_secs() >= LOG_LINE_SECONDS || done == total) {
-            self.last_line = Instant::now();
-            eprintln!(
-                "progress: {done}/{total} steps ({:.0}%) after {}, {message}",
-                100.0 * done as f64 / total.max(1) as f64,
-                duration_text(self.start.elapsed().as_secs_f64())
-            );
-        }
-    }
-
-    fn finish(&self) {
-        if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
-        }
-    }
-}
-
-/// The rate of a stretch of steps, measured from the first step it saw (a
-/// resumed run starts part-way; the stitched pass counts again from one).
-#[derive(Debug, Default)]
-struct StepRate {
-    /// The first step seen of this stretch, and when.
-    origin: Option<(usize, Instant)>,
-    total: usize,
-    /// The last step seen: a stretch that counts again from fewer steps
-    /// (the stitched pass after as many blockwise steps) is a new one.
-    last: usize,
-}
-
-impl StepRate {
-    /// Records that `done` of `total` steps are done at `now`; returns the
-    /// steps per second and the seconds left, once a step has passed since
-    /// the first one seen.
-    fn update(&mut self, done: usize, total: usize, now: Instant) -> Option<(f64, f64)> {
-        let continues = self.origin.is_some() && total == self.total && done >= self.last;
-        if !continues {
-            self.origin = Some((done, now));
-            self.total = total;
-        }
-        self.last = done;
-        let (first, since) = self.origin?;
-        let seconds = now.saturating_duration_since(since).as_secs_f64();
-        if done <= first || seconds <= 0.0 {
-            return None;
-        }
-        let steps_per_second = (done - first) as f64 / seconds;
-        Some((steps_per_second, total.saturating_sub(done) as f64 / steps_per_second))
-    }
-}
-
-/// Seconds as `45s`, `3m05s` or `2h07m`.
-fn duration_text(seconds: f64) -> String {
-    let whole = seconds.max(0.0).round() as u64;
-    match whole {
-        0..=59 => format!("{whole}s"),
-        60..=3599 => format!("{}m{:02}s", whole / 60, whole % 60),
-        _ => format!("{}h{:02}m", whole / 3600, whole % 3600 / 60),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{duration_text, StepRate};
-    use std::time::{Duration, Instant};
-
-    #[test]
-    fn the_rate_counts_from_the_first_step_seen_and_restarts_with_a_new_stretch() {
-        let t0 = Instant::now();
-        let mut rate = StepRate::default();
-        // A resumed run: first seen at step 40 of 100.
-        assert_eq!(rate.update(40, 100, t0), None, "no rate from one step");
-        let (per_second, left) = rate.update(50, 100, t0 + Duration::from_secs(5)).unwrap();
-        assert!((per_second - 2.0).abs() < 1e-9 && (left - 25.0).abs() < 1e-9, "{per_second} {left}");
-        // The stitched pass: a new total, counted again from its first step.
-        assert_eq!(rate.update(1, 10, t0 + Duration::from_secs(6)), None);
-        let (per_second, left) = rate.update(5, 10, t0 + Duration::from_secs(8)).unwrap();
-        assert!((per_second - 2.0).abs() < 1e-9 && (left - 2.5).abs() < 1e-9, "{per_second} {left}");
-        // A stitched pass as long as the blockwise run: the same total, but
-        // counted again from its own first step, not the blockwise one.
-        let (_, _) = rate.update(10, 10, t0 + Duration::from_secs(10)).unwrap();
-        assert_eq!(rate.update(1, 10, t0 + Duration::from_secs(100)), None);
-        let (per_second, left) = rate.update(3, 10, t0 + Duration::from_secs(101)).unwrap();
-        assert!((per_second - 2.0).abs() < 1e-9 && (left - 3.5).abs() < 1e-9, "{per_second} {left}");
-    }
-
-    #[test]
-    fn durations_read_as_time() {
-        assert_eq!(duration_text(44.6), "45s");
-        assert_eq!(duration_text(185.0), "3m05s");
-        assert_eq!(duration_text(7620.0), "2h07m");
-        assert_eq!(duration_text(-1.0), "0s");
-    }
 }

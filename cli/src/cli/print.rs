@@ -1,5 +1,7 @@
 //! What the command line prints after a command.
 
+use crate::reporter::loss_text;
+
 /// Resume and failure lines after a run.
 pub(super) fn print_resilience(log: &pipe_bd::runtime::recovery::ResilienceLog) {
     for r in &log.resumed {
@@ -336,13 +338,14 @@ pub(super) fn print_sweep(rows: &[crate::jobs::sweep::Row]) {
 /// One timed kernel case as soon as it is measured (on stderr: the table
 /// follows on stdout when every case is done).
 pub(super) fn print_bench_progress(row: &pipebd_kernels::bench::BenchRow) {
-    eprintln!(
+    let line = format!(
         "timed {} {}: forward {:.2}x, forward+backward {:.2}x",
         row.op,
         row.case,
         row.forward_speedup(),
         row.train_speedup()
     );
+    crate::reporter::reporter().info("kernels", &line);
 }
 
 /// The pictures drawn, one line.
@@ -368,15 +371,5 @@ pub(super) fn print_pareto(points: &[crate::jobs::search::ParetoPoint]) {
             "{:>14} {:>10.4} {:>12} {:>10} {:>12.3} {last}",
             p.choice, p.loss, p.flops, p.params, p.latency_ms
         );
-    }
-}
-
-/// A loss as printed: four decimals, or four significant digits where
-/// decimals would hide it (a normalized MSE of 6e-6 is not 0.0000).
-pub(super) fn loss_text(loss: f64) -> String {
-    if loss == 0.0 || (1e-3..1e4).contains(&loss.abs()) || !loss.is_finite() {
-        format!("{loss:.4}")
-    } else {
-        format!("{loss:.3e}")
     }
 }

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 
-use pipe_bd::runtime::interrupt::{signal_name, Interrupt};
 use crate::Error;
+use pipe_bd::runtime::interrupt::{signal_name, Interrupt};
 
 /// Routes SIGINT, SIGTERM and SIGUSR1 to `interrupt` for the rest of the process,
 /// and says once on stderr what the first one does.
@@ -24,7 +24,8 @@ pub(super) fn stop_on_signals(interrupt: &Interrupt, announce: bool) -> Result<(
         };
         // In order: a signal after the first exits at once; the first one
         // arms that and asks the run to stop.
-        signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, second.clone()).map_err(failed)?;
+        signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, second.clone())
+            .map_err(failed)?;
         signal_hook::flag::register(signal, second.clone()).map_err(failed)?;
         signal_hook::flag::register_usize(signal, interrupt.flag(), signal as usize).map_err(failed)?;
     }
@@ -32,11 +33,13 @@ pub(super) fn stop_on_signals(interrupt: &Interrupt, announce: bool) -> Result<(
         let interrupt = interrupt.clone();
         std::thread::spawn(move || loop {
             if let Some(signal) = interrupt.requested() {
-                eprintln!(
-                    "\npipebd: {}: finishing the steps in flight and writing every block's checkpoint \
+                // A warning: even a quiet run says why it stops.
+                let message = format!(
+                    "{}: finishing the steps in flight and writing every block's checkpoint \
                      (send it again to stop at once)",
                     signal_name(signal)
                 );
+                crate::reporter::reporter().warn("pipebd", &message);
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));

@@ -10,21 +10,21 @@ use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
-use pipe_bd::data::held_out_split;
-use pipe_bd::device::{dispatch, BackendJob};
-use pipe_bd::error::{Error, Result};
-use pipe_bd::fsio::write_atomic;
 use crate::jobs::check::{plan_for, preflight};
 use crate::jobs::plot::timeline::{draw_timelines, Timeline, TimelineGroup};
 use crate::jobs::profile::plan_from_candidate;
 use crate::jobs::profile::{reset_peak_resident, resident_bytes};
+use crate::zoo::{Workload, Zoo};
+use pipe_bd::data::held_out_split;
+use pipe_bd::device::{dispatch, BackendJob};
+use pipe_bd::error::{Error, Result};
+use pipe_bd::fsio::write_atomic;
 use pipe_bd::plan::{Plan, Schedule};
 use pipe_bd::planning::planner::CostTable;
 use pipe_bd::planning::simulate::simulate_shared;
 use pipe_bd::runtime::{concurrent_workers, threads_per_worker, Distillation, RuntimeSettings};
 use pipe_bd::trace::{Span, WorkerSummary};
 use pipe_bd::train::{detached_copy, steps_per_epoch};
-use crate::zoo::{Workload, Zoo};
 
 /// One schedule's timing: seconds, spans, workers, peak memory.
 type Timed = (f64, Vec<Span>, Vec<WorkerSummary>, Option<u64>);

@@ -6,10 +6,10 @@ use std::path::Path;
 use pipebd_core::BlockSpec;
 
 use crate::config::RunConfig;
+use crate::zoo::Zoo;
 use pipe_bd::device::{parse_slots, DeviceSpec};
 use pipe_bd::error::{Error, Result};
 use pipe_bd::plan::{flops_cost, Plan, Schedule};
-use crate::zoo::Zoo;
 
 /// `pipebd check <path>`: the config file read, parsed and [`preflight`]ed;
 /// errors about the config name its file (as every command's do).

@@ -159,4 +159,3 @@ pub fn score_configs<Z: Zoo>(zoo: &Z, configs: &[RunConfig]) -> Result<Vec<Score
     }
     Ok(scores)
 }
-

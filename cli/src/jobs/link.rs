@@ -26,15 +26,15 @@ use pipebd_core::{Activation, BlockSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
+use crate::jobs::profile::{cached_profile, plan_from_candidate};
+use crate::zoo::Zoo;
 use pipe_bd::error::{Error, Result};
 use pipe_bd::fsio::write_atomic;
-use crate::jobs::profile::{cached_profile, plan_from_candidate};
 use pipe_bd::plan::Plan;
 use pipe_bd::planning::planner::{plan as best_plans, CostTable};
 use pipe_bd::planning::simulate::simulate;
 use pipe_bd::runtime::transport::{Tag, Transport};
 use pipe_bd::runtime::wire::{decode_activation, encode_activation, Reader, Writer};
-use crate::zoo::Zoo;
 
 /// One kind of message of a pipelined run, and what handing it on cost.
 #[derive(Debug, Clone, Serialize, Deserialize)]

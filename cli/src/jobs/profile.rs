@@ -19,16 +19,16 @@ use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
+use crate::jobs::check::preflight;
+use crate::zoo::{Workload, Zoo};
 use pipe_bd::data::epoch_order;
 use pipe_bd::device::{dispatch, wait_for, BackendJob};
 use pipe_bd::error::{Error, Result};
 use pipe_bd::fsio::write_atomic;
-use crate::jobs::check::preflight;
 use pipe_bd::plan::{Plan, Schedule, StageSpec};
 use pipe_bd::planning::planner::{Candidate, CostTable};
 use pipe_bd::runtime::{concurrent_workers, threads_per_worker};
 use pipe_bd::train::{detached_copy, BlockTrainer, StepLoss};
-use crate::zoo::{Workload, Zoo};
 
 /// Median and spread of repeated timings, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -593,7 +593,12 @@ const PROFILE_WAIT: std::time::Duration = std::time::Duration::from_secs(3600);
 /// One rank's cost table for `auto` across processes: the config's blocks
 /// measured on this rank's own device slot (its device first in the list),
 /// cached under a key of its own (ranks on one machine profile at once).
-fn rank_costs<Z: Zoo>(zoo: &Z, config: &RunConfig, rank: usize, say: &mut dyn FnMut(&str)) -> Result<CostTable> {
+fn rank_costs<Z: Zoo>(
+    zoo: &Z,
+    config: &RunConfig,
+    rank: usize,
+    say: &mut dyn FnMut(&str),
+) -> Result<CostTable> {
     let mut own = config.clone();
     let mut slots = config.device_slots();
     let slot_count = slots.len();
@@ -632,9 +637,11 @@ pub fn auto_plan_across_ranks<Z: Zoo>(
     let mine = rank_costs(zoo, config, 0, say)?;
     let mut tables = vec![mine];
     for rank in 1..transport.ranks() {
-        let bytes = transport.receive(rank, pipe_bd::runtime::transport::Tag::Profile, PROFILE_WAIT)?.ok_or_else(|| {
-            Error::Timeout { message: format!("rank 0 waited {} s for rank {rank}'s profile", PROFILE_WAIT.as_secs()) }
-        })?;
+        let bytes = transport
+            .receive(rank, pipe_bd::runtime::transport::Tag::Profile, PROFILE_WAIT)?
+            .ok_or_else(|| Error::Timeout {
+                message: format!("rank 0 waited {} s for rank {rank}'s profile", PROFILE_WAIT.as_secs()),
+            })?;
         tables.push(costs_from_bytes(rank, &bytes)?);
     }
     let total = |t: &CostTable| t.single_replica_seconds();

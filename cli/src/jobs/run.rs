@@ -12,18 +12,20 @@ use pipebd_core::{Block, BlockSpec, Dataset, Loss, OutputHead, Samples, StudentM
 use pipebd_kernels::DistillBackend;
 
 use crate::config::RunConfig;
+use crate::jobs::check::{check_out_dir, preflight};
+use crate::jobs::eval::load_student_weights;
+use crate::jobs::profile::{auto_plan, auto_plan_across_ranks, send_rank_costs};
+use crate::jobs::search::SearchScores;
+use crate::metrics::write_metrics;
+use crate::report::{BlockReport, RunReport, Startup, StitchedReport};
+use crate::zoo::{Workload, Zoo};
 use pipe_bd::data::held_out_split;
 use pipe_bd::device::{dispatch, BackendJob};
 use pipe_bd::error::{Error, Result};
-use crate::jobs::check::{check_out_dir, preflight};
-use crate::jobs::eval::load_student_weights;
 use pipe_bd::eval::{candidate_record_path, save_candidates, save_students, score, student_record_path};
-use crate::jobs::profile::{auto_plan, auto_plan_across_ranks, send_rank_costs};
-use crate::jobs::search::SearchScores;
 use pipe_bd::plan::Plan;
 use pipe_bd::planning::planner::CostTable;
 use pipe_bd::planning::simulate::simulate_shared;
-use crate::report::{write_metrics, BlockReport, RunReport, Startup, StitchedReport};
 use pipe_bd::runtime::launch::ranks_on_this_node;
 use pipe_bd::runtime::transport::{rank_mismatch, Tag, Transport};
 use pipe_bd::runtime::{concurrent_workers, cores, threads_per_worker, Distillation};
@@ -31,7 +33,6 @@ use pipe_bd::search::score::{block_scores, measure_candidates};
 use pipe_bd::trace::write_chrome_trace;
 use pipe_bd::train::stitch::{OutputLoss, OutputLossKind, StitchedPass};
 use pipe_bd::train::{inference_blocks, Progress};
-use crate::zoo::{Workload, Zoo};
 
 /// Command-line flags of a run that are not part of its config (`--trace`,
 /// `--resume`, `--max-failures`).
@@ -65,7 +66,8 @@ pub fn runtime_settings_for(
 ) -> Result<pipe_bd::runtime::RuntimeSettings> {
     let mut runtime = config.runtime_settings();
     runtime.checkpoints = Some(config.checkpoint_policy(out_dir.join("checkpoints"), zoo_identity));
-    runtime.resume_from = flags.resume.clone().filter(|dir| !stopped_before_any_checkpoint(dir, out_dir, config));
+    runtime.resume_from =
+        flags.resume.clone().filter(|dir| !stopped_before_any_checkpoint(dir, out_dir, config));
     runtime.interrupt = flags.interrupt.clone();
     runtime.faults.extend(pipe_bd::fault::from_env()?);
     if let Some(max) = flags.max_failures {
@@ -96,10 +98,11 @@ fn stopped_before_any_checkpoint(resume: &Path, out_dir: &Path, config: &RunConf
     let empty = (1..=blocks).all(|b| pipe_bd::train::checkpoint::list(&checkpoints, b).is_empty());
     let fresh = same(resume, out_dir) && empty;
     if fresh {
-        eprintln!(
-            "pipebd: nothing to resume in {} yet (stopped before its first checkpoint): starting from the first step",
+        let message = format!(
+            "nothing to resume in {} yet (stopped before its first checkpoint): starting from the first step",
             resume.display()
         );
+        crate::reporter::reporter().info("pipebd", &message);
     }
     fresh
 }
@@ -152,7 +155,7 @@ pub fn run_rank<Z: Zoo>(
             (receive_plan(t.as_ref())?, None)
         }
         (None, _) => {
-            let mut say = |line: &str| eprintln!("auto: {line}");
+            let mut say = |line: &str| crate::reporter::reporter().info("auto", line);
             let planned = match &transport {
                 Some(t) => auto_plan_across_ranks(zoo, config, t.as_ref(), &mut say),
                 None => auto_plan(zoo, config, &mut say),
@@ -479,14 +482,15 @@ fn score_search<Z: Zoo, B: DistillBackend, T: Block<B::InnerBackend>, S: Student
     // A line every half minute at most: scoring 30 blocks' candidates
     // through the rest of the teacher takes minutes.
     let start = std::time::Instant::now();
-    let mut last_line = start;
+    let mut throttle = crate::reporter::Throttle::default();
     let mut progress = |done: usize, total: usize| {
-        if last_line.elapsed().as_secs() >= 30 && done < total {
-            last_line = std::time::Instant::now();
-            eprintln!(
-                "search: scored every candidate on {done}/{total} held-out batches after {:.0}s",
-                start.elapsed().as_secs_f64()
-            );
+        if done < total {
+            crate::reporter::reporter().periodic(&mut throttle, "search", || {
+                format!(
+                    "scored every candidate on {done}/{total} held-out batches after {:.0}s",
+                    start.elapsed().as_secs_f64()
+                )
+            });
         }
     };
     let measured = measure_candidates(

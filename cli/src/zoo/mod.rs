@@ -18,9 +18,9 @@ use serde::de::DeserializeOwned;
 
 pub use crate::config::parse_options;
 use crate::config::{check_option_keys, ConfigIssue, Overrides, RunConfig};
+use crate::jobs::export::{ExportRequest, Exported, TextScore, TextScoreRequest};
 use pipe_bd::error::{Error, Result};
 use pipe_bd::eval::Evaluate;
-use crate::jobs::export::{ExportRequest, Exported, TextScore, TextScoreRequest};
 
 /// A family of teachers, students and datasets that configs can name.
 ///

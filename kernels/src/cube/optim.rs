@@ -14,7 +14,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::new_output;
+use super::common::{contiguous_strides, new_output};
 use crate::optim::{adam_factors, ParamSlot, ParamState, ParamUpdate, UpdateRule};
 
 /// Units per cube of the optimizer kernels.
@@ -152,7 +152,7 @@ fn zeros_like<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     let shape = like.meta.shape().clone();
     let zeros = BurnTensor::<Cube<R, F, I, BT>, 1>::zeros([shape.num_elements()], &like.device);
     let mut tensor = into_contiguous(zeros.into_primitive().tensor());
-    let strides = super::contiguous_strides(&shape);
+    let strides = contiguous_strides(&shape);
     *tensor.meta.shape_mut() = shape;
     *tensor.meta.strides_mut() = strides.into();
     tensor

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use pipe_bd::error::{Error, Result};
 use crate::report::RunReport;
+use pipe_bd::error::{Error, Result};
 
 /// Font files tried, in order, for the pictures' text.
 const FONTS: [&str; 3] = [
@@ -50,7 +50,10 @@ pub(crate) fn series_color(i: usize) -> RGBAColor {
     Palette99::pick(i).to_rgba()
 }
 
-/// A number as a short tick label: `1.5M`, `350k`, `12`, `0.25`.
+/// A number as a short tick label: `1.5M`, `350k`, `12`, `0.25`,
+/// `0.00015`, `2.5e-5`: three significant digits at most (trailing zeros
+/// cut), so that the ticks of one axis (multiples of 1, 2, 2.5 or 5 times a
+/// power of ten) never read alike.
 pub(crate) fn short_number(value: f64) -> String {
     let magnitude = value.abs();
     let trim = |text: String| {
@@ -69,9 +72,13 @@ pub(crate) fn short_number(value: f64) -> String {
     } else if magnitude >= 1.0 || magnitude == 0.0 {
         trim(format!("{value:.2}"))
     } else if magnitude >= 1e-4 {
-        trim(format!("{value:.4}"))
+        // Three significant digits: 0.25, 0.000125.
+        let decimals = (2 - magnitude.log10().floor() as i32).max(0) as usize;
+        trim(format!("{value:.decimals$}"))
     } else {
-        format!("{value:.1e}")
+        let text = format!("{value:.2e}");
+        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
+        format!("{}e{exponent}", trim(mantissa.to_string()))
     }
 }
 
@@ -103,7 +110,7 @@ pub fn draw_run(run_dir: &Path, report: Option<&RunReport>) -> Result<Vec<PathBu
             message: "no metrics.csv here: is this the folder given to `pipebd run --out`?".into(),
         });
     }
-    let rows = losses::read_metrics(&metrics)?;
+    let rows = crate::metrics::read_metrics(&metrics)?;
     // The report tells the loss kinds and where the stitched pass begins.
     let (kinds, blockwise_steps) = match report {
         Some(report) => (
@@ -150,5 +157,22 @@ mod tests {
         assert_eq!(short_number(0.000025), "2.5e-5");
         assert_eq!(short_number(0.0), "0");
         assert_eq!(short_number(2.5e9), "2.5G");
+        assert_eq!(short_number(0.00015), "0.00015");
+        assert_eq!(short_number(1.25e-5), "1.25e-5");
+    }
+
+    /// What `losses.png` of a SmolLM2 run showed: two learning-rate ticks
+    /// both read "0.0002". Ticks are multiples of 1, 2, 2.5 or 5 times a power
+    /// of ten; over any axis every tick must read differently.
+    #[test]
+    fn the_ticks_of_an_axis_never_read_alike() {
+        for exponent in -8..=7 {
+            for unit in [1.0, 2.0, 2.5, 5.0] {
+                let step = unit * 10f64.powi(exponent);
+                let labels: Vec<String> = (0..=12).map(|i| short_number(i as f64 * step)).collect();
+                let distinct: std::collections::BTreeSet<&String> = labels.iter().collect();
+                assert_eq!(distinct.len(), labels.len(), "step {step:e}: {labels:?}");
+            }
+        }
     }
 }

@@ -25,9 +25,9 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::config::RunConfig;
-use pipe_bd::error::{Error, Result};
 use crate::jobs::run::{run, RunFlags};
 use crate::zoo::Zoo;
+use pipe_bd::error::{Error, Result};
 
 /// A sweep file.
 #[derive(Debug, Clone, Deserialize)]

@@ -5,9 +5,9 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use pipe_bd::error::Result;
 use crate::jobs::plot::{picture_error, register_font, series_color, short_number};
 use crate::jobs::sweep::Row;
+use pipe_bd::error::Result;
 
 /// What one panel shows and how.
 struct Panel<'p> {

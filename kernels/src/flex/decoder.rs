@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use crate::flex_encoder::{dot, exp_fast};
+use super::gemm::{dot, exp_fast};
 use crate::transformer::MASKED_SCORE;
 
 /// Rows per task of the row-wise passes (fixed: partial sums of parameter

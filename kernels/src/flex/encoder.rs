@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use crate::flex::{gemm_into, Matrix};
+use super::gemm::{dot, exp_fast, gemm_into, Matrix};
 use crate::transformer::MASKED_SCORE;
 
 /// Sizes of one attention call: `[batch, tokens, heads * head_dim]`.
@@ -35,19 +35,6 @@ impl AttentionSizes {
     fn sequence_probs(&self) -> usize {
         self.heads * self.tokens * self.tokens
     }
-}
-
-#[inline(always)]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let rest: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + rest
 }
 
 /// The sum of `values` in eight interleaved lanes (vectorised; a fixed order).
@@ -328,115 +315,4 @@ pub(crate) fn add_layer_norm_backward(
         axpy(&mut dbeta, 1.0, b);
     }
     [input, dgamma, dbeta]
-}
-
-/// `e^x` without calls or branches, so that loops over it vectorise: `x = n
-/// ln2 + r` with `|r| <= ln2 / 2` (Cody-Waite), `e^r` by Cephes' degree-6
-/// polynomial, `2^n` through the exponent bits. Within 2 ulp of `exp` for
-/// `x` in `[-87, 88]`; clamped outside (0 and `f32::MAX`-ish, as needed here).
-#[inline(always)]
-pub(crate) fn exp_fast(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 5.000_000_1e-1;
-    let e_r = p * r * r + r + 1.0;
-    e_r * f32::from_bits(((n as i32 + 127) << 23) as u32)
-}
-
-/// `(1 + erf(x / sqrt 2)) / 2` (the normal CDF) and `e^(-x^2 / 2)`, the two
-/// pieces of GELU and its derivative: erf by Abramowitz and Stegun 7.1.26
-/// (absolute error under 1.5e-7).
-#[inline(always)]
-fn normal_cdf_and_gauss(x: f32) -> (f32, f32) {
-    let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
-    let t = 1.0 / (1.0 + 0.327_591_1 * z);
-    let poly = ((((1.061_405_4 * t - 1.453_152) * t + 1.421_413_8) * t - 0.284_496_72) * t + 0.254_829_6) * t;
-    let gauss = exp_fast(-z * z);
-    let erf = (1.0 - poly * gauss).copysign(x);
-    (0.5 * (1.0 + erf), gauss)
-}
-
-wide! {
-/// The exact (erf) GELU, `x * Phi(x)`, in place, on the calling thread.
-pub(crate) fn gelu_slice(values: &mut [f32]) {
-    for v in values.iter_mut() {
-        *v *= normal_cdf_and_gauss(*v).0;
-    }
-}
-}
-
-wide! {
-/// `grad * GELU'(pre)` in place (`GELU'(x) = Phi(x) + x phi(x)`), on the
-/// calling thread.
-fn gelu_backward_slice(pre: &[f32], grad: &mut [f32]) {
-    const INV_SQRT_2PI: f32 = 0.398_942_3;
-    for (g, &x) in grad.iter_mut().zip(pre) {
-        let (cdf, gauss) = normal_cdf_and_gauss(x);
-        *g *= cdf + x * INV_SQRT_2PI * gauss;
-    }
-}
-}
-
-/// [`gelu_slice`] in parallel over fixed chunks.
-pub(crate) fn gelu_in_place(values: &mut [f32]) {
-    values.par_chunks_mut(16 * 1024).for_each(gelu_slice);
-}
-
-/// [`gelu_backward_slice`] in parallel over fixed chunks.
-pub(crate) fn gelu_backward_in_place(pre: &[f32], grad: &mut [f32]) {
-    grad.par_chunks_mut(16 * 1024).zip(pre.par_chunks(16 * 1024)).for_each(|(grad, pre)| {
-        gelu_backward_slice(pre, grad);
-    });
-}
-
-#[cfg(test)]
-mod tests {
-    use burn::backend::Flex;
-    use burn::tensor::{Tensor, TensorData};
-
-    /// Inputs from -12 to 12, dense near 0, and the extremes.
-    fn inputs() -> Vec<f32> {
-        let mut x: Vec<f32> = (-24_000..=24_000).map(|i| i as f32 * 5e-4).collect();
-        x.extend([-100.0, -88.5, -40.0, 40.0, 88.5, 100.0, 1e-30, -1e-30, 0.0]);
-        x
-    }
-
-    #[test]
-    fn the_fast_gelu_and_its_derivative_match_burns_erf_gelu() {
-        let x = inputs();
-        let device = Default::default();
-        let t = || Tensor::<Flex, 1>::from_data(TensorData::new(x.clone(), [x.len()]), &device);
-        let reference: Vec<f32> = burn::tensor::activation::gelu(t()).into_data().to_vec().unwrap();
-        let mut ours = x.clone();
-        super::gelu_in_place(&mut ours);
-        for ((a, b), x) in ours.iter().zip(&reference).zip(&x) {
-            assert!((a - b).abs() <= 1e-6 * x.abs().max(1.0), "gelu({x}) = {a}, burn's {b}");
-        }
-        // The derivative against burn's autodiff of its GELU.
-        type Train = burn::backend::Autodiff<Flex>;
-        let xt = Tensor::<Train, 1>::from_data(TensorData::new(x.clone(), [x.len()]), &device).require_grad();
-        let grads = burn::tensor::activation::gelu(xt.clone()).sum().backward();
-        let reference: Vec<f32> = xt.grad(&grads).unwrap().into_data().to_vec().unwrap();
-        let mut ours = vec![1.0; x.len()];
-        super::gelu_backward_in_place(&x, &mut ours);
-        for ((a, b), x) in ours.iter().zip(&reference).zip(&x) {
-            assert!((a - b).abs() <= 2e-6, "gelu'({x}) = {a}, burn's {b}");
-        }
-    }
-
-    #[test]
-    fn the_fast_exp_is_within_a_few_ulp() {
-        for i in -8_700..=8_800 {
-            let x = i as f32 * 0.01;
-            let (ours, std) = (super::exp_fast(x), x.exp());
-            assert!((ours - std).abs() <= 4.0 * f32::EPSILON * std, "exp({x}) = {ours}, std {std}");
-        }
-    }
 }

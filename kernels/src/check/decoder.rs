@@ -8,7 +8,7 @@
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use rand::rngs::StdRng;
 
-use crate::check::{
+use super::common::{
     mask_of, random, tensor, values, CheckRow, Reference, Rows, LOSS_TOLERANCE, MATMUL_TOLERANCE,
 };
 use crate::llama::{self, CausalHeads};
