@@ -25,6 +25,7 @@ use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use pipe_bd::data::mnist::Split;
 use pipe_bd::data::{epoch_order, ImageDataset};
 use pipe_bd::eval::{load_student_records, save_students};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
@@ -34,7 +35,6 @@ use pipe_bd::train::{inference_blocks, TrainSettings};
 use pipe_bd::{
     forward_chain, Activation, Block, BlockResult, Dataset, FusedBackend, Plan, Samples, Students, Teacher,
 };
-use pipebd_zoo::mnist::Split;
 
 type Train = Autodiff<Flex>;
 
@@ -168,8 +168,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or(6000);
     let device = Default::default();
     <Flex as Backend>::seed(&device, 3);
-    let train = FlatMnist(pipebd_zoo::mnist::load(Path::new("data/mnist"), Split::Train, Some(train_limit))?);
-    let test = FlatMnist(pipebd_zoo::mnist::load(Path::new("data/mnist"), Split::Test, Some(2000))?);
+    let train =
+        FlatMnist(pipe_bd::data::mnist::load(Path::new("data/mnist"), Split::Train, Some(train_limit))?);
+    let test = FlatMnist(pipe_bd::data::mnist::load(Path::new("data/mnist"), Split::Test, Some(2000))?);
 
     // 1. The teacher: trained here, then frozen; specs inferred by a forward pass.
     let teacher = Teacher::from_blocks(train_teacher(&train, &device), &[WIDTHS[0]], &device)?;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use pipebd_core::{forward_chain, Activation, Block, BlockSpec, StudentModule, Students};
+use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Dataset, Samples, StudentModule, Students};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 
 use crate::data::text::{LanguageReport, TextReport};
@@ -70,11 +70,25 @@ pub trait Evaluate<B: FusedBackend> {
     fn score_teacher(&self, teacher: &Network<'_, B>, device: &B::Device) -> Result<(f64, usize)>;
 }
 
-/// Classification: top-1 accuracy of the last block's logits on labelled
-/// test images.
-pub struct TopOneAccuracy(pub ImageDataset);
+/// Samples with a class each: what top-1 accuracy needs besides the
+/// inputs ([`Dataset::batch`]). `ImageDataset` has it; implement it for a
+/// labelled dataset of your own to score it with [`TopOneAccuracy`].
+pub trait ClassLabels: Samples {
+    /// The class of each sample of `indices`.
+    fn classes(&self, indices: &[usize]) -> Vec<i64>;
+}
 
-impl<B: FusedBackend> Evaluate<B> for TopOneAccuracy {
+impl ClassLabels for ImageDataset {
+    fn classes(&self, indices: &[usize]) -> Vec<i64> {
+        self.labels_at(indices).into_iter().map(i64::from).collect()
+    }
+}
+
+/// Classification: top-1 accuracy of the last block's logits on a labelled
+/// test set (any [`Dataset`] with [`ClassLabels`]; MNIST's images by default).
+pub struct TopOneAccuracy<D = ImageDataset>(pub D);
+
+impl<B: FusedBackend, D: Dataset<B> + ClassLabels> Evaluate<B> for TopOneAccuracy<D> {
     fn score(&self, teacher: &Network<'_, B>, student: &Network<'_, B>, device: &B::Device) -> Result<Score> {
         Ok(Score {
             teacher_accuracy: accuracy(teacher, &self.0, device, EVAL_CHUNK)?,
@@ -90,17 +104,17 @@ impl<B: FusedBackend> Evaluate<B> for TopOneAccuracy {
     }
 }
 
-/// Top-1 accuracy of `network`'s logits on `data`, `chunk` images at a time.
-pub fn accuracy<B: FusedBackend>(
+/// Top-1 accuracy of `network`'s logits on `data`, `chunk` samples at a time.
+pub fn accuracy<B: FusedBackend, D: Dataset<B> + ClassLabels + ?Sized>(
     network: &Network<'_, B>,
-    data: &ImageDataset,
+    data: &D,
     device: &B::Device,
     chunk: usize,
 ) -> Result<f64> {
     let indices: Vec<usize> = (0..data.len()).collect();
     let mut correct = 0usize;
     for part in indices.chunks(chunk.max(1)) {
-        let x = network.forward(Activation::Maps(data.images::<B>(part, device)))?;
+        let x = network.forward(data.batch(part, device)?)?;
         let Activation::Flat(logits) = x else {
             return Err(Error::block(
                 network.blocks(),
@@ -108,8 +122,8 @@ pub fn accuracy<B: FusedBackend>(
             ));
         };
         let predicted: Vec<i64> = logits.argmax(1).into_data().iter::<i64>().collect();
-        let labels = data.labels_at(part);
-        correct += predicted.iter().zip(&labels).filter(|(p, l)| **p == **l as i64).count();
+        let labels = data.classes(part);
+        correct += predicted.iter().zip(&labels).filter(|(p, l)| p == l).count();
     }
     Ok(correct as f64 / data.len().max(1) as f64)
 }

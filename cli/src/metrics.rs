@@ -2,6 +2,8 @@
 //! (`epoch,step,block,loss,lr`, a row every `train.log_every` steps per
 //! block; block 0 is the stitched student's output loss, when the stitched
 //! pass has one). `pipebd run` writes it, `pipebd plot` and the tests read it.
+//! Also [`write_table`], the writer of the other tables a command leaves
+//! (`search.csv`, `pareto.csv`, `bench.csv`), quoted as CSV wants.
 
 use std::path::Path;
 
@@ -30,6 +32,21 @@ pub fn write_metrics(dir: &Path, rows: &[MetricRow]) -> Result<()> {
     let bytes =
         writer.into_inner().map_err(|e| Error::Data { path: path.clone(), message: e.to_string() })?;
     pipe_bd::fsio::write_atomic(&path, &bytes)
+}
+
+/// Writes `header` and `rows` (each a cell per column, already formatted)
+/// as the CSV file `path` (atomically); a cell with a comma or a quote is
+/// quoted.
+pub fn write_table(path: &Path, header: &[&str], rows: impl IntoIterator<Item = Vec<String>>) -> Result<()> {
+    let failed = |e: csv::Error| Error::Data { path: path.to_path_buf(), message: e.to_string() };
+    let mut writer = csv::Writer::from_writer(Vec::new());
+    writer.write_record(header).map_err(failed)?;
+    for row in rows {
+        writer.write_record(&row).map_err(failed)?;
+    }
+    let bytes =
+        writer.into_inner().map_err(|e| Error::Data { path: path.to_path_buf(), message: e.to_string() })?;
+    pipe_bd::fsio::write_atomic(path, &bytes)
 }
 
 /// Reads a `metrics.csv` as [`write_metrics`] writes it; an error names the
@@ -90,6 +107,16 @@ mod tests {
         let read = read_metrics(&dir.path().join(METRICS_FILE)).unwrap();
         let key = |r: &MetricRow| (r.epoch, r.step, r.block, r.loss.to_bits(), r.lr.to_bits());
         assert_eq!(read.iter().map(key).collect::<Vec<_>>(), rows.iter().map(key).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_table_quotes_what_needs_quoting() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.csv");
+        let rows = vec![vec!["encoder(heads=2, ffn=64)".to_string(), "0.5".into(), String::new()]];
+        write_table(&path, &["name", "loss", "kl"], rows).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "name,loss,kl\n\"encoder(heads=2, ffn=64)\",0.5,\n");
     }
 
     #[test]

@@ -91,6 +91,21 @@ pub struct RefitTargets<B: FusedBackend> {
     pub next: Tensor<B, 3>,
 }
 
+/// SmolLM2-135M's decoder layer (what its GGUF file says): the built-in
+/// teacher's layers, and the sizes a `decoder` student keeps unless its
+/// config says otherwise. One owner for both.
+pub const SMOLLM2_135M_LAYER: DecoderLayerConfig = DecoderLayerConfig {
+    hidden: 576,
+    mixer: MixerKind::Attention,
+    heads: 9,
+    kv_heads: 3,
+    head_dim: 64,
+    ffn: 1536,
+    rope_base: 100_000.0,
+    // Stored as an f32 in the file.
+    eps: 1e-5_f32 as f64,
+};
+
 /// Sizes of one decoder layer. A removed attention or feed-forward has 0
 /// heads or 0 width.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -113,10 +128,13 @@ pub struct DecoderLayerConfig {
     pub eps: f64,
 }
 
-/// The token mixer of a decoder layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The token mixer of a decoder layer; in a config (a `decoder` student's
+/// `mixer`), `"attention"`, `"linear"` or `"none"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, burn::serde::Serialize, burn::serde::Deserialize)]
+#[serde(crate = "burn::serde", rename_all = "kebab-case")]
 pub enum MixerKind {
     /// Grouped-query causal self-attention.
+    #[default]
     Attention,
     /// A linear map of each token's normalised state (Puzzle's "linear
     /// replacement" of attention: no mixing across tokens).

@@ -26,6 +26,11 @@ use crate::{linear, Epilogue, FusedBackend};
 /// BERT's layer-norm epsilon, of every encoder layer (teacher and students).
 pub const LAYER_NORM_EPS: f64 = 1e-12;
 
+/// all-MiniLM-L6-v2's encoder layer (hidden, heads, head width, feed-forward
+/// width): the built-in teacher's layers, and the sizes an `encoder`
+/// student keeps unless its config says otherwise. One owner for both.
+pub const MINILM_L6_LAYER: [usize; 4] = [384, 12, 32, 1536];
+
 /// Sizes of one encoder layer.
 #[derive(Config, Debug, PartialEq)]
 pub struct EncoderLayerConfig {

@@ -1,11 +1,13 @@
 //! Datasets: images in memory as a [`Dataset`] (the trait is
 //! `pipebd-core`'s), seeded batch order and held-out splits. Text reports are
-//! in [`text`]. Reading a particular data set's files is a zoo's business
-//! (the built-in one: `pipebd_zoo::mnist`).
+//! in [`text`]. One small format reader lives here so that a library user
+//! needs no zoo for it: [`mnist`] (IDX files: MNIST, Fashion-MNIST); other
+//! data sets' files are a zoo's business.
 //!
 //! Only the workers of a pipeline's first stage touch a dataset: they turn
 //! sample indices into the first block's input on their device.
 
+pub mod mnist;
 pub mod text;
 
 use std::path::Path;

@@ -3,7 +3,8 @@
 //! enums and defaults, and the checks of its sizes ([`MAX_SIZE`],
 //! [`MAX_PRODUCT`]) made before anything is allocated.
 
-use pipebd_kernels::decoder::{DecoderLayerConfig, MixerKind};
+use pipebd_kernels::decoder::{DecoderLayerConfig, SMOLLM2_135M_LAYER};
+use pipebd_kernels::encoder::MINILM_L6_LAYER;
 use serde::{Deserialize, Serialize};
 
 /// Configuration of one student block, as written in `[[students]]`.
@@ -162,60 +163,43 @@ pub enum EncoderInit {
     Random,
 }
 
-/// The token mixer of a `decoder` student block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DecoderMixer {
-    /// Grouped-query causal self-attention.
-    #[default]
-    Attention,
-    /// A per-token linear map (no mixing across tokens).
-    Linear,
-    /// No attention sublayer.
-    None,
-}
+/// The token mixer of a `decoder` student block: the decoder layer's own
+/// [`MixerKind`](pipebd_kernels::decoder::MixerKind) (one enum for the layer
+/// and its config).
+pub use pipebd_kernels::decoder::MixerKind as DecoderMixer;
 
-impl DecoderMixer {
-    fn kind(self) -> MixerKind {
-        match self {
-            Self::Attention => MixerKind::Attention,
-            Self::Linear => MixerKind::Linear,
-            Self::None => MixerKind::None,
-        }
-    }
-}
-
+// A student keeps its teacher's layer sizes unless told otherwise (the
+// layers' sizes have one owner, pipebd-kernels).
 fn default_decoder_heads() -> usize {
-    9
+    SMOLLM2_135M_LAYER.heads
 }
 
 fn default_kv_heads() -> usize {
-    3
+    SMOLLM2_135M_LAYER.kv_heads
 }
 
 fn default_decoder_head_dim() -> usize {
-    64
+    SMOLLM2_135M_LAYER.head_dim
 }
 
 fn default_decoder_ffn() -> usize {
-    1536
+    SMOLLM2_135M_LAYER.ffn
 }
 
 fn default_rope_base() -> f64 {
-    100_000.0
+    SMOLLM2_135M_LAYER.rope_base
 }
 
 fn default_rms_eps() -> f64 {
-    // SmolLM2's, as its GGUF file stores it (an f32).
-    1e-5_f32 as f64
+    SMOLLM2_135M_LAYER.eps
 }
 
 fn default_heads() -> usize {
-    12
+    MINILM_L6_LAYER[1]
 }
 
 fn default_head_dim() -> usize {
-    32
+    MINILM_L6_LAYER[2]
 }
 
 /// How a conv student halves its input's height and width.
@@ -282,7 +266,7 @@ impl StudentBlockConfig {
         let attention = mixer == DecoderMixer::Attention;
         Some(DecoderLayerConfig {
             hidden,
-            mixer: mixer.kind(),
+            mixer,
             heads: if attention { heads } else { 0 },
             kv_heads: if attention { kv_heads } else { 0 },
             head_dim,

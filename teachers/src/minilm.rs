@@ -19,13 +19,13 @@ use pipebd_kernels::FusedBackend;
 use crate::TeacherError;
 
 /// Width of the residual stream.
-pub const HIDDEN: usize = 384;
+pub const HIDDEN: usize = pipebd_kernels::encoder::MINILM_L6_LAYER[0];
 /// Encoder layers.
 pub const LAYERS: usize = 6;
 /// Attention heads per layer.
-pub const HEADS: usize = 12;
+pub const HEADS: usize = pipebd_kernels::encoder::MINILM_L6_LAYER[1];
 /// Feed-forward width.
-pub const FFN: usize = 1536;
+pub const FFN: usize = pipebd_kernels::encoder::MINILM_L6_LAYER[3];
 /// WordPiece vocabulary size.
 pub const VOCAB: usize = 30522;
 /// Longest sequence the position embeddings cover.

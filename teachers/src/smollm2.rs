@@ -44,21 +44,8 @@ pub struct LlamaSizes {
 
 /// SmolLM2-135M's sizes (what the GGUF file says; kept here so that specs
 /// need not read the 98 MB file).
-pub const SMOLLM2_135M: LlamaSizes = LlamaSizes {
-    layers: 30,
-    vocab: 49152,
-    layer: DecoderLayerConfig {
-        hidden: 576,
-        mixer: MixerKind::Attention,
-        heads: 9,
-        kv_heads: 3,
-        head_dim: 64,
-        ffn: 1536,
-        rope_base: 100_000.0,
-        // Stored as an f32 in the file.
-        eps: 1e-5_f32 as f64,
-    },
-};
+pub const SMOLLM2_135M: LlamaSizes =
+    LlamaSizes { layers: 30, vocab: 49152, layer: pipebd_kernels::decoder::SMOLLM2_135M_LAYER };
 
 impl LlamaSizes {
     /// Reads the sizes of a `llama` GGUF file, or of a `deci` one (per-layer

@@ -23,7 +23,7 @@ fn untrained_accuracy(config: &RunConfig) -> f64 {
     let test = pipebd_zoo::mnist::load(&config.data.dir, Split::Test, config.data.test_limit).unwrap();
     let blocks = inference_blocks(&students);
     let run_students = |x| pipe_bd::forward_chain(&blocks, x);
-    accuracy::<Flex>(&Network::new(&run_students, &students.specs), &test, &device, 1000).unwrap()
+    accuracy::<Flex, _>(&Network::new(&run_students, &students.specs), &test, &device, 1000).unwrap()
 }
 
 #[test]

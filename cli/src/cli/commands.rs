@@ -156,7 +156,7 @@ pub(super) fn plan(
         let mark = if i == 0 { "chosen" } else { "      " };
         println!("{mark} {:<40} predicted {:.2} ms per step", c.describe(), 1e3 * c.step_seconds);
     }
-    let text = plan_as_toml(best, table.blocks(), devices);
+    let text = crate::config::plan_as_toml(best, table.blocks(), devices);
     pipe_bd::fsio::write_atomic(out, text.as_bytes())?;
     println!("wrote {}", out.display());
     Ok(())
@@ -398,24 +398,4 @@ fn pareto_metrics(
     } else {
         vec![metric("stitched accuracy (%)", true, |p| p.accuracy)]
     }
-}
-
-/// The plan as a run config's `schedule = "hybrid"` and `[[stages]]`
-/// (one-based blocks), with a comment saying where it came from.
-fn plan_as_toml(plan: &pipe_bd::planning::planner::Candidate, blocks: usize, slots: usize) -> String {
-    let mut text = format!(
-        "# Written by `pipebd plan`: {blocks} blocks on {slots} device slots, predicted {:.2} ms per step.\n\
-         # Use it in a run config with {slots} entries in `devices`.\nschedule = \"{}\"\n",
-        1e3 * plan.step_seconds,
-        pipe_bd::plan::Schedule::Hybrid.name()
-    );
-    for stage in &plan.stages {
-        let blocks: Vec<String> = stage.blocks.clone().map(|k| (k + 1).to_string()).collect();
-        text.push_str(&format!(
-            "\n[[stages]]\nblocks = [{}]\nreplicas = {}\n",
-            blocks.join(", "),
-            stage.replicas
-        ));
-    }
-    text
 }

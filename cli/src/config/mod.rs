@@ -139,3 +139,31 @@ impl RunConfig {
         Ok(config)
     }
 }
+
+/// A plan as the part of a run config that asks for it: `schedule =
+/// "hybrid"` and its `[[stages]]` (written by serde, so that it is read back
+/// as written), under a comment with the prediction.
+pub fn plan_as_toml(plan: &pipe_bd::planning::planner::Candidate, blocks: usize, slots: usize) -> String {
+    #[derive(Serialize)]
+    struct PlanPart {
+        schedule: &'static str,
+        stages: Vec<pipe_bd::plan::StageSpec>,
+    }
+    let part = PlanPart {
+        schedule: pipebd_core::Schedule::Hybrid.name(),
+        stages: plan
+            .stages
+            .iter()
+            .map(|s| pipe_bd::plan::StageSpec {
+                blocks: s.blocks.clone().map(|k| k + 1).collect(),
+                replicas: s.replicas,
+            })
+            .collect(),
+    };
+    format!(
+        "# Written by `pipebd plan`: {blocks} blocks on {slots} device slots, predicted {:.2} ms per step.\n\
+         # Use it in a run config with {slots} entries in `devices`.\n{}",
+        1e3 * plan.step_seconds,
+        toml::to_string(&part).unwrap_or_default()
+    )
+}

@@ -127,7 +127,7 @@ pub fn bench<Z: Zoo>(
     let json = serde_json::to_string_pretty(&report)
         .map_err(|e| Error::Data { path: out_dir.join("bench.json"), message: e.to_string() })?;
     write_atomic(&out_dir.join("bench.json"), json.as_bytes())?;
-    write_atomic(&out_dir.join("bench.csv"), bench_csv(&report).as_bytes())?;
+    crate::metrics::write_table(&out_dir.join("bench.csv"), &BENCH_COLUMNS, bench_rows(&report))?;
     // The figures are written; a picture that cannot be drawn (no font) is
     // said, not an error.
     if let Err(e) = draw_timelines(&out_dir.join("bench.png"), &timelines) {
@@ -136,27 +136,39 @@ pub fn bench<Z: Zoo>(
     Ok(report)
 }
 
-fn bench_csv(report: &BenchReport) -> String {
-    let mut csv = String::from(
-        "schedule,plan,seconds,samples_per_second,speedup_over_dp,predicted_speedup_over_dp,pipeline_efficiency,max_idle_fraction,peak_rss_bytes\n",
-    );
+/// `bench.csv`'s columns, one row per schedule.
+const BENCH_COLUMNS: [&str; 9] = [
+    "schedule",
+    "plan",
+    "seconds",
+    "samples_per_second",
+    "speedup_over_dp",
+    "predicted_speedup_over_dp",
+    "pipeline_efficiency",
+    "max_idle_fraction",
+    "peak_rss_bytes",
+];
+
+fn bench_rows(report: &BenchReport) -> Vec<Vec<String>> {
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
-    for r in &report.rows {
-        let max_idle = r.idle_fractions.iter().copied().fold(0.0, f64::max);
-        csv.push_str(&format!(
-            "{},\"{}\",{:.3},{:.1},{},{},{:.4},{:.4},{}\n",
-            r.schedule,
-            r.plan,
-            r.seconds,
-            r.samples_per_second,
-            opt(r.speedup_over_dp),
-            opt(r.predicted_speedup_over_dp),
-            r.pipeline_efficiency,
-            max_idle,
-            r.peak_rss_bytes.map_or(String::new(), |b| b.to_string())
-        ));
-    }
-    csv
+    report
+        .rows
+        .iter()
+        .map(|r| {
+            let max_idle = r.idle_fractions.iter().copied().fold(0.0, f64::max);
+            vec![
+                r.schedule.to_string(),
+                r.plan.clone(),
+                format!("{:.3}", r.seconds),
+                format!("{:.1}", r.samples_per_second),
+                opt(r.speedup_over_dp),
+                opt(r.predicted_speedup_over_dp),
+                format!("{:.4}", r.pipeline_efficiency),
+                format!("{max_idle:.4}"),
+                r.peak_rss_bytes.map_or(String::new(), |b| b.to_string()),
+            ]
+        })
+        .collect()
 }
 
 /// Seconds per step of `plan` in the simple cost model: each phase takes

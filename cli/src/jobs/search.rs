@@ -35,27 +35,36 @@ impl SearchScores {
         let json = serde_json::to_string_pretty(self)
             .map_err(|e| Error::Search { message: format!("cannot write the scores as JSON: {e}") })?;
         pipe_bd::fsio::write_atomic(&run_dir.join(SCORES_FILE), json.as_bytes())?;
-        let mut csv = String::from(
-            "block,candidate,name,loss,normalised_loss,output_loss,flops,params,latency_ms,probability\n",
-        );
-        for block in &self.blocks {
-            for c in &block.candidates {
-                let probability = c.probability.map(|p| p.to_string()).unwrap_or_default();
-                let output_loss = c.output_loss.map(|l| l.to_string()).unwrap_or_default();
-                csv.push_str(&format!(
-                    "{},{},{},{},{},{output_loss},{},{},{},{probability}\n",
-                    block.block,
-                    c.candidate,
-                    c.name,
-                    c.loss,
-                    c.normalised_loss,
-                    c.flops,
-                    c.params,
-                    c.latency_ms
-                ));
-            }
-        }
-        pipe_bd::fsio::write_atomic(&run_dir.join("search.csv"), csv.as_bytes())
+        let header = [
+            "block",
+            "candidate",
+            "name",
+            "loss",
+            "normalised_loss",
+            "output_loss",
+            "flops",
+            "params",
+            "latency_ms",
+            "probability",
+        ];
+        let cell = |v: Option<f64>| v.map(|v| v.to_string()).unwrap_or_default();
+        let rows = self.blocks.iter().flat_map(|block| {
+            block.candidates.iter().map(move |c| {
+                vec![
+                    block.block.to_string(),
+                    c.candidate.to_string(),
+                    c.name.clone(),
+                    c.loss.to_string(),
+                    c.normalised_loss.to_string(),
+                    cell(c.output_loss),
+                    c.flops.to_string(),
+                    c.params.to_string(),
+                    c.latency_ms.to_string(),
+                    cell(c.probability),
+                ]
+            })
+        });
+        crate::metrics::write_table(&run_dir.join("search.csv"), &header, rows)
     }
 
     /// Reads `search.json` from a run folder (or the file itself).
@@ -424,23 +433,22 @@ pub fn thin_front(
 
 /// Writes `pareto.csv` into `dir`.
 pub fn write_pareto_csv(dir: &Path, points: &[ParetoPoint]) -> Result<PathBuf> {
-    let mut csv = String::from("choice,loss,flops,params,latency_ms,accuracy,perplexity,kl\n");
+    let header = ["choice", "loss", "flops", "params", "latency_ms", "accuracy", "perplexity", "kl"];
     let cell = |v: Option<f64>| v.map(|a| a.to_string()).unwrap_or_default();
-    for p in points {
-        csv.push_str(&format!(
-            "{},{},{},{},{},{},{},{}\n",
-            p.choice,
-            p.loss,
-            p.flops,
-            p.params,
-            p.latency_ms,
+    let rows = points.iter().map(|p| {
+        vec![
+            p.choice.to_string(),
+            p.loss.to_string(),
+            p.flops.to_string(),
+            p.params.to_string(),
+            p.latency_ms.to_string(),
             cell(p.accuracy),
             cell(p.perplexity),
-            cell(p.kl)
-        ));
-    }
+            cell(p.kl),
+        ]
+    });
     let path = dir.join("pareto.csv");
-    pipe_bd::fsio::write_atomic(&path, csv.as_bytes())?;
+    crate::metrics::write_table(&path, &header, rows)?;
     Ok(path)
 }
 
