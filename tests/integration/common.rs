@@ -14,6 +14,23 @@ pub fn timing_sensitive() -> MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Held by every test that writes a whole model file (hundreds of MB): CI
+/// machines can be short of disk, and four such files at once once filled
+/// one. Each such test also writes under [`large_tempdir`], beside the build.
+pub fn writes_large_files() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A temporary folder under cargo's own scratch folder for integration
+/// tests (`target/tmp`), on the disk the build already fits on, rather than
+/// `/tmp`, which may be a small memory-backed filesystem; removed on drop.
+pub fn large_tempdir() -> tempfile::TempDir {
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::create_dir_all(&scratch).unwrap();
+    tempfile::tempdir_in(scratch).unwrap()
+}
+
 /// Repository root (where `data/` lives).
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
