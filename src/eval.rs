@@ -9,25 +9,68 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use pipebd_core::{forward_chain, Activation, Block, BlockSpec, Dataset, Samples, StudentModule, Students};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 
-use crate::data::text::{LanguageReport, TextReport};
 use crate::data::ImageDataset;
 use crate::error::{Error, Result};
 /// Test images per evaluation chunk.
 const EVAL_CHUNK: usize = 1000;
 
-/// How good a stitched student is, next to its teacher.
-#[derive(Debug, Clone)]
+/// How good a stitched student is, next to its teacher: an accuracy each
+/// (0 where the zoo's metric is not one), and the sections a zoo adds.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Score {
-    /// Teacher accuracy: top-1 on the test images, or the spam probe's.
+    /// Teacher accuracy: top-1 on the test samples (or what the zoo scores
+    /// as an accuracy, e.g. a downstream probe's).
     pub teacher_accuracy: f64,
     /// Stitched student accuracy, scored like the teacher's.
     pub student_accuracy: f64,
-    /// Test images, or test emails of the probe.
+    /// Test samples the accuracies were measured on (0: no accuracy).
     pub test_samples: usize,
-    /// Text teachers: embedding cosine, probe, size ratios.
-    pub text: Option<TextReport>,
-    /// Language models: perplexity, next-token agreement and KL to the teacher.
-    pub language: Option<LanguageReport>,
+    /// The zoo's own figures (embedding cosines, perplexity...), each
+    /// written to `report.json` under its name and printed after a run.
+    pub sections: Vec<ScoreSection>,
+}
+
+/// A part of a [`Score`] that a zoo defines: its figures as JSON (written to
+/// `report.json` under `name`), the lines `pipebd run` and `pipebd eval`
+/// print for it, and the named figures a search's Pareto table can show.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreSection {
+    /// Its key in `report.json` (e.g. `language`).
+    pub name: String,
+    /// Its figures, as written to `report.json`.
+    pub value: serde_json::Value,
+    /// What is printed for it, one line each.
+    pub lines: Vec<String>,
+    /// Figures by name for tables (e.g. `perplexity`, `kl`).
+    pub figures: Vec<(String, f64)>,
+    /// The one figure that stands for the student where the score has no
+    /// accuracy (no test samples): e.g. the mean embedding cosine.
+    pub headline: Option<f64>,
+}
+
+impl ScoreSection {
+    /// A section named `name` holding `value` (any serde type: a zoo's own
+    /// report struct), printed as `lines`; no figures, no headline. (A value
+    /// serde cannot write as JSON, such as a map with non-text keys, is
+    /// written as `{"unwritable": reason}`.)
+    pub fn new<T: serde::Serialize>(name: &str, value: &T, lines: Vec<String>) -> Self {
+        let value = serde_json::to_value(value)
+            .unwrap_or_else(|e| serde_json::json!({ "unwritable": e.to_string() }));
+        Self { name: name.to_string(), value, lines, figures: Vec::new(), headline: None }
+    }
+
+    /// The same section with the figure `name` added.
+    pub fn with_figure(mut self, name: &str, value: f64) -> Self {
+        self.figures.push((name.to_string(), value));
+        self
+    }
+
+    /// The same section standing for the student with `value` where the
+    /// score has no accuracy.
+    pub fn with_headline(mut self, value: f64) -> Self {
+        self.headline = Some(value);
+        self
+    }
 }
 
 /// A network as an evaluation runs it: its blocks in turn, and their specs.
@@ -94,8 +137,7 @@ impl<B: FusedBackend, D: Dataset<B> + ClassLabels> Evaluate<B> for TopOneAccurac
             teacher_accuracy: accuracy(teacher, &self.0, device, EVAL_CHUNK)?,
             student_accuracy: accuracy(student, &self.0, device, EVAL_CHUNK)?,
             test_samples: self.0.len(),
-            text: None,
-            language: None,
+            sections: Vec::new(),
         })
     }
 
@@ -142,13 +184,7 @@ where
     S: Block<B>,
 {
     let Some(evaluation) = evaluation else {
-        return Ok(Score {
-            teacher_accuracy: 0.0,
-            student_accuracy: 0.0,
-            test_samples: 0,
-            text: None,
-            language: None,
-        });
+        return Ok(Score::default());
     };
     let run_teacher = |x| forward_chain(teacher, x);
     let run_student = |x| forward_chain(student, x);
@@ -243,12 +279,24 @@ pub fn load_student_records<B: burn::tensor::backend::Backend, M: Module<B>>(
 }
 
 impl Score {
-    /// The one accuracy a search's Pareto front shows: the student's
-    /// accuracy, or for text without a probe the mean embedding cosine.
+    /// The one figure a search's Pareto front shows: the student's
+    /// accuracy, or without test samples the first section's headline
+    /// (text without a probe: the mean embedding cosine).
     pub fn headline(&self) -> f64 {
-        match (&self.text, self.test_samples) {
-            (Some(text), 0) => text.embedding_cosine,
+        let section_headline = || self.sections.iter().find_map(|s| s.headline);
+        match (self.test_samples, section_headline()) {
+            (0, Some(headline)) => headline,
             _ => self.student_accuracy,
         }
+    }
+
+    /// The section named `name`, if the zoo added one.
+    pub fn section(&self, name: &str) -> Option<&ScoreSection> {
+        self.sections.iter().find(|s| s.name == name)
+    }
+
+    /// The figure named `name` of the first section that has one.
+    pub fn figure(&self, name: &str) -> Option<f64> {
+        self.sections.iter().flat_map(|s| &s.figures).find(|(n, _)| n == name).map(|&(_, v)| v)
     }
 }

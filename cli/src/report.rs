@@ -118,13 +118,15 @@ pub struct RunReport {
     pub student_accuracy: f64,
     /// Test samples scored (text: test emails of the probe).
     pub test_samples: usize,
-    /// Text teachers: embedding cosine to the teacher, probe, size ratios.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text: Option<pipe_bd::data::text::TextReport>,
-    /// Language models: held-out perplexity of teacher and student,
-    /// next-token agreement and KL to the teacher, size ratios.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub language: Option<pipe_bd::data::text::LanguageReport>,
+    /// The zoo's own score sections by name (the built-in zoo: `text` for
+    /// sentence-embedding teachers, `language` for decoder LLMs), each
+    /// written as a key of its own at the top level of `report.json`. On
+    /// reading, every top-level key this struct does not know lands here.
+    #[serde(flatten)]
+    pub sections: std::collections::BTreeMap<String, serde_json::Value>,
+    /// What `pipebd run` prints for those sections (not written).
+    #[serde(skip)]
+    pub section_lines: Vec<String>,
     /// Training samples available.
     pub train_samples: usize,
     /// Optimizer steps per block.
@@ -181,6 +183,16 @@ impl RunReport {
             message: format!("cannot serialise the report: {e}"),
         })?;
         pipe_bd::fsio::write_atomic(&dir.join("report.json"), json.as_bytes())
+    }
+
+    /// The score section `name` read as a `T` (a zoo's own report type);
+    /// `None` when the report has no such section.
+    pub fn section<T: serde::de::DeserializeOwned>(&self, name: &str) -> Result<Option<T>> {
+        let Some(value) = self.sections.get(name) else { return Ok(None) };
+        serde_json::from_value(value.clone()).map(Some).map_err(|e| Error::Data {
+            path: "report.json".into(),
+            message: format!("its section `{name}` is not what was expected: {e}"),
+        })
     }
 
     /// Reads `report.json` from a run folder.

@@ -1,6 +1,6 @@
 //! Datasets: images in memory as a [`Dataset`] (the trait is
-//! `pipebd-core`'s), seeded batch order and held-out splits. Text reports are
-//! in [`text`]. One small format reader lives here so that a library user
+//! `pipebd-core`'s), seeded batch order and held-out splits. One small
+//! format reader lives here so that a library user
 //! needs no zoo for it: [`mnist`] (IDX files: MNIST, Fashion-MNIST); other
 //! data sets' files are a zoo's business.
 //!
@@ -8,7 +8,6 @@
 //! sample indices into the first block's input on their device.
 
 pub mod mnist;
-pub mod text;
 
 use std::path::Path;
 

@@ -4,7 +4,6 @@
 //! and copied to `tests/data/minilm-l6-reference.json`.
 
 use burn::backend::Flex;
-use pipe_bd::data::text::cosine;
 use pipe_bd::eval::Network;
 use pipe_bd::{forward_chain, Activation};
 use pipebd_cli::config::RunConfig;
@@ -12,6 +11,7 @@ use pipebd_cli::zoo::{student_table, Zoo};
 use pipebd_teachers::minilm::MiniLmTokenizer;
 use pipebd_zoo::build_minilm;
 use pipebd_zoo::text::sentence_embeddings;
+use pipebd_zoo::text_scores::{cosine, TextReport};
 use pipebd_zoo::Builtin;
 use serde::Deserialize;
 
@@ -233,7 +233,7 @@ fn untrained_cosine(config: &RunConfig) -> f64 {
     let score =
         pipe_bd::eval::score(evaluation, (&teacher.blocks, specs), (&blocks, &students.specs), &device)
             .unwrap();
-    score.text.expect("a text workload scores sentence embeddings").embedding_cosine
+    score.figure("embedding_cosine").expect("a text workload scores sentence embeddings")
 }
 
 #[test]
@@ -254,7 +254,8 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     let start = untrained_cosine(&config);
     let out = tempfile::tempdir().unwrap();
     let report = pipebd_zoo::run_builtin(&config, out.path(), &Default::default(), &mut |_| {}).unwrap();
-    let text = report.text.clone().expect("a text run reports its text section");
+    let text: TextReport =
+        report.section(TextReport::SECTION).unwrap().expect("a text run reports its text section");
     assert_eq!(text.heldout_sentences, 16);
     // The pruned start is already close to the teacher; training must bring
     // the stitched student closer still (a run that trains nothing ties, one
@@ -288,7 +289,9 @@ fn a_text_run_reports_cosine_and_probe_and_eval_reproduces_them() {
     assert_eq!((probe.train_emails, probe.test_emails), (60, 20));
     // The saved student, reloaded, scores exactly what the run reported.
     let eval = pipebd_zoo::eval_builtin_run(out.path()).unwrap();
-    let again = eval.text.expect("text section");
+    let section = eval.sections.iter().find(|s| s.name == TextReport::SECTION).expect("text section");
+    let again: TextReport = serde_json::from_value(section.value.clone()).unwrap();
+    assert_eq!(again.heldout_sentences, text.heldout_sentences);
     assert!((again.embedding_cosine - text.embedding_cosine).abs() < 1e-6);
     assert_eq!(eval.student_accuracy, report.student_accuracy);
 }

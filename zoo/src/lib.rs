@@ -9,7 +9,7 @@
 //!   [`mnist_teacher`]),
 //! - all-MiniLM-L6-v2 on the Brown corpus, evaluated by sentence-embedding
 //!   cosine and a SpamAssassin probe ([`text`]: `"brown"`, `"minilm-l6"`;
-//!   the teacher: [`build_minilm`]),
+//!   the teacher: [`build_minilm`]; what it reports: [`text_scores`]),
 //! - the decoder LLM SmolLM2-135M from its GGUF file on the Brown corpus,
 //!   evaluated by perplexity, top-1 agreement and KL to the teacher ([`lm`]:
 //!   `"brown"`, `teacher.kind = "smollm2-135m"`; the teacher:
@@ -43,6 +43,7 @@ mod mnist_cnn;
 mod options;
 mod smollm2;
 pub mod text;
+pub mod text_scores;
 
 use std::process::ExitCode;
 

@@ -16,7 +16,7 @@ use pipebd_kernels::encoder::top_indices;
 use pipebd_kernels::FusedBackend;
 use pipebd_teachers::smollm2::{LmHead, SmolTokenizer, TokenEmbeddings};
 
-use pipe_bd::data::text::LanguageReport;
+use crate::text_scores::LanguageReport;
 use pipe_bd::eval::{Evaluate, Network, Score};
 use pipe_bd::{Error, Result};
 
@@ -226,8 +226,7 @@ impl<B: FusedBackend> Evaluate<B> for NextTokenScores<B> {
             teacher_accuracy: 0.0,
             student_accuracy: tally.agree as f64 / predicted,
             test_samples: tally.predicted,
-            text: None,
-            language: Some(LanguageReport {
+            sections: vec![LanguageReport {
                 heldout_sequences: self.heldout.len(),
                 predicted_tokens: tally.predicted,
                 max_tokens: self.max_tokens,
@@ -238,7 +237,8 @@ impl<B: FusedBackend> Evaluate<B> for NextTokenScores<B> {
                 params_ratio: ratio(|s| s.params as f64),
                 flops_ratio: ratio(|s| s.flops as f64),
                 whole_model_flops_ratio: flops(student.specs) / flops(teacher.specs),
-            }),
+            }
+            .section()],
         })
     }
 

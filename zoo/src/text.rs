@@ -18,13 +18,13 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use pipe_bd::data::data_error;
-use pipe_bd::data::text::{
-    cosine_by_length, cosines, mean_and_min_cosine, LogisticProbe, ProbeReport, TextReport, PROBE_ITERATIONS,
-    PROBE_L2,
-};
 use pipe_bd::eval::{Evaluate, Network, Score};
 use pipe_bd::{Error, Result};
 
+use crate::text_scores::{
+    cosine_by_length, cosines, mean_and_min_cosine, LogisticProbe, ProbeReport, TextReport, PROBE_ITERATIONS,
+    PROBE_L2,
+};
 use crate::Lift;
 
 /// The SpamAssassin ham/spam probe: logistic regression on frozen sentence
@@ -392,7 +392,7 @@ impl<B: FusedBackend> Evaluate<B> for SentenceEmbeddings<B> {
             teacher_accuracy: probe.as_ref().map_or(0.0, |p| p.teacher_accuracy),
             student_accuracy: probe.as_ref().map_or(0.0, |p| p.student_accuracy),
             test_samples: probe.as_ref().map_or(0, |p| p.test_emails),
-            text: Some(TextReport {
+            sections: vec![TextReport {
                 embedding_cosine,
                 min_embedding_cosine,
                 heldout_sentences: heldout.len(),
@@ -402,8 +402,8 @@ impl<B: FusedBackend> Evaluate<B> for SentenceEmbeddings<B> {
                 flops_ratio: ratio(|s| s.flops as f64),
                 probe,
                 cosine_by_length,
-            }),
-            language: None,
+            }
+            .section()],
         })
     }
 

@@ -173,12 +173,10 @@ pub(super) fn sweep<Z: Zoo>(zoo: &Z, sweep: &Path) -> Result<(), Error> {
 /// `pipebd eval`.
 pub(super) fn eval<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<(), Error> {
     let result = crate::jobs::eval::eval_run(zoo, run_dir)?;
-    if let Some(language) = &result.language {
-        print::print_language_report(language);
-        return Ok(());
-    }
-    if let Some(text) = &result.text {
-        print::print_text_report(text);
+    if !result.sections.is_empty() {
+        for line in result.sections.iter().flat_map(|s| &s.lines) {
+            println!("{line}");
+        }
         return Ok(());
     }
     println!(
@@ -353,8 +351,8 @@ pub(super) fn search<Z: Zoo>(
             let scored = crate::jobs::eval::score_configs(zoo, &configs)?;
             for (point, score) in points.iter_mut().chain([&mut reference]).zip(scored) {
                 point.accuracy = Some(score.headline());
-                point.perplexity = score.language.as_ref().map(|l| l.student_perplexity);
-                point.kl = score.language.as_ref().map(|l| l.mean_kl);
+                point.perplexity = score.figure("perplexity");
+                point.kl = score.figure("kl");
             }
         }
         print::print_pareto(&points);

@@ -31,58 +31,6 @@ pub(super) fn print_resilience(log: &pipe_bd::runtime::recovery::ResilienceLog) 
     }
 }
 
-/// The language-model part of a run report, as printed after `run` and `eval`.
-pub(super) fn print_language_report(language: &pipe_bd::data::text::LanguageReport) {
-    println!(
-        "perplexity: teacher {:.2}  student {:.2} ({:+.1}%)  on {} held-out sequences ({} predicted tokens)",
-        language.teacher_perplexity,
-        language.student_perplexity,
-        100.0 * (language.student_perplexity / language.teacher_perplexity - 1.0),
-        language.heldout_sequences,
-        language.predicted_tokens
-    );
-    println!(
-        "next token: student agrees with the teacher's top-1 on {:.2}%, mean KL(teacher || student) {:.4} nats",
-        100.0 * language.top1_agreement,
-        language.mean_kl
-    );
-    println!(
-        "student/teacher: {:.2}x parameters, {:.2}x FLOPs (decoder layers, {} tokens per sequence), \
-         {:.2}x FLOPs with the LM head",
-        language.params_ratio, language.flops_ratio, language.max_tokens, language.whole_model_flops_ratio
-    );
-}
-
-/// The text part of a run report, as printed after `run` and `eval`.
-pub(super) fn print_text_report(text: &pipe_bd::data::text::TextReport) {
-    println!(
-        "embedding cosine student/teacher {:.4} (lowest {:.4}) on {} held-out sentences",
-        text.embedding_cosine, text.min_embedding_cosine, text.heldout_sentences
-    );
-    if !text.cosine_by_length.is_empty() {
-        let parts: Vec<String> = text
-            .cosine_by_length
-            .iter()
-            .map(|b| format!("{}-{}: {:.4} ({})", b.min_tokens, b.max_tokens, b.mean_cosine, b.sentences))
-            .collect();
-        println!("  by length in tokens (sentences): {}", parts.join(", "));
-    }
-    if let Some(p) = &text.probe {
-        println!(
-            "spam probe: teacher {:.2}%  student {:.2}%  ({} train / {} test emails, {:.0}% spam)",
-            100.0 * p.teacher_accuracy,
-            100.0 * p.student_accuracy,
-            p.train_emails,
-            p.test_emails,
-            100.0 * p.test_spam_fraction
-        );
-    }
-    println!(
-        "student/teacher: {:.2}x parameters, {:.2}x FLOPs (encoder layers, {} tokens per sequence)",
-        text.params_ratio, text.flops_ratio, text.max_tokens
-    );
-}
-
 pub(super) fn print_bench(report: &crate::jobs::bench::BenchReport) {
     println!(
         "{} on {} ({} intra-op threads per worker), batch {}, {} steps per block",
@@ -216,18 +164,16 @@ pub(super) fn print_link(report: &crate::jobs::link::LinkReport) {
 /// the files went.
 pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path, trace: bool) {
     println!("run `{}`: schedule {} {} on {}", report.name, report.schedule, report.plan, report.device);
-    if let Some(language) = &report.language {
-        print_language_report(language);
-    }
-    match &report.text {
-        None if report.language.is_some() => {}
-        None => println!(
+    if report.sections.is_empty() {
+        println!(
             "teacher accuracy {:.2}%  student accuracy {:.2}%  ({} test images)",
             100.0 * report.teacher_accuracy,
             100.0 * report.student_accuracy,
             report.test_samples
-        ),
-        Some(text) => print_text_report(text),
+        );
+    }
+    for line in &report.section_lines {
+        println!("{line}");
     }
     print_blocks(&report.blocks);
     let resumed = if report.steps_run < report.steps {

@@ -11,9 +11,8 @@ use pipebd_kernels::DistillBackend;
 use crate::config::RunConfig;
 use crate::report::RunReport;
 use crate::zoo::Zoo;
-use pipe_bd::data::text::{LanguageReport, TextReport};
 use pipe_bd::error::{Error, Result};
-use pipe_bd::eval::{load_record, load_student_records, score, Network, Score};
+use pipe_bd::eval::{load_record, load_student_records, score, Network, Score, ScoreSection};
 use pipebd_core::forward_chain;
 /// Loads the trained weights a config's `[[students]]` entries name
 /// (`weights = "..."`, [`RunConfig::student_weights`]) into `students`.
@@ -71,10 +70,8 @@ pub struct EvalResult {
     pub recorded_accuracy: f64,
     /// Test samples scored.
     pub test_samples: usize,
-    /// Text teachers: the embedding cosine and probe, re-measured.
-    pub text: Option<TextReport>,
-    /// Language models: perplexity, agreement and KL, re-measured.
-    pub language: Option<LanguageReport>,
+    /// The zoo's own sections (embedding cosines, perplexity...), re-measured.
+    pub sections: Vec<ScoreSection>,
 }
 
 /// Reloads the student saved in `run_dir` (by `pipebd run` with `zoo`) and
@@ -94,8 +91,7 @@ pub fn eval_run<Z: Zoo>(zoo: &Z, run_dir: &Path) -> Result<EvalResult> {
         student_accuracy: scored.student_accuracy,
         recorded_accuracy: report.student_accuracy,
         test_samples: scored.test_samples,
-        text: scored.text,
-        language: scored.language,
+        sections: scored.sections,
     })
 }
 

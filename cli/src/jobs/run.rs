@@ -314,8 +314,8 @@ impl<Z: Zoo> BackendJob for Job<'_, Z> {
             teacher_accuracy: score.teacher_accuracy,
             student_accuracy: score.student_accuracy,
             test_samples: score.test_samples,
-            text: score.text,
-            language: score.language,
+            sections: score.sections.iter().map(|s| (s.name.clone(), s.value.clone())).collect(),
+            section_lines: score.sections.iter().flat_map(|s| s.lines.clone()).collect(),
             train_samples: trained_on.len(),
             steps: log.steps,
             steps_run: log.steps_run,
@@ -399,9 +399,9 @@ fn stitch<B: DistillBackend, T: Block<B::InnerBackend>, S: StudentModule<B>>(
             .map(|kind| OutputLoss { kind, weight: config.train.stitched_output_weight }),
         block_weight: config.train.stitched_block_weight,
     };
-    let (students, pass) = pipe_bd::train::stitch::stitched_pass(
-        teacher, students, data, settings, &pass, head, device, observer,
-    )?;
+    let (students, pass) = pipe_bd::train::stitch::StitchedRun::new(teacher, data, settings, device)
+        .with_optional_head(head)
+        .train(students, &pass, observer)?;
     let report = StitchedReport {
         epochs,
         gradients: config.train.stitched_gradients,

@@ -366,11 +366,11 @@ pub struct ParetoPoint {
     /// with the teacher).
     pub accuracy: Option<f64>,
     /// Language models, when evaluated: the stitched student's held-out
-    /// perplexity.
+    /// perplexity (the score's figure `perplexity`, if its zoo gives one).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub perplexity: Option<f64>,
     /// Language models, when evaluated: its mean `KL(teacher || student)`
-    /// per next token.
+    /// per next token (the score's figure `kl`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl: Option<f64>,
 }

@@ -1,10 +1,13 @@
-//! What a text evaluation reports, and the arithmetic behind it: the
+//! What the text teachers' evaluations report, as sections of the engine's
+//! [`Score`](pipe_bd::eval::Score) (`text` for sentence embeddings,
+//! `language` for a decoder LLM), and the arithmetic behind them: the
 //! cosine of sentence embeddings, its breakdown by sentence length, and a
 //! logistic-regression probe fitted on frozen embeddings (a downstream task
 //! scored for teacher and student alike). Which corpus, tokenizer and
-//! teacher produce the embeddings, and the probe's settings, are a zoo's
-//! business (the built-in one: `pipebd_zoo::text`).
+//! teacher produce the embeddings, and the probe's settings, are in
+//! [`text`](crate::text) and [`lm`](crate::lm).
 
+use pipe_bd::eval::ScoreSection;
 use serde::{Deserialize, Serialize};
 
 /// Cosine similarity of two vectors.
@@ -159,6 +162,80 @@ pub struct LanguageReport {
     /// written before it was recorded.
     #[serde(default)]
     pub whole_model_flops_ratio: f64,
+}
+
+impl TextReport {
+    /// The key of this section in `report.json`.
+    pub const SECTION: &'static str = "text";
+
+    /// This report as a score section: printed as the lines `pipebd run`
+    /// and `eval` show, standing for the student with its mean cosine when
+    /// there is no probe.
+    pub fn section(&self) -> ScoreSection {
+        let mut lines = vec![format!(
+            "embedding cosine student/teacher {:.4} (lowest {:.4}) on {} held-out sentences",
+            self.embedding_cosine, self.min_embedding_cosine, self.heldout_sentences
+        )];
+        if !self.cosine_by_length.is_empty() {
+            let parts: Vec<String> = self
+                .cosine_by_length
+                .iter()
+                .map(|b| format!("{}-{}: {:.4} ({})", b.min_tokens, b.max_tokens, b.mean_cosine, b.sentences))
+                .collect();
+            lines.push(format!("  by length in tokens (sentences): {}", parts.join(", ")));
+        }
+        if let Some(p) = &self.probe {
+            lines.push(format!(
+                "spam probe: teacher {:.2}%  student {:.2}%  ({} train / {} test emails, {:.0}% spam)",
+                100.0 * p.teacher_accuracy,
+                100.0 * p.student_accuracy,
+                p.train_emails,
+                p.test_emails,
+                100.0 * p.test_spam_fraction
+            ));
+        }
+        lines.push(format!(
+            "student/teacher: {:.2}x parameters, {:.2}x FLOPs (encoder layers, {} tokens per sequence)",
+            self.params_ratio, self.flops_ratio, self.max_tokens
+        ));
+        ScoreSection::new(Self::SECTION, self, lines)
+            .with_figure("embedding_cosine", self.embedding_cosine)
+            .with_headline(self.embedding_cosine)
+    }
+}
+
+impl LanguageReport {
+    /// The key of this section in `report.json`.
+    pub const SECTION: &'static str = "language";
+
+    /// This report as a score section: printed as the lines `pipebd run`
+    /// and `eval` show, with the figures `perplexity` (the student's) and
+    /// `kl` for a search's Pareto table.
+    pub fn section(&self) -> ScoreSection {
+        let lines = vec![
+            format!(
+                "perplexity: teacher {:.2}  student {:.2} ({:+.1}%)  on {} held-out sequences ({} predicted tokens)",
+                self.teacher_perplexity,
+                self.student_perplexity,
+                100.0 * (self.student_perplexity / self.teacher_perplexity - 1.0),
+                self.heldout_sequences,
+                self.predicted_tokens
+            ),
+            format!(
+                "next token: student agrees with the teacher's top-1 on {:.2}%, mean KL(teacher || student) {:.4} nats",
+                100.0 * self.top1_agreement,
+                self.mean_kl
+            ),
+            format!(
+                "student/teacher: {:.2}x parameters, {:.2}x FLOPs (decoder layers, {} tokens per sequence), \
+                 {:.2}x FLOPs with the LM head",
+                self.params_ratio, self.flops_ratio, self.max_tokens, self.whole_model_flops_ratio
+            ),
+        ];
+        ScoreSection::new(Self::SECTION, self, lines)
+            .with_figure("perplexity", self.student_perplexity)
+            .with_figure("kl", self.mean_kl)
+    }
 }
 
 /// Held-out sentences whose token count (special tokens included, cut at
