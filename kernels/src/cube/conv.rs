@@ -24,8 +24,9 @@
 //!
 //! This module holds the dense forward kernels and the forward launches;
 //! the gradients are in `conv_grad.rs`, the depthwise kernels in
-//! `depthwise.rs`, the max-pool in `pool.rs`, and the launch geometry and
-//! index arithmetic they share in `geometry.rs`.
+//! `depthwise.rs`, the max-pool in `pool.rs`, and the launch geometry, the
+//! sizes every convolution kernel takes (`ConvShape`) and the index
+//! arithmetic they share in `geometry.rs`.
 
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::Shape;
@@ -35,17 +36,18 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::common::{
-    activate, clamp_index, epilogue_code, new_indices, new_output, outer_product_add, placeholder, Cube,
-};
+use super::common::{activate, clamp_index, new_indices, new_output, outer_product_add, placeholder, Cube};
 use super::depthwise;
-use super::geometry::{clear, column_tile, input_at, matrix_grid, multiply_tiles, tile_rows, Geometry};
+use super::geometry::{
+    clear, column_tile, input_at, inside_input, matrix_grid, multiply_tiles, tile_rows, ConvShape, Geometry,
+};
 use crate::{ConvVariant, Epilogue};
 
 /// Dense forward: `out = act(W @ cols(x) + bias)`, pooled or not (see the
-/// module docs). `w` is `[c_out, c_in * kh * kw]`, `x` `[batch, c_in, h,
-/// w]`; unpooled `out` is `[batch, c_out, oh, ow]`, pooled `out` and
-/// `indices` are `[batch, c_out, oh / 2, ow / 2]`.
+/// module docs), with the sizes and activation of `shape`. `w` is `[c_out,
+/// c_in * kh * kw]`, `x` `[batch, c_in, h, wd]`; unpooled `out` is `[batch,
+/// c_out, oh, ow]`, pooled `out` and `indices` are `[batch, c_out, oh / 2,
+/// ow / 2]`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 fn conv_forward_kernel<F: Float, I: Int>(
@@ -54,30 +56,17 @@ fn conv_forward_kernel<F: Float, I: Int>(
     bias: &Array<F>,
     out: &mut Array<F>,
     indices: &mut Array<I>,
-    batch: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
-    #[comptime] kh: usize,
-    #[comptime] kw: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
+    shape: &ConvShape,
     #[comptime] tile_m: usize,
     #[comptime] has_bias: bool,
-    #[comptime] epilogue: u32,
     #[comptime] pooled: bool,
 ) {
-    let taps = kh * kw;
-    let depth = c_in * taps;
-    let (ph, pw) = (oh / 2, ow / 2);
-    let mut columns = batch * oh * ow;
+    let taps = comptime![shape.kh * shape.kw];
+    let depth = shape.c_in * taps;
+    let (ph, pw) = (shape.oh / 2, shape.ow / 2);
+    let mut columns = shape.batch * shape.oh * shape.ow;
     if pooled {
-        columns = batch * ph * pw * 4;
+        columns = shape.batch * ph * pw * 4;
     }
     let n0 = column_tile() * 64;
     let m0 = CUBE_POS_Y as usize * tile_m;
@@ -92,9 +81,9 @@ fn conv_forward_kernel<F: Float, I: Int>(
         // This unit's column of the im2col tile: its output pixel.
         let load_col = unit % 64;
         let n = n0 + load_col;
-        let mut b = n / (oh * ow);
-        let mut oy = (n % (oh * ow)) / ow;
-        let mut ox = n % ow;
+        let mut b = n / (shape.oh * shape.ow);
+        let mut oy = (n % (shape.oh * shape.ow)) / shape.ow;
+        let mut ox = n % shape.ow;
         if pooled {
             let window = n / 4;
             let quad = n % 4;
@@ -116,7 +105,7 @@ fn conv_forward_kernel<F: Float, I: Int>(
                 let idx = unit + j * units;
                 let (m, k) = (m0 + idx / 16, k0 + idx % 16);
                 let mut v = F::new(0.0);
-                if m < c_out && k < depth {
+                if m < shape.c_out && k < depth {
                     v = w[m * depth + k];
                 }
                 a_tile[idx] = v;
@@ -128,8 +117,8 @@ fn conv_forward_kernel<F: Float, I: Int>(
                 let mut v = F::new(0.0);
                 if column_ok && k < depth {
                     let tap = k % taps;
-                    let (c, ky, kx) = (k / taps, tap / kw, tap % kw);
-                    v = input_at::<F>(x, b, c, oy, ox, ky, kx, c_in, h, wd, sy, sx, pad_y, pad_x);
+                    let (c, ky, kx) = (k / taps, tap / shape.kw, tap % shape.kw);
+                    v = input_at::<F>(x, shape, b, c, oy, ox, ky, kx);
                 }
                 b_tile[r * 64 + load_col] = v;
                 r += rows_per_pass;
@@ -140,16 +129,14 @@ fn conv_forward_kernel<F: Float, I: Int>(
             k0 += 16;
         }
 
-        store_tile::<F, I>(
-            &acc, bias, out, indices, n0, m0, ux, uy, dy, batch, c_out, oh, ow, columns, has_bias, epilogue,
-            pooled,
-        );
+        store_tile::<F, I>(&acc, bias, out, indices, shape, n0, m0, ux, uy, dy, columns, has_bias, pooled);
     }
 }
 
 /// A forward kernel's 4x4 register tile (rows `m0 + uy + i dy`; columns
 /// `n0 + ux + 16 j`, or pooled the window `n0 / 4 + ux`) with its bias and
-/// activation: stored, or pooled the window's maximum and where it sat.
+/// `shape`'s activation: stored, or pooled the window's maximum and where
+/// it sat.
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn store_tile<F: Float, I: Int>(
@@ -157,49 +144,45 @@ fn store_tile<F: Float, I: Int>(
     bias: &Array<F>,
     out: &mut Array<F>,
     indices: &mut Array<I>,
+    shape: &ConvShape,
     n0: usize,
     m0: usize,
     ux: usize,
     uy: usize,
     #[comptime] dy: usize,
-    batch: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
     columns: usize,
     #[comptime] has_bias: bool,
-    #[comptime] epilogue: u32,
     #[comptime] pooled: bool,
 ) {
-    let (ph, pw) = (oh / 2, ow / 2);
+    let (ph, pw) = (shape.oh / 2, shape.ow / 2);
     if pooled {
         // The unit's 4 columns are one window, in window order.
         let window = (n0 + 4 * ux) / 4;
-        if window < batch * ph * pw {
+        if window < shape.batch * ph * pw {
             let wb = window / (ph * pw);
             let at = window % (ph * pw);
             let (py, px) = (at / pw, at % pw);
             #[unroll]
             for i in 0..4usize {
                 let m = m0 + uy + i * dy;
-                if m < c_out {
+                if m < shape.c_out {
                     let mut shift = F::new(0.0);
                     if has_bias {
                         shift = bias[m];
                     }
-                    let mut best = activate::<F>(acc[i * 4] + shift, epilogue);
+                    let mut best = activate::<F>(acc[i * 4] + shift, shape.epilogue);
                     let mut best_at = 0usize.runtime();
                     #[unroll]
                     for q in 1..4usize {
-                        let v = activate::<F>(acc[i * 4 + q] + shift, epilogue);
+                        let v = activate::<F>(acc[i * 4 + q] + shift, shape.epilogue);
                         if v > best {
                             best = v;
                             best_at = q;
                         }
                     }
-                    let slot = (wb * c_out + m) * ph * pw + at;
+                    let slot = (wb * shape.c_out + m) * ph * pw + at;
                     out[slot] = best;
-                    indices[slot] = I::cast_from((2 * py + best_at / 2) * ow + 2 * px + best_at % 2);
+                    indices[slot] = I::cast_from((2 * py + best_at / 2) * shape.ow + 2 * px + best_at % 2);
                 }
             }
         }
@@ -208,17 +191,18 @@ fn store_tile<F: Float, I: Int>(
         for j in 0..4usize {
             let col = n0 + ux + 16 * j;
             if col < columns {
-                let cb = col / (oh * ow);
-                let at = col % (oh * ow);
+                let cb = col / (shape.oh * shape.ow);
+                let at = col % (shape.oh * shape.ow);
                 #[unroll]
                 for i in 0..4usize {
                     let m = m0 + uy + i * dy;
-                    if m < c_out {
+                    if m < shape.c_out {
                         let mut v = acc[i * 4 + j];
                         if has_bias {
                             v += bias[m];
                         }
-                        out[(cb * c_out + m) * oh * ow + at] = activate::<F>(v, epilogue);
+                        out[(cb * shape.c_out + m) * shape.oh * shape.ow + at] =
+                            activate::<F>(v, shape.epilogue);
                     }
                 }
             }
@@ -230,25 +214,18 @@ fn store_tile<F: Float, I: Int>(
 /// first channel, its window's top row and left column in the padded input
 /// (before the tap), and whether the column exists. Pooled, columns come
 /// in fours: one 2x2 window's positions in window order.
-#[allow(clippy::too_many_arguments)]
 #[cube]
 fn column_origin(
+    shape: &ConvShape,
     col: usize,
     columns: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    oh: usize,
-    ow: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
     #[comptime] pooled: bool,
 ) -> (usize, usize, usize, bool) {
-    let mut b = col / (oh * ow);
-    let mut oy = (col % (oh * ow)) / ow;
-    let mut ox = col % ow;
+    let mut b = col / (shape.oh * shape.ow);
+    let mut oy = (col % (shape.oh * shape.ow)) / shape.ow;
+    let mut ox = col % shape.ow;
     if pooled {
-        let (ph, pw) = (oh / 2, ow / 2);
+        let (ph, pw) = (shape.oh / 2, shape.ow / 2);
         let window = col / 4;
         let quad = col % 4;
         let at = window % (ph * pw);
@@ -256,26 +233,22 @@ fn column_origin(
         oy = (at / pw) * 2 + quad / 2;
         ox = (at % pw) * 2 + quad % 2;
     }
-    (b * c_in * h * wd, oy * sy, ox * sx, col < columns)
+    (b * shape.c_in * shape.h * shape.wd, oy * shape.sy, ox * shape.sx, col < columns)
 }
 
 /// The input value a column reads at one tap (zero in the padding).
-#[allow(clippy::too_many_arguments)]
 #[cube]
 fn tap_offset(
+    shape: &ConvShape,
     origin: (usize, usize, usize, bool),
     #[comptime] ky: usize,
     #[comptime] kx: usize,
-    h: usize,
-    wd: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
 ) -> (usize, bool) {
     let (base, y0, x0, valid) = origin;
     let yy = y0 + ky;
     let xx = x0 + kx;
-    let ok = valid && yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x;
-    (select(ok, base + (yy - pad_y) * wd + xx - pad_x, 0usize), ok)
+    let ok = valid && inside_input(shape, yy, xx);
+    (select(ok, base + (yy - shape.pad_y) * shape.wd + xx - shape.pad_x, 0usize), ok)
 }
 
 /// Dense forward without shared memory or barriers (the other variant of
@@ -292,31 +265,18 @@ fn conv_forward_direct_kernel<F: Float, I: Int>(
     bias: &Array<F>,
     out: &mut Array<F>,
     indices: &mut Array<I>,
-    batch: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
-    #[comptime] kh: usize,
-    #[comptime] kw: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
+    shape: &ConvShape,
     #[comptime] tile_m: usize,
     #[comptime] has_bias: bool,
-    #[comptime] epilogue: u32,
     #[comptime] pooled: bool,
 ) {
-    let taps = kh * kw;
-    let depth = c_in * taps;
-    let plane = h * wd;
-    let (ph, pw) = (oh / 2, ow / 2);
-    let mut columns = batch * oh * ow;
+    let taps = comptime![shape.kh * shape.kw];
+    let depth = shape.c_in * taps;
+    let plane = shape.h * shape.wd;
+    let (ph, pw) = (shape.oh / 2, shape.ow / 2);
+    let mut columns = shape.batch * shape.oh * shape.ow;
     if pooled {
-        columns = batch * ph * pw * 4;
+        columns = shape.batch * ph * pw * 4;
     }
     let n0 = column_tile() * 64;
     let m0 = CUBE_POS_Y as usize * tile_m;
@@ -331,28 +291,28 @@ fn conv_forward_direct_kernel<F: Float, I: Int>(
             c0 = n0 + 4 * ux;
             step = 1usize.runtime();
         }
-        let o0 = column_origin(c0, columns, c_in, h, wd, oh, ow, sy, sx, pooled);
-        let o1 = column_origin(c0 + step, columns, c_in, h, wd, oh, ow, sy, sx, pooled);
-        let o2 = column_origin(c0 + 2 * step, columns, c_in, h, wd, oh, ow, sy, sx, pooled);
-        let o3 = column_origin(c0 + 3 * step, columns, c_in, h, wd, oh, ow, sy, sx, pooled);
+        let o0 = column_origin(shape, c0, columns, pooled);
+        let o1 = column_origin(shape, c0 + step, columns, pooled);
+        let o2 = column_origin(shape, c0 + 2 * step, columns, pooled);
+        let o3 = column_origin(shape, c0 + 3 * step, columns, pooled);
         // Rows past c_out read the last filter (never stored).
-        let r0 = clamp_index(m0 + uy, c_out) * depth;
-        let r1 = clamp_index(m0 + uy + dy, c_out) * depth;
-        let r2 = clamp_index(m0 + uy + 2 * dy, c_out) * depth;
-        let r3 = clamp_index(m0 + uy + 3 * dy, c_out) * depth;
+        let r0 = clamp_index(m0 + uy, shape.c_out) * depth;
+        let r1 = clamp_index(m0 + uy + dy, shape.c_out) * depth;
+        let r2 = clamp_index(m0 + uy + 2 * dy, shape.c_out) * depth;
+        let r3 = clamp_index(m0 + uy + 3 * dy, shape.c_out) * depth;
         let mut acc = Array::<F>::new(16usize);
         clear::<F>(&mut acc, 16usize);
         let zero = F::new(0.0);
         #[unroll]
-        for ky in 0..kh {
+        for ky in 0..shape.kh {
             #[unroll]
-            for kx in 0..kw {
-                let (p0, ok0) = tap_offset(o0, ky, kx, h, wd, pad_y, pad_x);
-                let (p1, ok1) = tap_offset(o1, ky, kx, h, wd, pad_y, pad_x);
-                let (p2, ok2) = tap_offset(o2, ky, kx, h, wd, pad_y, pad_x);
-                let (p3, ok3) = tap_offset(o3, ky, kx, h, wd, pad_y, pad_x);
-                let tap = ky * kw + kx;
-                for c in 0..c_in {
+            for kx in 0..shape.kw {
+                let (p0, ok0) = tap_offset(shape, o0, ky, kx);
+                let (p1, ok1) = tap_offset(shape, o1, ky, kx);
+                let (p2, ok2) = tap_offset(shape, o2, ky, kx);
+                let (p3, ok3) = tap_offset(shape, o3, ky, kx);
+                let tap = comptime![ky * shape.kw + kx];
+                for c in 0..shape.c_in {
                     let at = c * plane;
                     let k = c * taps + tap;
                     let a0 = w[r0 + k];
@@ -367,10 +327,7 @@ fn conv_forward_direct_kernel<F: Float, I: Int>(
                 }
             }
         }
-        store_tile::<F, I>(
-            &acc, bias, out, indices, n0, m0, ux, uy, dy, batch, c_out, oh, ow, columns, has_bias, epilogue,
-            pooled,
-        );
+        store_tile::<F, I>(&acc, bias, out, indices, shape, n0, m0, ux, uy, dy, columns, has_bias, pooled);
     }
 }
 
@@ -392,7 +349,7 @@ pub(crate) fn conv_forward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: B
     let client = x.client.clone();
     if g.depthwise {
         let out = new_output::<R, F, I, BT>(&x, Shape::from(vec![g.batch, g.c_out, g.oh, g.ow]));
-        depthwise::forward::<R, F>(&client, &g, (x, weight, bias), &out, has_bias, epilogue_code(epilogue));
+        depthwise::forward::<R, F>(&client, &g, (x, weight, bias), &out, has_bias, epilogue);
         return (out, None);
     }
     let (out, indices, columns) = if pooled {
@@ -492,22 +449,9 @@ fn forward_direct<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
             bias.into_array_arg(),
             out.into_array_arg(),
             indices.into_array_arg(),
-            g.batch,
-            g.c_in,
-            g.h,
-            g.w,
-            g.c_out,
-            g.oh,
-            g.ow,
-            g.kernel.0,
-            g.kernel.1,
-            g.stride.0,
-            g.stride.1,
-            g.padding.0,
-            g.padding.1,
+            g.shape::<R>(epilogue),
             tile_m,
             has_bias,
-            epilogue_code(epilogue),
             pooled,
         );
     }
@@ -530,22 +474,9 @@ fn forward_tiled<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement
             bias.into_array_arg(),
             out.into_array_arg(),
             indices.into_array_arg(),
-            g.batch,
-            g.c_in,
-            g.h,
-            g.w,
-            g.c_out,
-            g.oh,
-            g.ow,
-            g.kernel.0,
-            g.kernel.1,
-            g.stride.0,
-            g.stride.1,
-            g.padding.0,
-            g.padding.1,
+            g.shape::<R>(epilogue),
             tile_m,
             has_bias,
-            epilogue_code(epilogue),
             pooled,
         );
     }

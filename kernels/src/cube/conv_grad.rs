@@ -17,16 +17,17 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::common::{epilogue_code, new_indices, new_output, placeholder, Cube};
+use super::common::{new_indices, new_output, placeholder, Cube};
 use super::depthwise;
 use super::geometry::{
     clear, column_tile, elementwise_grid, input_at, matrix_grid, multiply_tiles, pre_gradient, tile_rows,
-    Geometry, TILE_K, TILE_N, UNITS,
+    ConvShape, Geometry, TILE_K, TILE_N, UNITS,
 };
 use crate::{ConvBackwardInputs, ConvGrads, Epilogue};
 
 /// Dense input gradient: `dx = W^T @ cols(G)` (see [`pre_gradient`] for
-/// `G`). `dx` is `[batch, c_in, h, w]`, every element written.
+/// `G`), with the sizes and activation of `shape`. `dx` is `[batch, c_in,
+/// h, wd]`, every element written.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 fn conv_input_grad_kernel<F: Float, I: Int>(
@@ -35,26 +36,13 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
     indices: &Array<I>,
     w: &Array<F>,
     dx: &mut Array<F>,
-    batch: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
-    #[comptime] kh: usize,
-    #[comptime] kw: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
+    shape: &ConvShape,
     #[comptime] tile_m: usize,
-    #[comptime] epilogue: u32,
     #[comptime] pooled: bool,
 ) {
-    let taps = kh * kw;
-    let depth = c_out * taps;
-    let columns = batch * h * wd;
+    let taps = comptime![shape.kh * shape.kw];
+    let depth = shape.c_out * taps;
+    let columns = shape.batch * shape.h * shape.wd;
     let n0 = column_tile() * 64;
     let m0 = CUBE_POS_Y as usize * tile_m;
     if n0 < columns {
@@ -67,10 +55,10 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
 
         let load_col = unit % 64;
         let n = n0 + load_col;
-        let b = n / (h * wd);
-        let at = n % (h * wd);
-        let iy = at / wd;
-        let ix = at % wd;
+        let b = n / (shape.h * shape.wd);
+        let at = n % (shape.h * shape.wd);
+        let iy = at / shape.wd;
+        let ix = at % shape.wd;
         let column_ok = n < columns;
         let rows_per_pass = units / 64;
 
@@ -84,8 +72,8 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
                 let idx = unit + j * units;
                 let (c, k) = (m0 + idx / 16, k0 + idx % 16);
                 let mut v = F::new(0.0);
-                if c < c_in && k < depth {
-                    v = w[((k / taps) * c_in + c) * taps + k % taps];
+                if c < shape.c_in && k < depth {
+                    v = w[((k / taps) * shape.c_in + c) * taps + k % taps];
                 }
                 a_tile[idx] = v;
             }
@@ -95,16 +83,14 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
                 let mut v = F::new(0.0);
                 if column_ok && k < depth {
                     let tap = k % taps;
-                    let (ky, kx) = (tap / kw, tap % kw);
-                    let (ty, tx) = (iy + pad_y, ix + pad_x);
+                    let (ky, kx) = (tap / shape.kw, tap % shape.kw);
+                    let (ty, tx) = (iy + shape.pad_y, ix + shape.pad_x);
                     // The output position whose tap (ky, kx) reads input (iy, ix), if any.
-                    if ty >= ky && tx >= kx && (ty - ky) % sy == 0 && (tx - kx) % sx == 0 {
-                        let (oy, ox) = ((ty - ky) / sy, (tx - kx) / sx);
-                        if oy < oh && ox < ow {
-                            let plane = b * c_out + k / taps;
-                            v = pre_gradient::<F, I>(
-                                grad, saved, indices, plane, oy, ox, oh, ow, epilogue, pooled,
-                            );
+                    if ty >= ky && tx >= kx && (ty - ky) % shape.sy == 0 && (tx - kx) % shape.sx == 0 {
+                        let (oy, ox) = ((ty - ky) / shape.sy, (tx - kx) / shape.sx);
+                        if oy < shape.oh && ox < shape.ow {
+                            let plane = b * shape.c_out + k / taps;
+                            v = pre_gradient::<F, I>(grad, saved, indices, shape, plane, oy, ox, pooled);
                         }
                     }
                 }
@@ -116,7 +102,7 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
             sync_cube();
             k0 += 16;
         }
-        store_input_grad::<F>(&acc, dx, n0, m0, ux, uy, dy, columns, c_in, h, wd);
+        store_input_grad::<F>(&acc, dx, shape, n0, m0, ux, uy, dy, columns);
     }
 }
 
@@ -128,27 +114,25 @@ fn conv_input_grad_kernel<F: Float, I: Int>(
 fn store_input_grad<F: Float>(
     acc: &Array<F>,
     dx: &mut Array<F>,
+    shape: &ConvShape,
     n0: usize,
     m0: usize,
     ux: usize,
     uy: usize,
     dy: usize,
     columns: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
 ) {
     #[unroll]
     for j in 0..4usize {
         let col = n0 + ux + 16 * j;
         if col < columns {
-            let cb = col / (h * wd);
-            let cat = col % (h * wd);
+            let cb = col / (shape.h * shape.wd);
+            let cat = col % (shape.h * shape.wd);
             #[unroll]
             for i in 0..4usize {
                 let c = m0 + uy + i * dy;
-                if c < c_in {
-                    dx[(cb * c_in + c) * h * wd + cat] = acc[i * 4 + j];
+                if c < shape.c_in {
+                    dx[(cb * shape.c_in + c) * shape.h * shape.wd + cat] = acc[i * 4 + j];
                 }
             }
         }
@@ -172,42 +156,29 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
     x: &Array<F>,
     partials: &mut Array<F>,
     bias_parts: &mut Array<F>,
-    batch: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
+    shape: &ConvShape,
     chunk: usize,
-    #[comptime] kh: usize,
-    #[comptime] kw: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
     #[comptime] tile_m: usize,
-    #[comptime] epilogue: u32,
     #[comptime] pooled: bool,
     #[comptime] swap: bool,
 ) {
-    let taps = kh * kw;
-    let depth = c_in * taps;
+    let taps = comptime![shape.kh * shape.kw];
+    let depth = shape.c_in * taps;
     // Rows and columns of the product this kernel computes.
-    let mut rows = c_out;
+    let mut rows = shape.c_out;
     let mut cols = depth;
     if swap {
         rows = depth;
-        cols = c_out;
+        cols = shape.c_out;
     }
     // Pooled, only the pixels inside a whole window can carry a gradient.
-    let mut rh = oh;
-    let mut rw = ow;
+    let mut rh = shape.oh;
+    let mut rw = shape.ow;
     if pooled {
-        rh = (oh / 2) * 2;
-        rw = (ow / 2) * 2;
+        rh = (shape.oh / 2) * 2;
+        rw = (shape.ow / 2) * 2;
     }
-    let reduction = batch * rh * rw;
+    let reduction = shape.batch * rh * rw;
     let n0 = CUBE_POS_X as usize * 64;
     let m0 = CUBE_POS_Y as usize * tile_m;
     let z = CUBE_POS_Z as usize;
@@ -241,8 +212,8 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
     let mut k0 = r_begin;
     while k0 < r_end {
         stage_weight_grad_tiles::<F, I>(
-            grad, saved, indices, x, &mut lhs, &mut rhs, unit, units, m0, n, k0, r_end, rows, cols, rh, rw,
-            c_in, h, wd, c_out, oh, ow, kh, kw, sy, sx, pad_y, pad_x, epilogue, pooled, swap,
+            grad, saved, indices, x, &mut lhs, &mut rhs, shape, unit, units, m0, n, k0, r_end, rows, cols,
+            rh, rw, pooled, swap,
         );
         sync_cube();
         if sums_bias {
@@ -253,7 +224,7 @@ fn conv_weight_grad_kernel<F: Float, I: Int>(
         k0 += 16;
     }
     store_weight_partials::<F>(
-        &acc, &bias_acc, partials, bias_parts, z, m0, n0, ux, uy, dy, rows, cols, c_out, depth, sums_bias,
+        &acc, &bias_acc, partials, bias_parts, shape, z, m0, n0, ux, uy, dy, rows, cols, depth, sums_bias,
         swap,
     );
 }
@@ -273,6 +244,7 @@ fn stage_weight_grad_tiles<F: Float, I: Int>(
     x: &Array<F>,
     a_tile: &mut SharedMemory<F>,
     b_tile: &mut SharedMemory<F>,
+    shape: &ConvShape,
     unit: usize,
     units: usize,
     m0: usize,
@@ -283,28 +255,15 @@ fn stage_weight_grad_tiles<F: Float, I: Int>(
     cols: usize,
     rh: usize,
     rw: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
-    #[comptime] kh: usize,
-    #[comptime] kw: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
-    #[comptime] epilogue: u32,
     #[comptime] pooled: bool,
     #[comptime] swap: bool,
 ) {
-    let taps = kh * kw;
+    let taps = comptime![shape.kh * shape.kw];
     let load_col = unit % 64;
     let column_ok = n < cols;
     let c = n / taps;
     let tap = n % taps;
-    let (ky, kx) = (tap / kw, tap % kw);
+    let (ky, kx) = (tap / shape.kw, tap % shape.kw);
     let rows_per_pass = units / 64;
     // A[row][r]: G of output channel `row` (with `swap`: the input
     // under filter entry `row`) at reduction position r.
@@ -318,11 +277,11 @@ fn stage_weight_grad_tiles<F: Float, I: Int>(
             let (ry, rx) = (at / rw, at % rw);
             if swap {
                 let entry_tap = m % taps;
-                let (my, mx) = (entry_tap / kw, entry_tap % kw);
-                v = input_at::<F>(x, rb, m / taps, ry, rx, my, mx, c_in, h, wd, sy, sx, pad_y, pad_x);
+                let (my, mx) = (entry_tap / shape.kw, entry_tap % shape.kw);
+                v = input_at::<F>(x, shape, rb, m / taps, ry, rx, my, mx);
             } else {
-                let plane = rb * c_out + m;
-                v = pre_gradient::<F, I>(grad, saved, indices, plane, ry, rx, oh, ow, epilogue, pooled);
+                let plane = rb * shape.c_out + m;
+                v = pre_gradient::<F, I>(grad, saved, indices, shape, plane, ry, rx, pooled);
             }
         }
         a_tile[idx] = v;
@@ -337,10 +296,10 @@ fn stage_weight_grad_tiles<F: Float, I: Int>(
             let (rb, at) = (r / (rh * rw), r % (rh * rw));
             let (ry, rx) = (at / rw, at % rw);
             if swap {
-                let plane = rb * c_out + n;
-                v = pre_gradient::<F, I>(grad, saved, indices, plane, ry, rx, oh, ow, epilogue, pooled);
+                let plane = rb * shape.c_out + n;
+                v = pre_gradient::<F, I>(grad, saved, indices, shape, plane, ry, rx, pooled);
             } else {
-                v = input_at::<F>(x, rb, c, ry, rx, ky, kx, c_in, h, wd, sy, sx, pad_y, pad_x);
+                v = input_at::<F>(x, shape, rb, c, ry, rx, ky, kx);
             }
         }
         b_tile[rr * 64 + load_col] = v;
@@ -359,6 +318,7 @@ fn store_weight_partials<F: Float>(
     bias_acc: &Array<F>,
     partials: &mut Array<F>,
     bias_partials: &mut Array<F>,
+    shape: &ConvShape,
     z: usize,
     m0: usize,
     n0: usize,
@@ -367,7 +327,6 @@ fn store_weight_partials<F: Float>(
     dy: usize,
     rows: usize,
     cols: usize,
-    c_out: usize,
     depth: usize,
     sums_bias: bool,
     #[comptime] swap: bool,
@@ -379,9 +338,9 @@ fn store_weight_partials<F: Float>(
         for j in 0..4usize {
             let col = n0 + ux + 16 * j;
             if m < rows && col < cols {
-                let mut at = (z * c_out + m) * depth + col;
+                let mut at = (z * shape.c_out + m) * depth + col;
                 if swap {
-                    at = (z * c_out + col) * depth + m;
+                    at = (z * shape.c_out + col) * depth + m;
                 }
                 partials[at] = acc[i * 4 + j];
             }
@@ -394,8 +353,8 @@ fn store_weight_partials<F: Float>(
             if swap {
                 channel = n0 + ux + 16 * i;
             }
-            if channel < c_out {
-                bias_partials[z * c_out + channel] = bias_acc[i];
+            if channel < shape.c_out {
+                bias_partials[z * shape.c_out + channel] = bias_acc[i];
             }
         }
     }
@@ -480,7 +439,8 @@ struct BackwardOperands<R: CubeRuntime> {
     /// Where each pooled maximum sat (a placeholder unpooled).
     indices: CubeTensor<R>,
     pooled: bool,
-    epilogue: u32,
+    /// The activation the forward applied.
+    epilogue: Epilogue,
 }
 
 /// Every gradient of a fused convolution layer (see
@@ -504,7 +464,7 @@ pub(crate) fn conv_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: 
         saved: into_contiguous(inputs.output.clone()),
         indices,
         pooled: inputs.pool_indices.is_some(),
-        epilogue: epilogue_code(inputs.epilogue),
+        epilogue: inputs.epilogue,
     };
     let dx = x_grad.then(|| input_grad::<R, F, I, BT>(&operands));
     let (weight, bias) = weight_grads::<R, F, I, BT>(operands, bias_grad);
@@ -516,10 +476,10 @@ fn input_grad<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     operands: &BackwardOperands<R>,
 ) -> CubeTensor<R> {
     let BackwardOperands { g, x, weight, grad, saved, indices, pooled, epilogue } = operands;
-    let (g, pooled, code, client) = (*g, *pooled, *epilogue, x.client.clone());
+    let (g, pooled, epilogue, client) = (*g, *pooled, *epilogue, x.client.clone());
     let dx = new_output::<R, F, I, BT>(&x, x.meta.shape().clone());
     if g.depthwise {
-        depthwise::input_grad::<R, F, I>(&client, &g, (grad, saved, indices, weight), &dx, code);
+        depthwise::input_grad::<R, F, I>(&client, &g, (grad, saved, indices, weight), &dx, epilogue);
     } else {
         let tile_m = tile_rows(g.c_in);
         // SAFETY: loads are guarded by the operands' sizes (c < c_in,
@@ -535,21 +495,8 @@ fn input_grad<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
                 indices.clone().into_array_arg(),
                 weight.clone().into_array_arg(),
                 dx.clone().into_array_arg(),
-                g.batch,
-                g.c_in,
-                g.h,
-                g.w,
-                g.c_out,
-                g.oh,
-                g.ow,
-                g.kernel.0,
-                g.kernel.1,
-                g.stride.0,
-                g.stride.1,
-                g.padding.0,
-                g.padding.1,
+                g.shape::<R>(epilogue),
                 tile_m,
-                code,
                 pooled,
             );
         }
@@ -567,7 +514,7 @@ fn launch_weight_grad_partials<R: CubeRuntime, F: FloatElement, I: IntElement>(
     (grad, saved, indices, x): (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, &CubeTensor<R>),
     (partials, bias_partials): (&CubeTensor<R>, &CubeTensor<R>),
     (count, chunk): (usize, usize),
-    code: u32,
+    epilogue: Epilogue,
     pooled: bool,
 ) {
     let client = x.client.clone();
@@ -578,7 +525,7 @@ fn launch_weight_grad_partials<R: CubeRuntime, F: FloatElement, I: IntElement>(
             (grad, saved, indices, x),
             (partials, bias_partials),
             (count, chunk),
-            code,
+            epilogue,
         );
     } else {
         let depth = g.c_in * g.taps();
@@ -600,22 +547,9 @@ fn launch_weight_grad_partials<R: CubeRuntime, F: FloatElement, I: IntElement>(
                 x.clone().into_array_arg(),
                 partials.clone().into_array_arg(),
                 bias_partials.clone().into_array_arg(),
-                g.batch,
-                g.c_in,
-                g.h,
-                g.w,
-                g.c_out,
-                g.oh,
-                g.ow,
+                g.shape::<R>(epilogue),
                 chunk,
-                g.kernel.0,
-                g.kernel.1,
-                g.stride.0,
-                g.stride.1,
-                g.padding.0,
-                g.padding.1,
                 tile_m,
-                code,
                 pooled,
                 swap,
             );
@@ -629,7 +563,7 @@ fn weight_grads<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>
     operands: BackwardOperands<R>,
     bias_grad: bool,
 ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
-    let BackwardOperands { g, x, weight, grad, saved, indices, pooled, epilogue: code } = operands;
+    let BackwardOperands { g, x, weight, grad, saved, indices, pooled, epilogue } = operands;
     let client = x.client.clone();
     // Weight (and bias) gradients: partial sums, then their sum.
     let (rh, rw) = if pooled { (g.oh / 2 * 2, g.ow / 2 * 2) } else { (g.oh, g.ow) };
@@ -649,7 +583,7 @@ fn weight_grads<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>
         (grad, saved, indices, &x),
         (&partials, &bias_partials),
         (count, chunk),
-        code,
+        epilogue,
         pooled,
     );
     let weight_grad = new_output::<R, F, I, BT>(&x, weight.meta.shape().clone());

@@ -10,63 +10,52 @@ use burn_cubecl::{CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
 use super::common::activate;
-use super::geometry::{elementwise_grid, pre_gradient, Geometry, UNITS};
+use super::geometry::{elementwise_grid, inside_input, pre_gradient, ConvShape, Geometry, UNITS};
+use crate::Epilogue;
 
-/// Depthwise forward: one unit per output element; filter `co` reads input
-/// channel `co / multiplier`.
-#[allow(clippy::too_many_arguments)]
+/// Depthwise forward: one unit per output element, with the sizes and
+/// activation of `shape`; filter `co` reads input channel `co /
+/// multiplier`.
 #[cube(launch)]
 fn depthwise_forward_kernel<F: Float>(
     x: &Array<F>,
     w: &Array<F>,
     bias: &Array<F>,
     out: &mut Array<F>,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
-    #[comptime] kh: usize,
-    #[comptime] kw: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
+    shape: &ConvShape,
     #[comptime] has_bias: bool,
-    #[comptime] epilogue: u32,
 ) {
     let e = ABSOLUTE_POS;
     if e < out.len() {
-        let ox = e % ow;
-        let oy = (e / ow) % oh;
-        let plane = e / (oh * ow);
-        let co = plane % c_out;
-        let b = plane / c_out;
-        let c = co / (c_out / c_in);
+        let ox = e % shape.ow;
+        let oy = (e / shape.ow) % shape.oh;
+        let plane = e / (shape.oh * shape.ow);
+        let co = plane % shape.c_out;
+        let b = plane / shape.c_out;
+        let c = co / (shape.c_out / shape.c_in);
         let mut acc = F::new(0.0);
         if has_bias {
             acc = bias[co];
         }
-        let base = (b * c_in + c) * h * wd;
+        let base = (b * shape.c_in + c) * shape.h * shape.wd;
         #[unroll]
-        for ky in 0..kh {
+        for ky in 0..shape.kh {
             #[unroll]
-            for kx in 0..kw {
-                let yy = oy * sy + ky;
-                let xx = ox * sx + kx;
-                if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
-                    acc += w[co * kh * kw + ky * kw + kx] * x[base + (yy - pad_y) * wd + xx - pad_x];
+            for kx in 0..shape.kw {
+                let yy = oy * shape.sy + ky;
+                let xx = ox * shape.sx + kx;
+                if inside_input(shape, yy, xx) {
+                    acc += w[co * shape.kh * shape.kw + comptime![ky * shape.kw + kx]]
+                        * x[base + (yy - shape.pad_y) * shape.wd + xx - shape.pad_x];
                 }
             }
         }
-        out[e] = activate::<F>(acc, epilogue);
+        out[e] = activate::<F>(acc, shape.epilogue);
     }
 }
 
 /// Depthwise input gradient: one unit per input element, summing over the
 /// channel's filters and the taps that reach it.
-#[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 fn depthwise_input_grad_kernel<F: Float, I: Int>(
     grad: &Array<F>,
@@ -74,53 +63,43 @@ fn depthwise_input_grad_kernel<F: Float, I: Int>(
     indices: &Array<I>,
     w: &Array<F>,
     dx: &mut Array<F>,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
-    #[comptime] kh: usize,
-    #[comptime] kw: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
-    #[comptime] epilogue: u32,
+    shape: &ConvShape,
 ) {
     let e = ABSOLUTE_POS;
     if e < dx.len() {
-        let ix = e % wd;
-        let iy = (e / wd) % h;
-        let plane = e / (h * wd);
-        let c = plane % c_in;
-        let b = plane / c_in;
-        let multiplier = c_out / c_in;
+        let ix = e % shape.wd;
+        let iy = (e / shape.wd) % shape.h;
+        let plane = e / (shape.h * shape.wd);
+        let c = plane % shape.c_in;
+        let b = plane / shape.c_in;
+        let multiplier = shape.c_out / shape.c_in;
         let mut acc = F::new(0.0);
         for j in 0..multiplier {
             let co = c * multiplier + j;
             #[unroll]
-            for ky in 0..kh {
+            for ky in 0..shape.kh {
                 #[unroll]
-                for kx in 0..kw {
-                    let ty = iy + pad_y;
-                    let tx = ix + pad_x;
+                for kx in 0..shape.kw {
+                    let ty = iy + shape.pad_y;
+                    let tx = ix + shape.pad_x;
                     if ty >= ky && tx >= kx {
                         let (ty, tx) = (ty - ky, tx - kx);
-                        if ty % sy == 0 && tx % sx == 0 && ty / sy < oh && tx / sx < ow {
+                        if ty % shape.sy == 0
+                            && tx % shape.sx == 0
+                            && ty / shape.sy < shape.oh
+                            && tx / shape.sx < shape.ow
+                        {
                             let g = pre_gradient::<F, I>(
                                 grad,
                                 saved,
                                 indices,
-                                b * c_out + co,
-                                ty / sy,
-                                tx / sx,
-                                oh,
-                                ow,
-                                epilogue,
+                                shape,
+                                b * shape.c_out + co,
+                                ty / shape.sy,
+                                tx / shape.sx,
                                 false,
                             );
-                            acc += w[co * kh * kw + ky * kw + kx] * g;
+                            acc += w[co * shape.kh * shape.kw + comptime![ky * shape.kw + kx]] * g;
                         }
                     }
                 }
@@ -142,28 +121,15 @@ fn depthwise_weight_grad_kernel<F: Float, I: Int>(
     x: &Array<F>,
     partials: &mut Array<F>,
     bias_partials: &mut Array<F>,
-    batch: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    c_out: usize,
-    oh: usize,
-    ow: usize,
+    shape: &ConvShape,
     chunk: usize,
-    #[comptime] kh: usize,
-    #[comptime] kw: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
-    #[comptime] epilogue: u32,
 ) {
-    let taps = kh * kw;
+    let taps = comptime![shape.kh * shape.kw];
     let co = CUBE_POS_X as usize;
     let z = CUBE_POS_Y as usize;
-    let c = co / (c_out / c_in);
+    let c = co / (shape.c_out / shape.c_in);
     let unit = UNIT_POS as usize;
-    let reduction = batch * oh * ow;
+    let reduction = shape.batch * shape.oh * shape.ow;
     let r_begin = z * chunk;
     let mut r_end = r_begin + chunk;
     if r_end > reduction {
@@ -176,19 +142,20 @@ fn depthwise_weight_grad_kernel<F: Float, I: Int>(
     }
     let mut r = r_begin + unit;
     while r < r_end {
-        let b = r / (oh * ow);
-        let at = r % (oh * ow);
-        let (oy, ox) = (at / ow, at % ow);
-        let g = pre_gradient::<F, I>(grad, saved, indices, b * c_out + co, oy, ox, oh, ow, epilogue, false);
-        let base = (b * c_in + c) * h * wd;
+        let b = r / (shape.oh * shape.ow);
+        let at = r % (shape.oh * shape.ow);
+        let (oy, ox) = (at / shape.ow, at % shape.ow);
+        let g = pre_gradient::<F, I>(grad, saved, indices, shape, b * shape.c_out + co, oy, ox, false);
+        let base = (b * shape.c_in + c) * shape.h * shape.wd;
         #[unroll]
-        for ky in 0..kh {
+        for ky in 0..shape.kh {
             #[unroll]
-            for kx in 0..kw {
-                let yy = oy * sy + ky;
-                let xx = ox * sx + kx;
-                if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
-                    acc[ky * kw + kx] += g * x[base + (yy - pad_y) * wd + xx - pad_x];
+            for kx in 0..shape.kw {
+                let yy = oy * shape.sy + ky;
+                let xx = ox * shape.sx + kx;
+                if inside_input(shape, yy, xx) {
+                    acc[comptime![ky * shape.kw + kx]] +=
+                        g * x[base + (yy - shape.pad_y) * shape.wd + xx - shape.pad_x];
                 }
             }
         }
@@ -210,9 +177,9 @@ fn depthwise_weight_grad_kernel<F: Float, I: Int>(
         }
         if unit == 0 {
             if t < taps {
-                partials[(z * c_out + co) * taps + t] = shared[0];
+                partials[(z * shape.c_out + co) * taps + t] = shared[0];
             } else {
-                bias_partials[z * c_out + co] = shared[0];
+                bias_partials[z * shape.c_out + co] = shared[0];
             }
         }
         sync_cube();
@@ -220,15 +187,15 @@ fn depthwise_weight_grad_kernel<F: Float, I: Int>(
 }
 
 /// Launches the depthwise forward ([`depthwise_forward_kernel`]) of `x`,
-/// `weight` and `bias` (a placeholder without one) into `out`, one unit per
-/// output element; `epilogue` as [`super::common::epilogue_code`].
+/// `weight` and `bias` (a placeholder without one), followed by
+/// `epilogue`, into `out`, one unit per output element.
 pub(super) fn forward<R: CubeRuntime, F: FloatElement>(
     client: &ComputeClient<R>,
     g: &Geometry,
     (x, weight, bias): (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>),
     out: &CubeTensor<R>,
     has_bias: bool,
-    epilogue: u32,
+    epilogue: Epilogue,
 ) {
     let elements = out.meta.num_elements();
     depthwise_forward_kernel::launch::<F, R>(
@@ -239,32 +206,20 @@ pub(super) fn forward<R: CubeRuntime, F: FloatElement>(
         weight.into_array_arg(),
         bias.into_array_arg(),
         out.clone().into_array_arg(),
-        g.c_in,
-        g.h,
-        g.w,
-        g.c_out,
-        g.oh,
-        g.ow,
-        g.kernel.0,
-        g.kernel.1,
-        g.stride.0,
-        g.stride.1,
-        g.padding.0,
-        g.padding.1,
+        g.shape::<R>(epilogue),
         has_bias,
-        epilogue,
     );
 }
 
 /// Launches the depthwise input gradient ([`depthwise_input_grad_kernel`])
-/// into `dx`, one unit per input element; `code` as
-/// [`super::common::epilogue_code`].
+/// into `dx`, one unit per input element, for a forward followed by
+/// `epilogue`.
 pub(super) fn input_grad<R: CubeRuntime, F: FloatElement, I: IntElement>(
     client: &ComputeClient<R>,
     g: &Geometry,
     (grad, saved, indices, weight): (&CubeTensor<R>, &CubeTensor<R>, &CubeTensor<R>, &CubeTensor<R>),
     dx: &CubeTensor<R>,
-    code: u32,
+    epilogue: Epilogue,
 ) {
     depthwise_input_grad_kernel::launch::<F, I, R>(
         client,
@@ -275,33 +230,21 @@ pub(super) fn input_grad<R: CubeRuntime, F: FloatElement, I: IntElement>(
         indices.clone().into_array_arg(),
         weight.clone().into_array_arg(),
         dx.clone().into_array_arg(),
-        g.c_in,
-        g.h,
-        g.w,
-        g.c_out,
-        g.oh,
-        g.ow,
-        g.kernel.0,
-        g.kernel.1,
-        g.stride.0,
-        g.stride.1,
-        g.padding.0,
-        g.padding.1,
-        code,
+        g.shape::<R>(epilogue),
     );
 }
 
 /// Launches the first stage of the depthwise weight and bias gradients
 /// ([`depthwise_weight_grad_kernel`]): `count` cubes per filter along the
 /// reduction, each summing `chunk` positions into its rows of `partials`
-/// and `bias_partials`; `code` as [`super::common::epilogue_code`].
+/// and `bias_partials`, for a forward followed by `epilogue`.
 pub(super) fn weight_grad_partials<R: CubeRuntime, F: FloatElement, I: IntElement>(
     client: &ComputeClient<R>,
     g: &Geometry,
     (grad, saved, indices, x): (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, &CubeTensor<R>),
     (partials, bias_partials): (&CubeTensor<R>, &CubeTensor<R>),
     (count, chunk): (usize, usize),
-    code: u32,
+    epilogue: Epilogue,
 ) {
     depthwise_weight_grad_kernel::launch::<F, I, R>(
         client,
@@ -313,20 +256,7 @@ pub(super) fn weight_grad_partials<R: CubeRuntime, F: FloatElement, I: IntElemen
         x.clone().into_array_arg(),
         partials.clone().into_array_arg(),
         bias_partials.clone().into_array_arg(),
-        g.batch,
-        g.c_in,
-        g.h,
-        g.w,
-        g.c_out,
-        g.oh,
-        g.ow,
+        g.shape::<R>(epilogue),
         chunk,
-        g.kernel.0,
-        g.kernel.1,
-        g.stride.0,
-        g.stride.1,
-        g.padding.0,
-        g.padding.1,
-        code,
     );
 }

@@ -1,6 +1,7 @@
 //! The launch geometry of the convolution and pooling kernels (tile sizes,
-//! cube counts, a convolution's sizes and whether the kernels take it) and
-//! the index and tile arithmetic their kernels share: where an output
+//! cube counts, a convolution's sizes and whether the kernels take it), the
+//! sizes every convolution kernel takes as one argument ([`ConvShape`]),
+//! and the index and tile arithmetic their kernels share: where an output
 //! column reads its input, the pre-activation gradient at an output
 //! position, and the product of two staged tiles.
 
@@ -9,7 +10,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
-use super::common::outer_product_add;
+use super::common::{epilogue_code, outer_product_add};
 use crate::Epilogue;
 
 /// Columns of the output tile of a cube (units along x: 16, 4 columns each).
@@ -42,36 +43,35 @@ fn keeps_gradient<F: Float>(s: F, #[comptime] epilogue: u32) -> F {
     keep
 }
 
-/// The pre-activation gradient at full-resolution output `(b, c, oy, ox)`.
-/// Unpooled: `grad * act'(saved)` there. Pooled (`grad`, `saved` and
-/// `indices` at half resolution `ph x pw`): that of the window, where the
-/// window's maximum sat, else zero.
+/// The pre-activation gradient at full-resolution output `(oy, ox)` of
+/// `plane` (sample `b`, channel `c`: `b * c_out + c`) of a convolution of
+/// `shape`. Unpooled: `grad * act'(saved)` there. Pooled (`grad`, `saved`
+/// and `indices` at half resolution `ph x pw`): that of the window, where
+/// the window's maximum sat, else zero.
 #[allow(clippy::too_many_arguments)]
 #[cube]
 pub(super) fn pre_gradient<F: Float, I: Int>(
     grad: &Array<F>,
     saved: &Array<F>,
     indices: &Array<I>,
+    shape: &ConvShape,
     plane: usize,
     oy: usize,
     ox: usize,
-    oh: usize,
-    ow: usize,
-    #[comptime] epilogue: u32,
     #[comptime] pooled: bool,
 ) -> F {
     let mut g = F::new(0.0);
     if pooled {
-        let (ph, pw) = (oh / 2, ow / 2);
+        let (ph, pw) = (shape.oh / 2, shape.ow / 2);
         if oy < 2 * ph && ox < 2 * pw {
             let at = (plane * ph + oy / 2) * pw + ox / 2;
-            if u32::cast_from(indices[at]) as usize == oy * ow + ox {
-                g = grad[at] * keeps_gradient::<F>(saved[at], epilogue);
+            if u32::cast_from(indices[at]) as usize == oy * shape.ow + ox {
+                g = grad[at] * keeps_gradient::<F>(saved[at], shape.epilogue);
             }
         }
     } else {
-        let at = (plane * oh + oy) * ow + ox;
-        g = grad[at] * keeps_gradient::<F>(saved[at], epilogue);
+        let at = (plane * shape.oh + oy) * shape.ow + ox;
+        g = grad[at] * keeps_gradient::<F>(saved[at], shape.epilogue);
     }
     g
 }
@@ -84,32 +84,34 @@ pub(super) fn column_tile() -> usize {
 }
 
 /// The input value under filter tap `(ky, kx)` of output position `(oy,
-/// ox)` of sample `b`, channel `c` (zero in the padding).
+/// ox)` of sample `b`, channel `c` of a convolution of `shape` (zero in the
+/// padding).
 #[allow(clippy::too_many_arguments)]
 #[cube]
 pub(super) fn input_at<F: Float>(
     x: &Array<F>,
+    shape: &ConvShape,
     b: usize,
     c: usize,
     oy: usize,
     ox: usize,
     ky: usize,
     kx: usize,
-    c_in: usize,
-    h: usize,
-    wd: usize,
-    #[comptime] sy: usize,
-    #[comptime] sx: usize,
-    #[comptime] pad_y: usize,
-    #[comptime] pad_x: usize,
 ) -> F {
-    let yy = oy * sy + ky;
-    let xx = ox * sx + kx;
+    let yy = oy * shape.sy + ky;
+    let xx = ox * shape.sx + kx;
     let mut v = F::new(0.0);
-    if yy >= pad_y && yy < h + pad_y && xx >= pad_x && xx < wd + pad_x {
-        v = x[((b * c_in + c) * h + yy - pad_y) * wd + xx - pad_x];
+    if inside_input(shape, yy, xx) {
+        v = x[((b * shape.c_in + c) * shape.h + yy - shape.pad_y) * shape.wd + xx - shape.pad_x];
     }
     v
+}
+
+/// Whether `(yy, xx)` of the padded input lies inside the input itself
+/// (not in its padding).
+#[cube]
+pub(super) fn inside_input(shape: &ConvShape, yy: usize, xx: usize) -> bool {
+    yy >= shape.pad_y && yy < shape.h + shape.pad_y && xx >= shape.pad_x && xx < shape.wd + shape.pad_x
 }
 
 /// Zeroes the first `len` values of `values` (a register tile).
@@ -153,6 +155,37 @@ pub(super) fn multiply_tiles<F: Float>(
         }
         outer_product_add::<F>(acc, a0, a1, a2, a3, b0, b1, b2, b3);
     }
+}
+
+/// A convolution's sizes as its kernels read them, in one kernel argument
+/// ([`Geometry::shape`] builds it): the batch, the channels and the input
+/// (`h x wd`; `w` names the weights in the kernels) and output planes at
+/// run time; the filter (`kh x kw`), the stride, the padding and the
+/// activation that follows (`epilogue`, as [`super::common::epilogue_code`])
+/// fixed at compile time, so that the loops over the filter taps unroll.
+#[derive(CubeLaunch, CubeType, Clone)]
+pub(super) struct ConvShape {
+    pub batch: usize,
+    pub c_in: usize,
+    pub h: usize,
+    pub wd: usize,
+    pub c_out: usize,
+    pub oh: usize,
+    pub ow: usize,
+    #[cube(comptime)]
+    pub kh: usize,
+    #[cube(comptime)]
+    pub kw: usize,
+    #[cube(comptime)]
+    pub sy: usize,
+    #[cube(comptime)]
+    pub sx: usize,
+    #[cube(comptime)]
+    pub pad_y: usize,
+    #[cube(comptime)]
+    pub pad_x: usize,
+    #[cube(comptime)]
+    pub epilogue: u32,
 }
 
 /// A convolution's sizes, when our kernels take it: no dilation, and
@@ -212,6 +245,27 @@ impl Geometry {
 
     pub(super) fn taps(&self) -> usize {
         self.kernel.0 * self.kernel.1
+    }
+
+    /// The kernels' [`ConvShape`] argument for this convolution, followed
+    /// by `epilogue`.
+    pub(super) fn shape<R: Runtime>(&self, epilogue: Epilogue) -> ConvShapeLaunch<R> {
+        ConvShapeLaunch::<R>::new(
+            self.batch,
+            self.c_in,
+            self.h,
+            self.w,
+            self.c_out,
+            self.oh,
+            self.ow,
+            self.kernel.0,
+            self.kernel.1,
+            self.stride.0,
+            self.stride.1,
+            self.padding.0,
+            self.padding.1,
+            epilogue_code(epilogue),
+        )
     }
 }
 
