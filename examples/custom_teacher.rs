@@ -30,7 +30,7 @@ use pipe_bd::data::{epoch_order, ImageDataset};
 use pipe_bd::eval::{load_student_records, save_students};
 use pipe_bd::runtime::{Distillation, RuntimeSettings};
 use pipe_bd::train::checkpoint::CheckpointPolicy;
-use pipe_bd::train::stitch::{stitched_pass, StitchedGradients, StitchedPass};
+use pipe_bd::train::stitch::{StitchedGradients, StitchedPass, StitchedRun};
 use pipe_bd::train::{inference_blocks, TrainSettings};
 use pipe_bd::{
     forward_chain, Activation, Block, BlockResult, Dataset, FusedBackend, Plan, Samples, Students, Teacher,
@@ -201,7 +201,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..Default::default()
     };
     let (students, log) =
-        stitched_pass(&teacher, output.students, &train, &settings, &pass, None, &device, &mut |_| {})?;
+        StitchedRun::new(&teacher, &train, &settings, &device).train(output.students, &pass, &mut |_| {})?;
     println!("stitched pass: {} steps, final losses {:?}", log.steps, log.final_losses);
 
     // Save the students, reload them into fresh modules, score the reloaded ones.

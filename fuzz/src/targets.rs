@@ -148,6 +148,15 @@ fn run_folder_targets() -> Vec<Target> {
         committed("metrics", "metrics.csv", "metrics.csv", |p, _| {
             pipebd_cli::metrics::read_metrics(p).into()
         }),
+        committed(
+            "sweep-csv",
+            "sweep.csv (the finished points a sweep resumes from)",
+            "sweep.csv",
+            |p, _| {
+                let keys = ["schedule".to_string(), "train.batch_size".to_string()];
+                pipebd_cli::jobs::sweep::read_rows(p, &keys).into()
+            },
+        ),
         committed("report", "report.json", "report.json", |_, w| {
             pipebd_cli::report::RunReport::read(w).into()
         }),

@@ -176,10 +176,74 @@ impl StitchedPass {
     }
 }
 
-/// Runs `pass` over `data` on `device`: every block learns from the stitched
-/// student's output of the blocks before it; batches, seed, logging and
-/// temperature come from `settings`. `head` is the frozen output head a
-/// `head-kl` output loss scores through (required by it, unused otherwise).
+/// What a stitched pass reads and does not train: the frozen teacher, the
+/// data, the run's settings (batches, seed, logging, temperature), the
+/// device, and the frozen output head a `head-kl` output loss scores
+/// through. Build it, then [`train`](Self::train) the students:
+///
+/// ```ignore
+/// let (students, log) = StitchedRun::new(&teacher, &data, &settings, &device)
+///     .with_head(&head) // only for `head-kl`
+///     .train(students, &pass, &mut |_| {})?;
+/// ```
+pub struct StitchedRun<'a, B: DistillBackend, T: Block<B::InnerBackend>> {
+    teacher: &'a Teacher<B::InnerBackend, T>,
+    data: &'a dyn Dataset<B::InnerBackend>,
+    settings: &'a TrainSettings,
+    device: &'a B::Device,
+    head: Option<&'a dyn OutputHead<B>>,
+}
+
+impl<'a, B, T> StitchedRun<'a, B, T>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+{
+    /// A pass of `teacher`'s students over `data` on `device` under
+    /// `settings`, without an output head.
+    pub fn new(
+        teacher: &'a Teacher<B::InnerBackend, T>,
+        data: &'a dyn Dataset<B::InnerBackend>,
+        settings: &'a TrainSettings,
+        device: &'a B::Device,
+    ) -> Self {
+        Self { teacher, data, settings, device, head: None }
+    }
+
+    /// The same with `head`, the frozen output head that a `head-kl`
+    /// output loss scores through (required by it, unused otherwise).
+    pub fn with_head(mut self, head: &'a dyn OutputHead<B>) -> Self {
+        self.head = Some(head);
+        self
+    }
+
+    /// The same with an optional head ([`with_head`](Self::with_head) or
+    /// none).
+    pub fn with_optional_head(mut self, head: Option<&'a dyn OutputHead<B>>) -> Self {
+        self.head = head;
+        self
+    }
+
+    /// Runs `pass` on `students`: every block learns from the stitched
+    /// student's output of the blocks before it; `observer` sees every
+    /// step's progress. Returns the trained students and what the pass did.
+    pub fn train<S: StudentModule<B>>(
+        &self,
+        students: Students<B, S>,
+        pass: &StitchedPass,
+        observer: &mut dyn FnMut(&Progress),
+    ) -> Result<(Students<B, S>, StitchedLog)> {
+        train_stitched(self, students, pass, observer)
+    }
+}
+
+/// Runs `pass` over `data` on `device` (see [`StitchedRun`], which this
+/// calls).
+#[deprecated(
+    since = "0.3.0",
+    note = "use `StitchedRun::new(teacher, data, settings, device)\
+    .with_optional_head(head).train(students, pass, observer)`"
+)]
 #[allow(clippy::too_many_arguments)]
 pub fn stitched_pass<B, T, S>(
     teacher: &Teacher<B::InnerBackend, T>,
@@ -196,6 +260,21 @@ where
     T: Block<B::InnerBackend>,
     S: StudentModule<B>,
 {
+    StitchedRun::new(teacher, data, settings, device).with_optional_head(head).train(students, pass, observer)
+}
+
+fn train_stitched<B, T, S>(
+    run: &StitchedRun<'_, B, T>,
+    students: Students<B, S>,
+    pass: &StitchedPass,
+    observer: &mut dyn FnMut(&Progress),
+) -> Result<(Students<B, S>, StitchedLog)>
+where
+    B: DistillBackend,
+    T: Block<B::InnerBackend>,
+    S: StudentModule<B>,
+{
+    let StitchedRun { teacher, data, settings, device, head } = *run;
     let start = std::time::Instant::now();
     let per_epoch = steps_per_epoch(data.len(), settings.batch_size);
     let (epochs, first_step) = (pass.epochs, pass.first_step);

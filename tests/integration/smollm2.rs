@@ -251,3 +251,81 @@ fn configs_refuse_students_that_cannot_replace_a_decoder_layer() {
         assert!(stderr.contains(expected) && stderr.contains("block 1"), "{first}: {stderr}");
     }
 }
+
+/// Pipe-BD on the decoder LLM: a search run's candidates (three per block
+/// over SmolLM2's 30 layers cut into three blocks) trained under teacher
+/// relaying on two slots, with and without decoupled updates, end at the
+/// weights the ideal schedule gives them on one.
+#[test]
+fn relayed_schedules_train_the_decoder_candidates_to_the_ideal_weights() {
+    use burn::backend::Autodiff;
+    use pipe_bd::plan::{flops_cost, Plan};
+    use pipe_bd::runtime::{Distillation, RuntimeSettings};
+    use pipebd_cli::config::RunConfig;
+    use pipebd_cli::zoo::Zoo;
+    type B = Autodiff<Flex>;
+
+    let dir = tempfile::tempdir().unwrap();
+    let students = r#"
+[[students]]
+kind = "candidates"
+candidates = [
+  { kind = "decoder", ffn = 256, init = "random" },
+  { kind = "decoder", mixer = "none", ffn = 128, init = "random" },
+  { kind = "skip" },
+]
+
+[[students]]
+kind = "decoder"
+ffn = 128
+init = "random"
+
+[[students]]
+kind = "candidates"
+candidates = [
+  { kind = "decoder", ffn = 128, init = "random" },
+  { kind = "decoder", mixer = "linear", ffn = 128, init = "random" },
+]
+"#;
+    let path = tiny_config(dir.path(), students);
+    let config = RunConfig::parse(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
+    let device = Default::default();
+    let workload = pipebd_zoo::Builtin.workload::<Flex>(&config, &device, false).unwrap();
+    let teacher = &workload.teacher;
+    let train = |plan: &Plan, slots: usize| {
+        let students = pipebd_zoo::Builtin.students::<B>(&config, &teacher.specs, &device).unwrap();
+        let output = Distillation::new(teacher, students, workload.train.as_ref())
+            .settings(config.train_settings())
+            .devices(vec![device; slots])
+            .runtime(RuntimeSettings { threads_per_worker: 1, ..Default::default() })
+            .run(plan)
+            .unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+        assert_eq!(output.log.steps, 2, "{}: 16 sentences in batches of 8", plan.name);
+        let weights: Vec<Vec<f32>> =
+            output.students.blocks.iter().map(pipe_bd::flat_parameters::<B, _>).collect();
+        (weights, output.log.final_losses)
+    };
+    let (ideal, ideal_losses) = train(&Plan::ideal(3), 1);
+    let untrained: Vec<Vec<f32>> = pipebd_zoo::Builtin
+        .students::<B>(&config, &teacher.specs, &device)
+        .unwrap()
+        .blocks
+        .iter()
+        .map(pipe_bd::flat_parameters::<B, _>)
+        .collect();
+    assert!(common::max_abs_diff(&ideal, &untrained) > 1e-6, "the ideal schedule trained nothing");
+    let specs = pipebd_zoo::Builtin.student_specs(&config, &teacher.specs).unwrap();
+    let cost = flops_cost(&teacher.specs, &specs);
+    for name in ["tr", "tr-dpu"] {
+        let plan = Plan::named(name, 3, 2, &cost, &[]).unwrap();
+        let (weights, losses) = train(&plan, 2);
+        let diff = common::max_abs_diff(&ideal, &weights);
+        assert!(diff <= 1e-5, "{name}: candidates differ from ideal by {diff}");
+        for (a, b) in ideal_losses.iter().zip(&losses) {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+                "{name}: final losses {losses:?} vs {ideal_losses:?}"
+            );
+        }
+    }
+}

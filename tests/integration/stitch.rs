@@ -10,7 +10,7 @@ use burn::module::AutodiffModule;
 use pipe_bd::data::ImageDataset;
 use pipe_bd::plan::Plan;
 use pipe_bd::runtime::Distillation;
-use pipe_bd::train::stitch::{stitched_pass, OutputLoss, OutputLossKind, StitchedGradients, StitchedPass};
+use pipe_bd::train::stitch::{OutputLoss, OutputLossKind, StitchedGradients, StitchedPass, StitchedRun};
 use pipe_bd::train::TrainSettings;
 use pipe_bd::{forward_chain, Activation, Teacher};
 use pipebd_cli::config::RunConfig;
@@ -64,9 +64,9 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
         output_loss: None,
         block_weight: 1.0,
     };
-    let (stitched, log) =
-        stitched_pass(&teacher, trained, &data, &settings, &local, None, &device, &mut |_| steps += 1)
-            .unwrap();
+    let (stitched, log) = StitchedRun::new(&teacher, &data, &settings, &device)
+        .train(trained, &local, &mut |_| steps += 1)
+        .unwrap();
     assert_eq!((log.steps, steps), (40, 40));
     assert_eq!(log.rows.first().map(|r| r.step), Some(40), "rows are numbered after the blockwise steps");
     let after = gap(&stitched);
@@ -82,7 +82,7 @@ fn the_stitched_pass_brings_the_stitched_student_closer_to_the_teacher() {
     let again = blockwise(&settings, Builtin.students::<B>(&config, &teacher.specs, &device).unwrap());
     let end_to_end = StitchedPass { gradients: StitchedGradients::EndToEnd, ..local };
     let (chained, _) =
-        stitched_pass(&teacher, again, &data, &settings, &end_to_end, None, &device, &mut |_| {}).unwrap();
+        StitchedRun::new(&teacher, &data, &settings, &device).train(again, &end_to_end, &mut |_| {}).unwrap();
     let end_to_end = gap(&chained);
     eprintln!(
         "stitched gap: blockwise {before}, +local {after}, +end-to-end {end_to_end}, +blockwise {control}"
@@ -149,12 +149,12 @@ fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
     let plain =
         StitchedPass { epochs: 2, optimizer: config.optimizer.clone(), first_step: 10, ..Default::default() };
     let (without, log) =
-        stitched_pass(&teacher, trained(), &data, &settings, &plain, None, &device, &mut |_| {}).unwrap();
+        StitchedRun::new(&teacher, &data, &settings, &device).train(trained(), &plain, &mut |_| {}).unwrap();
     assert_eq!(log.final_output_loss, None);
     let pulled =
         StitchedPass { output_loss: Some(OutputLoss { kind: OutputLossKind::Mse, weight: 10.0 }), ..plain };
     let (with, log) =
-        stitched_pass(&teacher, trained(), &data, &settings, &pulled, None, &device, &mut |_| {}).unwrap();
+        StitchedRun::new(&teacher, &data, &settings, &device).train(trained(), &pulled, &mut |_| {}).unwrap();
     let value = log.final_output_loss.expect("the output loss is reported");
     assert!(value.is_finite() && value > 0.0, "{value}");
     let (without, with) = (gap(&without), gap(&with));
@@ -166,7 +166,7 @@ fn an_output_loss_pulls_the_final_output_towards_the_teacher() {
     let before = gap(&trained());
     let alone = StitchedPass { block_weight: 0.0, ..pulled };
     let (only, log) =
-        stitched_pass(&teacher, trained(), &data, &settings, &alone, None, &device, &mut |_| {}).unwrap();
+        StitchedRun::new(&teacher, &data, &settings, &device).train(trained(), &alone, &mut |_| {}).unwrap();
     assert!(log.final_losses.iter().all(|l| l.is_finite() && *l > 0.0), "{:?}", log.final_losses);
     let only = gap(&only);
     eprintln!("logit gap: blockwise {before}, then the output MSE alone {only}");
@@ -219,23 +219,17 @@ fn a_head_kl_output_loss_pulls_the_predictions_through_the_head_towards_the_teac
         ..plain.clone()
     };
     // Without the head the loss cannot be computed, and says so.
-    let err = stitched_pass(&teacher, trained(), &data, &settings, &through_head, None, &device, &mut |_| {})
+    let err = StitchedRun::new(&teacher, &data, &settings, &device)
+        .train(trained(), &through_head, &mut |_| {})
         .map(|_| ())
         .unwrap_err();
     assert!(err.to_string().contains("head-kl"), "{err}");
     let (without, _) =
-        stitched_pass(&teacher, trained(), &data, &settings, &plain, None, &device, &mut |_| {}).unwrap();
-    let (with, log) = stitched_pass(
-        &teacher,
-        trained(),
-        &data,
-        &settings,
-        &through_head,
-        Some(&head),
-        &device,
-        &mut |_| {},
-    )
-    .unwrap();
+        StitchedRun::new(&teacher, &data, &settings, &device).train(trained(), &plain, &mut |_| {}).unwrap();
+    let (with, log) = StitchedRun::new(&teacher, &data, &settings, &device)
+        .with_head(&head)
+        .train(trained(), &through_head, &mut |_| {})
+        .unwrap();
     let value = log.final_output_loss.expect("the output loss is reported");
     assert!(value.is_finite() && value > 0.0, "{value}");
     let (without, with) = (kl(&without), kl(&with));

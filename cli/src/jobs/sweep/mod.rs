@@ -148,78 +148,87 @@ pub struct Row {
 
 const FIXED_COLUMNS: [&str; 4] = ["samples_per_second", "step_seconds", "student_accuracy", "plan"];
 
-fn header(keys: &[String]) -> String {
+/// The columns of a sweep over `keys`: the point, each swept field, then
+/// the figures of [`Row`].
+fn header(keys: &[String]) -> Vec<String> {
     let mut cols = vec!["point".to_string()];
     cols.extend(keys.iter().cloned());
     cols.extend(FIXED_COLUMNS.iter().map(|c| c.to_string()));
-    cols.join(",")
+    cols
 }
 
-fn quote(field: &str) -> String {
-    format!("\"{}\"", field.replace('"', "'"))
+/// The cells of `row`, in [`header`]'s order.
+fn record(row: &Row) -> Vec<String> {
+    let mut cells = vec![row.id.clone()];
+    cells.extend(row.values.iter().cloned());
+    cells.push(format!("{:.3}", row.samples_per_second));
+    cells.push(format!("{:.6}", row.step_seconds));
+    cells.push(format!("{:.6}", row.student_accuracy));
+    cells.push(row.plan.clone());
+    cells
 }
 
-fn csv_line(row: &Row) -> String {
-    let mut line = vec![quote(&row.id)];
-    line.extend(row.values.iter().map(|v| quote(v)));
-    line.push(format!("{:.3}", row.samples_per_second));
-    line.push(format!("{:.6}", row.step_seconds));
-    line.push(format!("{:.6}", row.student_accuracy));
-    line.push(quote(&row.plan));
-    line.join(",")
-}
-
-/// Splits one CSV line written by this module (fields may be quoted, no
-/// embedded quotes).
-fn split_csv(line: &str) -> Vec<String> {
-    let mut fields = Vec::new();
-    let mut current = String::new();
-    let mut quoted = false;
-    for c in line.chars() {
-        match c {
-            '"' => quoted = !quoted,
-            ',' if !quoted => fields.push(std::mem::take(&mut current)),
-            c => current.push(c),
-        }
+/// Writes `records` as CSV lines to `out` (cells with commas or quotes
+/// quoted by the `csv` crate).
+fn write_records<W: Write>(out: W, records: impl IntoIterator<Item = Vec<String>>) -> csv::Result<W> {
+    let mut writer = csv::WriterBuilder::new().has_headers(false).from_writer(out);
+    for cells in records {
+        writer.write_record(&cells)?;
     }
-    fields.push(current);
-    fields
+    writer.flush()?;
+    writer.into_inner().map_err(|e| csv::Error::from(e.into_error()))
 }
 
 /// Reads the rows of an existing `sweep.csv` (none if it does not exist).
+/// Only whole lines count: a last line without its newline was cut by an
+/// interruption, and its point runs again.
 pub fn read_rows(path: &Path, keys: &[String]) -> Result<Vec<Row>> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(Vec::new()) };
-    let mut lines = text.lines();
-    match lines.next() {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io("reading", path, e)),
+    };
+    let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |last| last + 1);
+    let bad = |message: String| Error::Data { path: path.to_path_buf(), message };
+    let mut reader = csv::ReaderBuilder::new().has_headers(false).flexible(true).from_reader(&bytes[..whole]);
+    let mut records = reader.records();
+    let expected = header(keys);
+    match records.next() {
         None => return Ok(Vec::new()),
-        Some(h) if h == header(keys) => {}
-        Some(h) => {
-            return Err(Error::Data {
-                path: path.to_path_buf(),
-                message: format!(
-                    "its columns `{h}` are not this sweep's `{}`: use another `out` or remove the file",
-                    header(keys)
-                ),
-            })
+        Some(Err(e)) => return Err(bad(format!("its header cannot be read: {e}"))),
+        Some(Ok(found)) if found.iter().eq(expected.iter().map(String::as_str)) => {}
+        Some(Ok(found)) => {
+            return Err(bad(format!(
+                "its columns `{}` are not this sweep's `{}`: use another `out` or remove the file",
+                found.iter().collect::<Vec<_>>().join(","),
+                expected.join(",")
+            )))
         }
     }
     let mut rows = Vec::new();
-    for (i, line) in lines.enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let f = split_csv(line);
-        let bad =
-            || Error::Data { path: path.to_path_buf(), message: format!("line {} is malformed", i + 2) };
-        if f.len() != 1 + keys.len() + FIXED_COLUMNS.len() {
-            // A line cut short by an interruption: ignored, its point reruns.
-            continue;
+    for record in records {
+        let record = record.map_err(|e| bad(format!("cannot be read as CSV: {e}")))?;
+        let line = record.position().map_or(0, |p| p.line());
+        if record.len() != expected.len() {
+            return Err(bad(format!(
+                "line {line} has {} cells, the header {}",
+                record.len(),
+                expected.len()
+            )));
         }
+        let number = |i: usize| -> Result<f64> {
+            record[i]
+                .parse()
+                .map_err(|_| bad(format!("line {line}: `{}` is not a number ({})", &record[i], expected[i])))
+        };
         let n = keys.len();
         rows.push(Row {
-            id: f[0].clone(),
-            values: f[1..=n].to_vec(),
-            samples_per_second: f[n + 1].parse().map_err(|_| bad())?,
-            step_seconds: f[n + 2].parse().map_err(|_| bad())?,
-            student_accuracy: f[n + 3].parse().map_err(|_| bad())?,
-            plan: f[n + 4].clone(),
+            id: record[0].to_string(),
+            values: (1..=n).map(|i| record[i].to_string()).collect(),
+            samples_per_second: number(n + 1)?,
+            step_seconds: number(n + 2)?,
+            student_accuracy: number(n + 3)?,
+            plan: record[n + 4].to_string(),
         });
     }
     Ok(rows)
@@ -285,12 +294,9 @@ pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<
     let csv_path = sweep.out.join("sweep.csv");
     let mut rows = read_rows(&csv_path, &keys)?;
     // Rewrite what is valid (a line cut by an interruption is dropped), then append.
-    let mut text = format!("{}\n", header(&keys));
-    for row in &rows {
-        text.push_str(&csv_line(row));
-        text.push('\n');
-    }
-    pipe_bd::fsio::write_atomic(&csv_path, text.as_bytes())?;
+    let written = write_records(Vec::new(), std::iter::once(header(&keys)).chain(rows.iter().map(record)))
+        .map_err(|e| Error::Data { path: csv_path.clone(), message: format!("cannot write: {e}") })?;
+    pipe_bd::fsio::write_atomic(&csv_path, &written)?;
     for (i, (point, config)) in points.iter().enumerate() {
         let id = point.id();
         if rows.iter().any(|r| r.id == id) {
@@ -308,12 +314,16 @@ pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<
             student_accuracy: report.student_accuracy,
             plan: report.plan.clone(),
         };
-        let mut file = std::fs::OpenOptions::new()
+        let file = std::fs::OpenOptions::new()
             .append(true)
             .open(&csv_path)
             .map_err(|e| Error::io("opening", &csv_path, e))?;
-        writeln!(file, "{}", csv_line(&row))
-            .and_then(|_| file.sync_all())
+        write_records(file, [record(&row)])
+            .map_err(|e| Error::Data {
+                path: csv_path.clone(),
+                message: format!("cannot append a row: {e}"),
+            })?
+            .sync_all()
             .map_err(|e| Error::io("writing", &csv_path, e))?;
         rows.push(row);
     }
@@ -346,23 +356,46 @@ mod tests {
     }
 
     #[test]
-    fn csv_lines_round_trip_and_cut_lines_are_skipped() {
+    fn rows_round_trip_through_the_csv_file_and_a_cut_last_line_is_dropped() {
+        let keys = vec!["schedule".to_string(), "students".to_string()];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sweep.csv");
+        let row = |id: &str, plan: &str| Row {
+            id: id.into(),
+            values: vec!["dp".into(), "[\"a, b\", 2]".into()],
+            samples_per_second: 10.5,
+            step_seconds: 0.125,
+            student_accuracy: 0.875,
+            plan: plan.into(),
+        };
+        let rows = [row("schedule=dp,students=[\"a, b\", 2]", "{1 | 2}"), row("schedule=tr", "{1-2}")];
+        let mut text =
+            write_records(Vec::new(), std::iter::once(header(&keys)).chain(rows.iter().map(record))).unwrap();
+        // An interruption in the middle of a third row's line.
+        text.extend_from_slice(b"\"schedule=hybrid\",\"hyb");
+        std::fs::write(&path, &text).unwrap();
+        assert_eq!(read_rows(&path, &keys).unwrap(), rows);
+    }
+
+    #[test]
+    fn a_damaged_sweep_csv_is_refused_with_its_path_and_line() {
         let keys = vec!["schedule".to_string()];
-        let dir = std::env::temp_dir().join(format!("pipebd-sweep-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("sweep.csv");
-        std::fs::write(
-            &path,
-            format!(
-                "{}\n\"schedule=dp\",\"dp\",10.5,0.1,0.9,\"{{1 | 2}}\"\n\"schedule=tr\",\"tr\",12",
-                header(&keys)
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sweep.csv");
+        let head = header(&keys).join(",");
+        let cases = [
+            (
+                format!("{head}\ndp,dp,fast,0.1,0.9,plan\n"),
+                "line 2: `fast` is not a number (samples_per_second)",
             ),
-        )
-        .unwrap();
-        let rows = read_rows(&path, &keys).unwrap();
-        assert_eq!(rows.len(), 1);
-        assert_eq!(rows[0].plan, "{1 | 2}");
-        assert_eq!(rows[0].samples_per_second, 10.5);
-        std::fs::remove_dir_all(&dir).unwrap();
+            (format!("{head}\ndp,dp,1,0.1\n"), "line 2 has 4 cells, the header 6"),
+            ("point,batch,samples_per_second\n".to_string(), "are not this sweep's"),
+        ];
+        for (text, expected) in cases {
+            std::fs::write(&path, text).unwrap();
+            let error = read_rows(&path, &keys).unwrap_err().to_string();
+            assert!(error.contains(expected) && error.contains("sweep.csv"), "{error}");
+        }
+        assert!(read_rows(&dir.path().join("none.csv"), &keys).unwrap().is_empty());
     }
 }
