@@ -36,6 +36,7 @@ mod builtin;
 pub mod export;
 #[doc(hidden)]
 pub mod fuzzing;
+mod init;
 pub mod lm;
 mod minilm;
 pub mod mnist;

@@ -7,6 +7,7 @@
 
 use std::path::Path;
 
+use burn::tensor::Tensor;
 use pipe_bd::{Error, Result};
 use pipebd_cli::config::RunConfig;
 use pipebd_cli::zoo::Workload;
@@ -18,6 +19,7 @@ use pipebd_teachers::blocks::{minilm_blocks, minilm_specs};
 use pipebd_teachers::minilm::{Embeddings, MiniLm, MiniLmTokenizer};
 use pipebd_teachers::TeacherBlock;
 
+use crate::init::{blocks_from_teacher, init_from_layers, Calibrated, Cpu, PrunedFrom};
 use crate::options::{
     config_block_error, grouped_layers, max_tokens, tokenizer_path, with_block_loss, DataOptions,
 };
@@ -119,74 +121,86 @@ const REFIT_RIDGE: f64 = 1e-3;
 /// Replaces the `encoder` students with `init = "teacher"` by the first
 /// teacher layer of their block, pruned to their size: the heads with the
 /// largest weights and the feed-forward neurons that move the residual
-/// stream most on the first training sentences are kept.
+/// stream most on the first training sentences are kept
+/// ([`crate::init`]'s loop over [`EncoderLayer`]s).
 pub(crate) fn init_from_teacher(
     config: &RunConfig,
     students: &[StudentBlockConfig],
-    blocks: &mut [StudentBlock<burn::backend::Flex>],
+    blocks: &mut [StudentBlock<Cpu>],
 ) -> Result<()> {
     let wanted =
         |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Encoder { init: EncoderInit::Teacher, .. });
-    if !students.iter().any(|s| wanted(s) || s.candidates().iter().any(wanted)) {
+    let needed = blocks_from_teacher(config, students, wanted);
+    if needed.is_empty() {
         return Ok(());
     }
     let device = Default::default();
-    let (embeddings, layers) =
-        MiniLm::<burn::backend::Flex>::load(&config.teacher.weights, &device).lift()?.into_parts();
+    let (embeddings, layers) = MiniLm::<Cpu>::load(&config.teacher.weights, &device).lift()?.into_parts();
     let groups = layers_per_block(config)?;
-    // The calibration batch entering each teacher layer.
+    let first_layer = |k: usize| groups[..k.min(groups.len())].iter().sum::<usize>();
+    // The calibration batch entering the first teacher layer.
     let tokenizer = MiniLmTokenizer::load(&tokenizer_path(config)?).lift()?;
     let (sentences, _) = brown_splits(&config.data.dir, Some(CALIBRATION_SENTENCES), Some(0))?;
     let max_tokens = max_tokens(config)?;
     let ids = tokenize(&tokenizer, &sentences, max_tokens)?;
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-    let (mut hidden, mask) =
-        crate::text::embed_batch(&embeddings, &refs, max_tokens, &device).into_tokens(0)?;
-    let mut layer_inputs = Vec::with_capacity(layers.len());
-    for layer in &layers {
-        layer_inputs.push(hidden.clone());
-        hidden = layer.forward(hidden, mask.clone());
+    let (hidden, mask) = crate::text::embed_batch(&embeddings, &refs, max_tokens, &device).into_tokens(0)?;
+    let teacher = Calibrated { layers: &layers, hidden, mask, teacher: "MiniLM" };
+    init_from_layers(teacher, &needed, &first_layer, students, blocks)
+}
+
+/// MiniLM's layers prune to `encoder` students: the calibration ranks the
+/// feed-forward neurons and keeps their mean activations (to compensate
+/// the pruned ones); a student smaller than the layer gets its output
+/// projection refitted by least squares (kept as compensated if the system
+/// is singular).
+impl PrunedFrom for EncoderLayer<Cpu> {
+    type Calibration = NeuronStatistics;
+    type Student = EncoderLayer<Cpu>;
+
+    fn calibrate(&self, hidden: &Tensor<Cpu, 3>, mask: &Tensor<Cpu, 2>) -> NeuronStatistics {
+        self.neuron_statistics(hidden.clone(), mask.clone())
     }
-    // Each teacher layer's neuron statistics, computed once however many
-    // students and candidates are pruned from it.
-    let mut layer_statistics = vec![None; layers.len()];
-    for (k, student) in students.iter().enumerate() {
-        let first = groups[..k.min(groups.len())].iter().sum::<usize>();
-        let mut prune = |config: &StudentBlockConfig| -> Result<Option<EncoderLayer<burn::backend::Flex>>> {
-            let StudentBlockConfig::Encoder { heads, ffn, init: EncoderInit::Teacher, .. } = *config else {
-                return Ok(None);
-            };
-            let teacher = layers
-                .get(first)
-                .ok_or_else(|| Error::block(k + 1, "no teacher layer to initialise this student from"))?;
-            check_teacher_init(k, config)?;
-            let size = teacher.config();
-            let kept_heads = top_indices(&teacher.head_importance(), heads);
-            let statistics: &NeuronStatistics = layer_statistics[first]
-                .get_or_insert_with(|| teacher.neuron_statistics(layer_inputs[first].clone(), mask.clone()));
-            let kept_neurons = top_indices(&statistics.importance, ffn);
-            let mut pruned =
-                teacher.pruned_compensated(&kept_heads, &kept_neurons, &statistics.mean_activation);
-            // Least-squares refit of the output projection on the calibration
-            // batch (kept as compensated if the system is singular). Nothing
-            // pruned: the teacher layer itself.
-            if heads < size.heads || ffn < size.ffn {
-                pruned.refit_ffn_out(teacher, layer_inputs[first].clone(), mask.clone(), REFIT_RIDGE);
-            }
-            Ok(Some(pruned))
+
+    fn prune(
+        &self,
+        k: usize,
+        config: &StudentBlockConfig,
+        statistics: &NeuronStatistics,
+        hidden: &Tensor<Cpu, 3>,
+        mask: &Tensor<Cpu, 2>,
+    ) -> Result<Option<Self>> {
+        let StudentBlockConfig::Encoder { heads, ffn, init: EncoderInit::Teacher, .. } = *config else {
+            return Ok(None);
         };
-        if let Some(pruned) = prune(student)? {
-            blocks[k] = StudentBlock::Encoder(pruned);
+        check_teacher_init(k, config)?;
+        let size = self.config();
+        let kept_heads = top_indices(&self.head_importance(), heads);
+        let kept_neurons = top_indices(&statistics.importance, ffn);
+        let mut pruned = self.pruned_compensated(&kept_heads, &kept_neurons, &statistics.mean_activation);
+        // Nothing pruned: the teacher layer itself.
+        if heads < size.heads || ffn < size.ffn {
+            pruned.refit_ffn_out(self, hidden.clone(), mask.clone(), REFIT_RIDGE);
         }
-        if let StudentBlock::Candidates(set) = &mut blocks[k] {
-            for (c, candidate) in student.candidates().iter().enumerate() {
-                if let Some(pruned) = prune(candidate)? {
-                    set.candidates[c] = Candidate::Encoder(pruned);
-                }
-            }
-        }
+        Ok(Some(pruned))
     }
-    Ok(())
+
+    fn next(
+        &self,
+        _: Option<NeuronStatistics>,
+        hidden: Tensor<Cpu, 3>,
+        mask: &Tensor<Cpu, 2>,
+    ) -> Tensor<Cpu, 3> {
+        self.forward(hidden, mask.clone())
+    }
+
+    fn block(student: Self) -> StudentBlock<Cpu> {
+        StudentBlock::Encoder(student)
+    }
+
+    fn candidate(student: Self) -> Candidate<Cpu> {
+        Candidate::Encoder(student)
+    }
 }
 
 /// MiniLM's files: the Brown corpus' file list, the probe's folder,

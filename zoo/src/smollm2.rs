@@ -10,17 +10,19 @@
 
 use std::path::Path;
 
+use burn::tensor::Tensor;
 use pipe_bd::{Error, Result};
 use pipebd_cli::config::RunConfig;
 use pipebd_cli::zoo::Workload;
 use pipebd_core::{BlockSpec, OutputHead, Teacher};
-use pipebd_kernels::decoder::{DecoderLayer, MixerKind};
+use pipebd_kernels::decoder::{DecoderLayer, DecoderLayerConfig, MixerKind, RefitTargets};
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_students::{Candidate, EncoderInit, StudentBlock, StudentBlockConfig};
 use pipebd_teachers::blocks::{decoder_blocks, decoder_specs};
 use pipebd_teachers::smollm2::{LlamaSizes, LmHead, SmolLm2, SmolTokenizer, TokenEmbeddings, SMOLLM2_135M};
 use pipebd_teachers::TeacherBlock;
 
+use crate::init::{blocks_from_teacher, init_from_layers, Calibrated, Cpu, PrunedFrom};
 use crate::lm::{ffn_importance, prune_decoder, tokenize_lm, NextTokenHead, NextTokenScores};
 use crate::options::{config_block_error, grouped_layers, max_tokens, with_block_loss};
 use crate::text::{brown_splits, TextDataset};
@@ -168,89 +170,98 @@ const DECODER_REFIT_RIDGE: f64 = 1e-2;
 /// ([`crate::lm::prune_decoder`]) and refitted by least squares to the
 /// teacher layer on the first training sentences (a linear mixer's map and
 /// the feed-forward's down projection: `DecoderLayer::refit`); the
-/// feed-forward neurons are ranked on the same sentences.
+/// feed-forward neurons are ranked on the same sentences ([`crate::init`]'s
+/// loop over [`TeacherDecoder`]s).
 pub(crate) fn init_decoders_from_teacher(
     config: &RunConfig,
     students: &[StudentBlockConfig],
-    blocks: &mut [StudentBlock<burn::backend::Flex>],
+    blocks: &mut [StudentBlock<Cpu>],
 ) -> Result<()> {
-    type Cpu = burn::backend::Flex;
     let wanted =
         |c: &StudentBlockConfig| matches!(c, StudentBlockConfig::Decoder { init: EncoderInit::Teacher, .. });
+    let needed = blocks_from_teacher(config, students, wanted);
+    if needed.is_empty() {
+        return Ok(());
+    }
     let groups = layers_per_block(config)?;
     let first_layer = |k: usize| groups[..k.min(groups.len())].iter().sum::<usize>();
-    // A block that starts from saved `weights` gets them after this: no
-    // need to prune it (nor to load the teacher for it).
-    let saved = config.student_weights();
-    let pruned = |k: usize| {
-        saved.get(k).is_none_or(Option::is_none)
-            && (wanted(&students[k]) || students[k].candidates().iter().any(wanted))
-    };
-    let needed: Vec<usize> = (0..students.len()).filter(|&k| pruned(k)).collect();
-    let Some(deepest) = needed.iter().map(|&k| first_layer(k)).max() else { return Ok(()) };
     let device = Default::default();
     let model = SmolLm2::<Cpu>::load(&config.teacher.weights, &device).lift()?;
-    if deepest >= model.layers.len() {
-        let k = needed.iter().copied().find(|&k| first_layer(k) == deepest).unwrap_or_default();
-        return Err(Error::block(k + 1, "no teacher layer to initialise this student from"));
-    }
     let (sentences, _) = brown_splits(&config.data.dir, Some(DECODER_CALIBRATION_SENTENCES), Some(0))?;
     let max_tokens = max_tokens(config)?;
     let ids = tokenize_lm(&model.tokenizer, &sentences, max_tokens)?;
     let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-    let (mut hidden, mask) =
+    let (hidden, mask) =
         crate::text::embed_batch(&model.embeddings, &refs, max_tokens, &device).into_tokens(0)?;
-    // Layer by layer, the students that start from it, on the calibration
-    // batch entering it (minutes for a search's 30 layers: a line every
-    // half minute).
-    let (start, mut throttle) = (std::time::Instant::now(), pipebd_cli::reporter::Throttle::default());
-    for (n, teacher) in model.layers.iter().enumerate().take(deepest + 1) {
-        pipebd_cli::reporter::reporter().periodic(&mut throttle, "init", || {
-            let seconds = start.elapsed().as_secs_f64();
-            format!(
-                "pruned and refitted the students of {n}/{} SmolLM2 layers after {seconds:.0}s",
-                deepest + 1
-            )
-        });
-        let here: Vec<usize> = needed.iter().copied().filter(|&k| first_layer(k) == n).collect();
-        let targets = (!here.is_empty()).then(|| teacher.refit_targets(hidden.clone(), mask.clone()));
-        if let Some(targets) = &targets {
-            let neurons = ffn_importance(teacher, hidden.clone(), mask.clone());
-            let full = model.sizes.layer;
-            let prune = |k: usize, c: &StudentBlockConfig| -> Result<Option<DecoderLayer<Cpu>>> {
-                if !wanted(c) {
-                    return Ok(None);
-                }
-                check_decoder_init(k, c)?;
-                let size =
-                    c.decoder_config(full.hidden).ok_or_else(|| Error::block(k + 1, "not a decoder"))?;
-                let mut student = prune_decoder(teacher, &size, neurons.as_deref(), &device);
-                let whole = (size.mixer, size.heads, size.kv_heads, size.ffn)
-                    == (full.mixer, full.heads, full.kv_heads, full.ffn);
-                if !whole {
-                    student.refit(targets, hidden.clone(), mask.clone(), DECODER_REFIT_RIDGE);
-                }
-                Ok(Some(student))
-            };
-            for k in here {
-                if let Some(student) = prune(k, &students[k])? {
-                    blocks[k] = StudentBlock::Decoder(student);
-                }
-                if let StudentBlock::Candidates(set) = &mut blocks[k] {
-                    for (c, candidate) in students[k].candidates().iter().enumerate() {
-                        if let Some(student) = prune(k, candidate)? {
-                            set.candidates[c] = Candidate::Decoder(student);
-                        }
-                    }
-                }
-            }
-        }
-        hidden = match targets {
-            Some(targets) => targets.next,
-            None => teacher.forward(hidden, mask.clone()),
-        };
+    let full = model.sizes.layer;
+    let layers: Vec<TeacherDecoder<'_>> =
+        model.layers.iter().map(|layer| TeacherDecoder { layer, full }).collect();
+    let teacher = Calibrated { layers: &layers, hidden, mask, teacher: "SmolLM2" };
+    init_from_layers(teacher, &needed, &first_layer, students, blocks)
+}
+
+/// A SmolLM2 layer that `decoder` students are pruned from, with the sizes
+/// of the teacher's layers (a student of those sizes is the layer itself,
+/// not refitted).
+pub(crate) struct TeacherDecoder<'a> {
+    layer: &'a DecoderLayer<Cpu>,
+    full: DecoderLayerConfig,
+}
+
+/// The calibration ranks the SwiGLU's neurons and computes the refit
+/// targets (the residual stream after the attention half and the layer's
+/// output, whose batch form is the next layer's input: no second forward).
+impl PrunedFrom for TeacherDecoder<'_> {
+    type Calibration = (RefitTargets<Cpu>, Option<Vec<f32>>);
+    type Student = DecoderLayer<Cpu>;
+
+    fn calibrate(&self, hidden: &Tensor<Cpu, 3>, mask: &Tensor<Cpu, 2>) -> Self::Calibration {
+        let targets = self.layer.refit_targets(hidden.clone(), mask.clone());
+        (targets, ffn_importance(self.layer, hidden.clone(), mask.clone()))
     }
-    Ok(())
+
+    fn prune(
+        &self,
+        k: usize,
+        config: &StudentBlockConfig,
+        (targets, neurons): &Self::Calibration,
+        hidden: &Tensor<Cpu, 3>,
+        mask: &Tensor<Cpu, 2>,
+    ) -> Result<Option<DecoderLayer<Cpu>>> {
+        if !matches!(config, StudentBlockConfig::Decoder { init: EncoderInit::Teacher, .. }) {
+            return Ok(None);
+        }
+        check_decoder_init(k, config)?;
+        let full = self.full;
+        let size = config.decoder_config(full.hidden).ok_or_else(|| Error::block(k + 1, "not a decoder"))?;
+        let mut student = prune_decoder(self.layer, &size, neurons.as_deref(), &hidden.device());
+        let whole = (size.mixer, size.heads, size.kv_heads, size.ffn)
+            == (full.mixer, full.heads, full.kv_heads, full.ffn);
+        if !whole {
+            student.refit(targets, hidden.clone(), mask.clone(), DECODER_REFIT_RIDGE);
+        }
+        Ok(Some(student))
+    }
+
+    fn next(
+        &self,
+        calibration: Option<Self::Calibration>,
+        hidden: Tensor<Cpu, 3>,
+        mask: &Tensor<Cpu, 2>,
+    ) -> Tensor<Cpu, 3> {
+        match calibration {
+            Some((targets, _)) => targets.next,
+            None => self.layer.forward(hidden, mask.clone()),
+        }
+    }
+
+    fn block(student: DecoderLayer<Cpu>) -> StudentBlock<Cpu> {
+        StudentBlock::Decoder(student)
+    }
+
+    fn candidate(student: DecoderLayer<Cpu>) -> Candidate<Cpu> {
+        Candidate::Decoder(student)
+    }
 }
 
 /// The message refusing an `encoder` student of block `k` (zero-based)
