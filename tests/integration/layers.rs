@@ -105,6 +105,80 @@ fn the_check_sees_a_zoo_name_in_code_and_not_in_comments_or_tests() {
     assert_eq!(zoo_names_in(text), ["1: Builtin"]);
 }
 
+/// The places docs/library.md lists for adding a teacher `name` to the
+/// built-in zoo: its model (`teachers/src/<name>.rs`, its blocks in
+/// `blocks.rs`, a `mod` line), its zoo module (`zoo/src/<name>.rs`, a
+/// `TeacherKind` variant in `builtin.rs`, a `mod` line).
+fn documented_places(name: &str) -> Vec<String> {
+    let mut places = vec![format!("teachers/src/{name}.rs"), format!("zoo/src/{name}.rs")];
+    places.extend(
+        ["teachers/src/blocks.rs", "teachers/src/lib.rs", "zoo/src/builtin.rs", "zoo/src/lib.rs"]
+            .map(String::from),
+    );
+    places
+}
+
+/// The workspace's library files (not tests) whose code names any of `names`.
+fn files_naming(names: &[&str]) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut found = Vec::new();
+    for dir in ["src", "cli/src", "core/src", "kernels/src", "teachers/src", "students/src", "zoo/src"] {
+        let mut files = Vec::new();
+        rust_files(&root.join(dir), &mut files);
+        for file in files.iter().filter(|f| !is_test_module(f)) {
+            let text = std::fs::read_to_string(file).unwrap();
+            if code_of(&text).iter().any(|(_, line)| names.iter().any(|name| line.contains(name))) {
+                found.push(file.strip_prefix(root).unwrap().display().to_string());
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Adding a teacher touches the places docs/library.md lists, and no
+/// teacher spreads further without saying why: the MNIST CNN, which shares
+/// no data or evaluation module, is named in exactly those places; MiniLM
+/// and SmolLM2 also where their layer sizes are owned and read, and in
+/// their data, evaluation and export modules.
+#[test]
+fn each_built_in_teacher_is_named_only_where_adding_a_teacher_touches() {
+    let extras: [(&str, &[&str], &[&str]); 3] = [
+        ("mnist_cnn", &["mnist_cnn", "MnistCnn", "mnist-cnn", "MNIST_CNN"], &[]),
+        (
+            "minilm",
+            &["minilm", "MiniLm", "MINILM"],
+            // Its layer sizes (owned by the kernels, the students' defaults)
+            // and its data and evaluation module.
+            &["kernels/src/encoder.rs", "students/src/config.rs", "zoo/src/text.rs"],
+        ),
+        (
+            "smollm2",
+            &["smollm2", "SmolLm2", "SMOLLM2"],
+            // Its layer sizes, its data, evaluation, export and fuzzing.
+            &[
+                "kernels/src/decoder.rs",
+                "students/src/config.rs",
+                "teachers/src/export.rs",
+                "zoo/src/export.rs",
+                "zoo/src/fuzzing.rs",
+                "zoo/src/lm.rs",
+                "zoo/src/text.rs",
+            ],
+        ),
+    ];
+    for (name, names, extra) in extras {
+        let mut allowed = documented_places(name);
+        allowed.extend(extra.iter().map(|e| e.to_string()));
+        let found = files_naming(names);
+        assert!(found.contains(&format!("zoo/src/{name}.rs")), "{name}: the check finds nothing: {found:?}");
+        let beyond: Vec<&String> = found.iter().filter(|f| !allowed.contains(f)).collect();
+        assert!(beyond.is_empty(), "{name} is named beyond the places that add a teacher: {beyond:?}");
+    }
+    // The smallest teacher is named in all six places and only there.
+    assert_eq!(files_naming(&["mnist_cnn", "MnistCnn", "mnist-cnn", "MNIST_CNN"]).len(), 6);
+}
+
 /// The most lines a function may have (ARCHITECTURE.md: "no function over
 /// 100 lines", tests included).
 const MAX_FUNCTION_LINES: usize = 100;
