@@ -19,6 +19,7 @@ really took come from its report.json. Configs are written next to their run.
 
   python3 bench/ablation/smollm2_ablation.py run a b c d --minutes 15 --bld-lr 5e-4 --epsilon 1e-12
   python3 bench/ablation/smollm2_ablation.py table      # runs/ablation-53/table.md
+  python3 bench/ablation/smollm2_ablation.py run a --minutes 15 --seed 43   # the spread: runs/ablation-53/a-seed43
 
 Probes: `init` (the refit init scored), `bld:<lr>[:<epsilon>]` (60 BLD
 steps, then scored), `w:<weight>` (60 BLD + 60 KL steps with the block
@@ -92,7 +93,14 @@ def searched_weights(search_dir):
     return out
 
 
+SEED = None
+
+
 def run(name, text):
+    if SEED is not None:
+        name = f"{name}-seed{SEED}"
+        text = text.replace(f'name = "{name.split("-seed")[0].replace(":", "_")}"', f'name = "{name.replace(":", "_")}"')
+        text = re.sub(r"(?m)^seed = \d+", f"seed = {SEED}", text, count=1)
     name = name.replace(":", "_")
     run_dir = OUT / name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -125,8 +133,12 @@ def main():
     p.add_argument("--block-weight", type=float, default=1.0, help="row d")
     p.add_argument("--search", default=str(ROOT / "runs" / "smollm2-search-nmse"))
     p.add_argument("--probe-steps", type=int, default=60)
+    p.add_argument("--seed", type=int, default=None,
+                   help="another seed (sentence order, init): runs named <row>-seed<N>, for the spread")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    global SEED
+    SEED = a.seed
     train = a.minutes * 60 - a.overhead
     if a.what == "table":
         return table()
