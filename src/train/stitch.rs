@@ -233,7 +233,74 @@ where
         pass: &StitchedPass,
         observer: &mut dyn FnMut(&Progress),
     ) -> Result<(Students<B, S>, StitchedLog)> {
-        train_stitched(self, students, pass, observer)
+        let StitchedRun { teacher, data, settings, device, head } = *self;
+        let start = std::time::Instant::now();
+        let per_epoch = steps_per_epoch(data.len(), settings.batch_size);
+        let (epochs, first_step) = (pass.epochs, pass.first_step);
+        let through_blocks = pass.gradients == StitchedGradients::EndToEnd;
+        let output_loss = final_loss(pass, head, settings.temperature, students.specs.len())?;
+        let mut output_losses: Vec<f32> = Vec::new();
+        let total = per_epoch * epochs;
+        let Students { blocks, specs, .. } = students;
+        let mut trainers: Vec<BlockTrainer<B, S>> = blocks
+            .into_iter()
+            .zip(specs.iter().cloned())
+            .enumerate()
+            .map(|(k, (m, spec))| {
+                BlockTrainer::new(k, spec, m.fork(device), &pass.optimizer, total)
+                    .with_temperature(settings.temperature)
+            })
+            .collect();
+        let mut log = StitchedLog { steps: total, ..Default::default() };
+        let mut order = Vec::new();
+        for step in 0..total {
+            let step_start = std::time::Instant::now();
+            let epoch = step / per_epoch;
+            if step % per_epoch == 0 {
+                // A different order from the blockwise epochs', still fixed by the seed.
+                order = epoch_order(data.len(), settings.seed ^ 0x5717_c4ed, epoch);
+            }
+            let base = (step % per_epoch) * settings.batch_size;
+            let input = data.batch(&order[base..base + settings.batch_size], device)?;
+            let lrs: Vec<f64> = trainers.iter().map(|t| t.current_lr()).collect();
+            let (losses, output) = if through_blocks {
+                let (losses, output) =
+                    end_to_end_step(teacher, &mut trainers, input, output_loss.as_ref(), pass.block_weight)?;
+                if epoch + 1 == epochs {
+                    output_losses.extend(output);
+                }
+                (losses, output)
+            } else {
+                (local_step(teacher, &mut trainers, input)?, None)
+            };
+            log.step_seconds.push(step_start.elapsed().as_secs_f64());
+            if step % settings.log_every == 0 || step + 1 == total {
+                for (k, (&loss, &lr)) in losses.iter().zip(&lrs).enumerate() {
+                    log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });
+                }
+                // The stitched student's output loss, the one an output-only
+                // pass minimises, as block 0 (at the last block's rate).
+                if let (Some(loss), Some(&lr)) = (output, lrs.last()) {
+                    log.rows.push(MetricRow { epoch, step: first_step + step, block: 0, loss, lr });
+                }
+            }
+            observer(&Progress {
+                phase: 0,
+                phases: 1,
+                epoch,
+                epochs,
+                step_in_epoch: step % per_epoch,
+                steps_per_epoch: per_epoch,
+                losses,
+                output_loss: output,
+            });
+        }
+        log.final_losses = trainers.iter().map(|t| t.recent_loss()).collect();
+        log.final_output_loss = (!output_losses.is_empty())
+            .then(|| output_losses.iter().sum::<f32>() / output_losses.len() as f32);
+        log.seconds = start.elapsed().as_secs_f64();
+        let modules: Vec<S> = trainers.into_iter().filter_map(|t| t.into_module()).collect();
+        Ok((Students::new(modules, specs.clone(), &specs)?, log))
     }
 }
 
@@ -261,87 +328,6 @@ where
     S: StudentModule<B>,
 {
     StitchedRun::new(teacher, data, settings, device).with_optional_head(head).train(students, pass, observer)
-}
-
-fn train_stitched<B, T, S>(
-    run: &StitchedRun<'_, B, T>,
-    students: Students<B, S>,
-    pass: &StitchedPass,
-    observer: &mut dyn FnMut(&Progress),
-) -> Result<(Students<B, S>, StitchedLog)>
-where
-    B: DistillBackend,
-    T: Block<B::InnerBackend>,
-    S: StudentModule<B>,
-{
-    let StitchedRun { teacher, data, settings, device, head } = *run;
-    let start = std::time::Instant::now();
-    let per_epoch = steps_per_epoch(data.len(), settings.batch_size);
-    let (epochs, first_step) = (pass.epochs, pass.first_step);
-    let through_blocks = pass.gradients == StitchedGradients::EndToEnd;
-    let output_loss = final_loss(pass, head, settings.temperature, students.specs.len())?;
-    let mut output_losses: Vec<f32> = Vec::new();
-    let total = per_epoch * epochs;
-    let Students { blocks, specs, .. } = students;
-    let mut trainers: Vec<BlockTrainer<B, S>> = blocks
-        .into_iter()
-        .zip(specs.iter().cloned())
-        .enumerate()
-        .map(|(k, (m, spec))| {
-            BlockTrainer::new(k, spec, m.fork(device), &pass.optimizer, total)
-                .with_temperature(settings.temperature)
-        })
-        .collect();
-    let mut log = StitchedLog { steps: total, ..Default::default() };
-    let mut order = Vec::new();
-    for step in 0..total {
-        let step_start = std::time::Instant::now();
-        let epoch = step / per_epoch;
-        if step % per_epoch == 0 {
-            // A different order from the blockwise epochs', still fixed by the seed.
-            order = epoch_order(data.len(), settings.seed ^ 0x5717_c4ed, epoch);
-        }
-        let base = (step % per_epoch) * settings.batch_size;
-        let input = data.batch(&order[base..base + settings.batch_size], device)?;
-        let lrs: Vec<f64> = trainers.iter().map(|t| t.current_lr()).collect();
-        let (losses, output) = if through_blocks {
-            let (losses, output) =
-                end_to_end_step(teacher, &mut trainers, input, output_loss.as_ref(), pass.block_weight)?;
-            if epoch + 1 == epochs {
-                output_losses.extend(output);
-            }
-            (losses, output)
-        } else {
-            (local_step(teacher, &mut trainers, input)?, None)
-        };
-        log.step_seconds.push(step_start.elapsed().as_secs_f64());
-        if step % settings.log_every == 0 || step + 1 == total {
-            for (k, (&loss, &lr)) in losses.iter().zip(&lrs).enumerate() {
-                log.rows.push(MetricRow { epoch, step: first_step + step, block: k + 1, loss, lr });
-            }
-            // The stitched student's output loss, the one an output-only
-            // pass minimises, as block 0 (at the last block's rate).
-            if let (Some(loss), Some(&lr)) = (output, lrs.last()) {
-                log.rows.push(MetricRow { epoch, step: first_step + step, block: 0, loss, lr });
-            }
-        }
-        observer(&Progress {
-            phase: 0,
-            phases: 1,
-            epoch,
-            epochs,
-            step_in_epoch: step % per_epoch,
-            steps_per_epoch: per_epoch,
-            losses,
-            output_loss: output,
-        });
-    }
-    log.final_losses = trainers.iter().map(|t| t.recent_loss()).collect();
-    log.final_output_loss =
-        (!output_losses.is_empty()).then(|| output_losses.iter().sum::<f32>() / output_losses.len() as f32);
-    log.seconds = start.elapsed().as_secs_f64();
-    let modules: Vec<S> = trainers.into_iter().filter_map(|t| t.into_module()).collect();
-    Ok((Students::new(modules, specs.clone(), &specs)?, log))
 }
 
 /// One step with each block's gradient stopped at its input: block k
