@@ -19,7 +19,6 @@
 pub mod plot;
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -168,15 +167,25 @@ fn record(row: &Row) -> Vec<String> {
     cells
 }
 
-/// Writes `records` as CSV lines to `out` (cells with commas or quotes
-/// quoted by the `csv` crate).
-fn write_records<W: Write>(out: W, records: impl IntoIterator<Item = Vec<String>>) -> csv::Result<W> {
-    let mut writer = csv::WriterBuilder::new().has_headers(false).from_writer(out);
-    for cells in records {
-        writer.write_record(&cells)?;
-    }
-    writer.flush()?;
-    writer.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+/// Writes `rows` as `sweep.csv` at `path` (atomically), header first.
+fn write_rows(path: &Path, keys: &[String], rows: &[Row]) -> Result<()> {
+    let header = header(keys);
+    let header: Vec<&str> = header.iter().map(String::as_str).collect();
+    crate::metrics::write_table(path, &header, rows.iter().map(record))
+}
+
+/// Appends `row` to the `sweep.csv` at `path` and syncs it to disk.
+fn append_row(path: &Path, row: &Row) -> Result<()> {
+    let failed = |e: csv::Error| Error::Data {
+        path: path.to_path_buf(),
+        message: format!("cannot append a row: {e}"),
+    };
+    let file =
+        std::fs::OpenOptions::new().append(true).open(path).map_err(|e| Error::io("opening", path, e))?;
+    let mut writer = csv::WriterBuilder::new().has_headers(false).from_writer(file);
+    writer.write_record(record(row)).map_err(failed)?;
+    let file = writer.into_inner().map_err(|e| Error::io("writing", path, e.into_error()))?;
+    file.sync_all().map_err(|e| Error::io("writing", path, e))
 }
 
 /// Reads the rows of an existing `sweep.csv` (none if it does not exist).
@@ -294,9 +303,7 @@ pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<
     let csv_path = sweep.out.join("sweep.csv");
     let mut rows = read_rows(&csv_path, &keys)?;
     // Rewrite what is valid (a line cut by an interruption is dropped), then append.
-    let written = write_records(Vec::new(), std::iter::once(header(&keys)).chain(rows.iter().map(record)))
-        .map_err(|e| Error::Data { path: csv_path.clone(), message: format!("cannot write: {e}") })?;
-    pipe_bd::fsio::write_atomic(&csv_path, &written)?;
+    write_rows(&csv_path, &keys, &rows)?;
     for (i, (point, config)) in points.iter().enumerate() {
         let id = point.id();
         if rows.iter().any(|r| r.id == id) {
@@ -314,17 +321,7 @@ pub fn sweep<Z: Zoo>(zoo: &Z, path: &Path, say: &mut dyn FnMut(&str)) -> Result<
             student_accuracy: report.student_accuracy,
             plan: report.plan.clone(),
         };
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&csv_path)
-            .map_err(|e| Error::io("opening", &csv_path, e))?;
-        write_records(file, [record(&row)])
-            .map_err(|e| Error::Data {
-                path: csv_path.clone(),
-                message: format!("cannot append a row: {e}"),
-            })?
-            .sync_all()
-            .map_err(|e| Error::io("writing", &csv_path, e))?;
+        append_row(&csv_path, &row)?;
         rows.push(row);
     }
     let x = sweep
@@ -369,9 +366,10 @@ mod tests {
             plan: plan.into(),
         };
         let rows = [row("schedule=dp,students=[\"a, b\", 2]", "{1 | 2}"), row("schedule=tr", "{1-2}")];
-        let mut text =
-            write_records(Vec::new(), std::iter::once(header(&keys)).chain(rows.iter().map(record))).unwrap();
+        write_rows(&path, &keys, &rows[..1]).unwrap();
+        append_row(&path, &rows[1]).unwrap();
         // An interruption in the middle of a third row's line.
+        let mut text = std::fs::read(&path).unwrap();
         text.extend_from_slice(b"\"schedule=hybrid\",\"hyb");
         std::fs::write(&path, &text).unwrap();
         assert_eq!(read_rows(&path, &keys).unwrap(), rows);
