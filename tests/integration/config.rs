@@ -76,6 +76,18 @@ fn the_good_config_parses() {
 }
 
 #[test]
+fn a_train_limit_flag_overrides_the_config_and_zero_is_refused_naming_the_flag() {
+    use pipebd_cli::config::Overrides;
+    let mut config = parse(GOOD).unwrap();
+    config.apply(Overrides { train_limit: Some(112), ..Default::default() }).unwrap();
+    assert_eq!(config.data.train_limit, Some(112));
+    let error = config.apply(Overrides { train_limit: Some(0), ..Default::default() }).unwrap_err();
+    let shown = error.to_string();
+    assert!(shown.contains("--train-limit") && shown.contains("at least 1"), "{shown}");
+    assert_eq!(config.data.train_limit, Some(112), "a refused flag changes nothing");
+}
+
+#[test]
 fn unknown_field_names_line_and_field() {
     let text = GOOD.replace("batch_size = 32", "batch_size = 32\nbach_size = 3");
     assert_config_error(&text, 15, "train.bach_size", "unknown field");

@@ -102,10 +102,10 @@ pub(super) fn bench<Z: Zoo>(
     zoo: &Z,
     config: &Path,
     schedules: &[String],
-    devices: Option<Vec<String>>,
+    overrides: Overrides,
     out: &Path,
 ) -> Result<(), Error> {
-    let config = zoo.load_config(config, Overrides { devices, ..Default::default() })?;
+    let config = zoo.load_config(config, overrides)?;
     let mut say = |line: &str| reporter().info("bench", line);
     let report = crate::jobs::bench::bench(zoo, &config, schedules, out, &mut say)?;
     print::print_bench(&report);

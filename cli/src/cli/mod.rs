@@ -92,6 +92,10 @@ enum Command {
         /// Override the config's device slots, comma-separated (e.g. cpu,cpu).
         #[arg(long, value_delimiter = ',')]
         devices: Option<Vec<String>>,
+        /// Override the config's `data.train_limit`: bench a run's workload
+        /// on fewer samples (fewer steps per schedule).
+        #[arg(long)]
+        train_limit: Option<usize>,
         /// Folder that receives bench.json, bench.csv and bench.png.
         #[arg(long, default_value = "runs/bench")]
         out: PathBuf,
@@ -353,15 +357,26 @@ fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
             transport,
         } => {
             let flags = RunCommand { out, resume, max_failures, trace, transport };
-            commands::run(zoo, &config, Overrides { device, devices, schedule, epochs }, flags)
+            commands::run(
+                zoo,
+                &config,
+                Overrides { device, devices, schedule, epochs, train_limit: None },
+                flags,
+            )
         }
         Command::Link { config, rounds, out } => commands::link(zoo, &config, rounds, &out),
-        Command::Bench { config, schedules, devices, out } => {
+        Command::Bench { config, schedules, devices, train_limit, out } => {
             let schedules = match schedules.is_empty() {
                 true => Schedule::BENCHED.iter().map(|s| s.name().to_string()).collect(),
                 false => schedules,
             };
-            commands::bench(zoo, &config, &schedules, devices, &out)
+            commands::bench(
+                zoo,
+                &config,
+                &schedules,
+                Overrides { devices, train_limit, ..Default::default() },
+                &out,
+            )
         }
         Command::Profile { config, devices, out } => commands::profile(zoo, &config, devices, &out),
         Command::Plan { profile, devices, memory_per_device, top, out } => {

@@ -7,7 +7,8 @@ use pipe_bd::error::{Error, Result};
 use super::RunConfig;
 
 /// Overrides of a config's fields from the command line (`--device`,
-/// `--devices`, `--schedule`, `--epochs`); errors name the flag.
+/// `--devices`, `--schedule`, `--epochs`, `--train-limit`); errors name the
+/// flag.
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     /// One device for every slot (clears `devices`).
@@ -18,6 +19,8 @@ pub struct Overrides {
     pub schedule: Option<String>,
     /// `train.epochs`.
     pub epochs: Option<usize>,
+    /// `data.train_limit`.
+    pub train_limit: Option<usize>,
 }
 
 impl RunConfig {
@@ -64,6 +67,12 @@ impl RunConfig {
                 });
             }
             config.train.epochs = epochs;
+        }
+        if let Some(limit) = overrides.train_limit {
+            if limit == 0 {
+                return Err(flag_error("--train-limit", "data.train_limit", "must be at least 1".into()));
+            }
+            config.data.train_limit = Some(limit);
         }
         Ok(())
     }
