@@ -2,7 +2,9 @@
 //!
 //! Each case runs on the same backend and device, at sizes of the MNIST
 //! workload (batch 256 unless asked otherwise): the distillation losses of the teacher's blocks, the
-//! students' pointwise convolutions and the head's linear layers. Both
+//! students' pointwise convolutions and the head's linear layers; and the
+//! decoder layer's ops at SmolLM2-135M's sizes (`batch / 16` sequences of 32
+//! tokens: 16 at the default batch, the LLM recipes' own). Both
 //! directions are timed: the forward alone (no gradient tracking) and the
 //! forward plus backward. The matmul ops are timed twice: with our fused
 //! kernel forced (`[kernel]`) and as the engine runs them (`[auto]`: the
@@ -155,6 +157,148 @@ fn layer_row<B: DistillBackend, const D: usize, const DW: usize>(
     }
 }
 
+type Op<B, const D: usize, const N: usize, const DO: usize> = dyn Fn([Tensor<B, D>; N]) -> Tensor<B, DO>;
+
+/// An op's case on `N` inputs: `inputs -> output`, trained through
+/// `sum(output)` with the gradient of every input.
+fn op_row<B: DistillBackend, const D: usize, const N: usize, const DO: usize>(
+    op: &str,
+    case: String,
+    inputs: [Tensor<B::InnerBackend, D>; N],
+    repeats: usize,
+    device: &B::Device,
+    fused: &Op<B, D, N, DO>,
+    reference: &Op<B, D, N, DO>,
+) -> BenchRow {
+    let forward = |f: &Op<B, D, N, DO>| {
+        median_ms::<B>(device, repeats, || {
+            let _ = f(inputs.clone().map(Tensor::from_inner));
+        })
+    };
+    let train = |f: &Op<B, D, N, DO>| {
+        median_ms::<B>(device, repeats, || {
+            let tracked = inputs.clone().map(|x| Tensor::<B, D>::from_inner(x).require_grad());
+            let grads = f(tracked.clone()).sum().backward();
+            for x in &tracked {
+                let _ = x.grad(&grads);
+            }
+        })
+    };
+    BenchRow {
+        op: op.to_string(),
+        case,
+        fused_forward_ms: forward(fused),
+        unfused_forward_ms: forward(reference),
+        fused_train_ms: train(fused),
+        unfused_train_ms: train(reference),
+    }
+}
+
+/// The decoder layer's ops at SmolLM2-135M's sizes (576 wide, 9 query heads
+/// over 3 key/value heads of 64, SwiGLU 1536, 49,152 classes), on `batch /
+/// 16` sequences of 32 tokens (and 128 for the attention): the backend's op
+/// against the burn-op reference of [`crate::llama`] (differentiated by
+/// burn's autodiff).
+fn decoder_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, options: &BenchOptions, device: &B::Device) {
+    use crate::llama::{self, CausalHeads};
+    use burn::tensor::TensorPrimitive;
+    fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {
+        t.into_primitive().tensor()
+    }
+    fn tensor<B: Backend, const D: usize>(p: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, D> {
+        Tensor::from_primitive(TensorPrimitive::Float(p))
+    }
+    let repeats = options.repeats;
+    let batch = (options.batch / 16).max(1);
+    let tokens = batch * 32;
+    if options.wants("rms-norm") {
+        let inputs = [normal([tokens, 576], device), normal([1, 576], device)];
+        let norm = |reference: bool| {
+            move |[x, gamma]: [Tensor<B, 2>; 2]| {
+                let gamma = prim(gamma.reshape([576]));
+                tensor::<B, 2>(match reference {
+                    true => llama::rms_norm_reference::<B>(prim(x), gamma, 1e-5, false).output,
+                    false => B::rms_norm(prim(x), gamma, 1e-5, false).output,
+                })
+            }
+        };
+        let case = format!("[{tokens}, 576]");
+        record(
+            rows,
+            options,
+            op_row::<B, 2, 2, 2>("rms-norm", case, inputs, repeats, device, &norm(false), &norm(true)),
+        );
+    }
+    if options.wants("swiglu") {
+        let inputs = [normal([tokens, 1536], device), normal([tokens, 1536], device)];
+        let gated = |reference: bool| {
+            move |[gate, up]: [Tensor<B, 2>; 2]| {
+                tensor::<B, 2>(match reference {
+                    true => llama::swiglu_reference::<B>(prim(gate), prim(up)),
+                    false => B::swiglu(prim(gate), prim(up)),
+                })
+            }
+        };
+        let case = format!("[{tokens}, 1536]");
+        record(
+            rows,
+            options,
+            op_row::<B, 2, 2, 2>("swiglu", case, inputs, repeats, device, &gated(false), &gated(true)),
+        );
+    }
+    for length in [32, 128].into_iter().filter(|_| options.wants("causal-attention")) {
+        let layout = CausalHeads { heads: 9, kv_heads: 3, rope_base: 100_000.0 };
+        let inputs = [
+            normal([batch, length, 576], device),
+            normal([batch, length, 192], device),
+            normal([batch, length, 192], device),
+        ];
+        // The last quarter of every other sequence is padding.
+        let mask: Vec<f32> = (0..batch * length)
+            .map(|i| f32::from(i / length % 2 == 0 || i % length < 3 * length / 4))
+            .collect();
+        let mask = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(mask, [batch, length]), device);
+        let attend = |reference: bool| {
+            let mask = mask.clone();
+            move |[q, k, v]: [Tensor<B, 3>; 3]| {
+                let (q, k, v, m) = (prim(q), prim(k), prim(v), prim(mask.clone()));
+                tensor::<B, 3>(match reference {
+                    true => llama::causal_attention_reference::<B>(q, k, v, m, layout, false).context,
+                    false => B::causal_attention(q, k, v, m, layout, false).context,
+                })
+            }
+        };
+        let case = format!("[{batch}, {length}, 9/3x64]");
+        let (fused, reference) = (attend(false), attend(true));
+        record(
+            rows,
+            options,
+            op_row::<B, 3, 3, 3>("causal-attention", case, inputs, repeats, device, &fused, &reference),
+        );
+    }
+    if options.wants("head-kl") {
+        let teacher = normal::<B, 2>([tokens, 49_152], device).mul_scalar(3.0);
+        let weights = Tensor::<B, 1>::ones([tokens], device);
+        let kl = |reference: bool| {
+            let (teacher, weights) = (teacher.clone(), weights.clone());
+            move |[student]: [Tensor<B, 2>; 1]| {
+                let (s, t, w) = (prim(student), prim(teacher.clone()), prim(weights.clone()));
+                tensor::<B, 1>(match reference {
+                    true => llama::weighted_kl_reference::<B>(s, t, w, 1.0, false).loss,
+                    false => B::weighted_kl_loss(s, t, w, 1.0, false).loss,
+                })
+            }
+        };
+        let inputs = [normal::<B::InnerBackend, 2>([tokens, 49_152], device).mul_scalar(3.0)];
+        let case = format!("[{tokens}, 49152]");
+        record(
+            rows,
+            options,
+            op_row::<B, 2, 1, 1>("head-kl", case, inputs, repeats, device, &kl(false), &kl(true)),
+        );
+    }
+}
+
 /// What to time: the cases of the ops whose names start with one of
 /// `only` (all when empty), at batch `batch`, with `repeats` timed calls per
 /// side and direction.
@@ -263,6 +407,7 @@ pub fn run_with<B: DistillBackend>(device: &B::Device, options: &BenchOptions) -
     if wanted("adam-step") {
         optimizer_rows::<B>(&mut rows, options, device);
     }
+    decoder_rows::<B>(&mut rows, options, device);
     for (channels, hw) in [(32, 28), (64, 14), (128, 7)].into_iter().filter(|_| wanted("max-pool-2x2")) {
         record(
             &mut rows,

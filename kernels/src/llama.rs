@@ -117,8 +117,18 @@ pub fn swiglu_backward_reference<B: Backend>(
     [unwrap(grad * up * slope), unwrap(dup)]
 }
 
-/// Cosines and sines of the rotary angles `pos * base^(-2i/head_dim)`,
-/// `[1, 1, tokens, head_dim / 2, 1]` each.
+/// `[tokens, head_dim / 2]` cosines and sines of the rotary angles `pos *
+/// base^(-2i / head_dim)` (angles in f64): the one table every backend's
+/// attention reads.
+pub(crate) fn rope_table(tokens: usize, head_dim: usize, base: f64) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let angle = |pi: usize| (pi / half) as f64 * base.powf(-2.0 * (pi % half) as f64 / head_dim as f64);
+    let cos = (0..tokens * half).map(|pi| angle(pi).cos() as f32).collect();
+    let sin = (0..tokens * half).map(|pi| angle(pi).sin() as f32).collect();
+    (cos, sin)
+}
+
+/// [`rope_table`] as `[1, 1, tokens, head_dim / 2, 1]` tensors.
 fn rope_tables<B: Backend>(
     tokens: usize,
     head_dim: usize,
@@ -126,14 +136,10 @@ fn rope_tables<B: Backend>(
     device: &B::Device,
 ) -> (Tensor<B, 5>, Tensor<B, 5>) {
     let half = head_dim / 2;
-    let angles: Vec<f64> = (0..tokens * half)
-        .map(|pi| (pi / half) as f64 * base.powf(-2.0 * (pi % half) as f64 / head_dim as f64))
-        .collect();
-    let table = |f: fn(f64) -> f64| {
-        let values: Vec<f32> = angles.iter().map(|&a| f(a) as f32).collect();
-        Tensor::from_data(TensorData::new(values, [1, 1, tokens, half, 1]), device)
-    };
-    (table(f64::cos), table(f64::sin))
+    let (cos, sin) = rope_table(tokens, head_dim, base);
+    let table =
+        |values: Vec<f32>| Tensor::from_data(TensorData::new(values, [1, 1, tokens, half, 1]), device);
+    (table(cos), table(sin))
 }
 
 /// Rotates the adjacent pairs of `x` `[batch, heads, tokens, head_dim]`.

@@ -70,3 +70,79 @@ fn kernels_match_burn_ops_on_wgpu() {
     assert!(rows.len() > 100, "{} rows", rows.len());
     assert!(rows.iter().all(|r| r.passed()), "seed {seed}:\n{}", pipebd_kernels::check::table(rows));
 }
+
+/// The decoder path on wgpu: SmolLM2's 30 layers as the teacher, a pruned
+/// layer, a skipped block and an FFN-only layer as students, then the
+/// stitched pass on the head's KL. RMSNorm, the rotary grouped-query
+/// attention, SwiGLU and the KL run as our CubeCL kernels; the block
+/// losses, the stitched KL and the student's perplexity must match the CPU
+/// run's.
+#[test]
+fn a_decoder_run_on_wgpu_ends_where_the_cpu_run_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let students = r#"
+[[students]]
+kind = "decoder"
+ffn = 512
+
+[[students]]
+kind = "skip"
+
+[[students]]
+kind = "decoder"
+mixer = "none"
+"#;
+    let config = crate::smollm2::tiny_config(dir.path(), students);
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "log_every = 1",
+        "log_every = 1\nstitched_epochs = 1\nstitched_output_loss = \"head-kl\"\nstitched_output_weight = 10.0",
+    );
+    let run = |device: &str| {
+        let text = text
+            .replace("devices = [\"cpu\", \"cpu\"]", &format!("device = \"{device}\""))
+            .replace("schedule = \"tr-dpu\"", "schedule = \"ideal\"");
+        assert!(text.contains(&format!("device = \"{device}\"")), "{text}");
+        let path = dir.path().join(format!("{device}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let out = dir.path().join(device);
+        let (code, stdout, stderr) =
+            common::pipebd(&["run", path.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
+        assert_eq!(code, 0, "{device}: {stdout}\n{stderr}");
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+        report
+    };
+    let cpu = run("cpu");
+    let gpu = run("wgpu");
+    let close = |what: &str, a: &serde_json::Value, b: &serde_json::Value, tolerance: f64| {
+        let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+        let relative = (a - b).abs() / a.abs().max(1e-12);
+        assert!(relative < tolerance, "{what}: cpu {a} vs wgpu {b} ({relative:.2e} apart)");
+    };
+    let blocks = cpu["blocks"].as_array().unwrap();
+    assert_eq!(blocks.len(), 3);
+    for (k, (c, g)) in blocks.iter().zip(gpu["blocks"].as_array().unwrap()).enumerate() {
+        if c["final_loss"].is_null() {
+            continue; // the skipped block trains nothing
+        }
+        close(&format!("block {} loss", k + 1), &c["final_loss"], &g["final_loss"], 0.02);
+    }
+    close(
+        "stitched head KL",
+        &cpu["stitched"]["final_output_loss"],
+        &gpu["stitched"]["final_output_loss"],
+        0.02,
+    );
+    close(
+        "student perplexity",
+        &cpu["language"]["student_perplexity"],
+        &gpu["language"]["student_perplexity"],
+        0.01,
+    );
+    close(
+        "teacher perplexity",
+        &cpu["language"]["teacher_perplexity"],
+        &gpu["language"]["teacher_perplexity"],
+        0.001,
+    );
+}

@@ -138,7 +138,7 @@ fn brown_perplexity_matches_the_reference() {
 
 /// A SmolLM2 run config cut into three blocks of ten layers, with
 /// `students` (TOML `[[students]]` tables) after it.
-fn tiny_config(dir: &std::path::Path, students: &str) -> std::path::PathBuf {
+pub(crate) fn tiny_config(dir: &std::path::Path, students: &str) -> std::path::PathBuf {
     let root = common::repo().join("data");
     let text = format!(
         r#"name = "smollm2-test"

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::tensor::{Shape, Tensor as BurnTensor};
+use burn::tensor::{Shape, Tensor as BurnTensor, TensorData};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -172,4 +172,14 @@ pub(super) fn placeholder<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Bo
     like: &CubeTensor<R>,
 ) -> CubeTensor<R> {
     new_output::<R, F, I, BT>(like, Shape::from(vec![1]))
+}
+
+/// `values` as a `[n]` tensor on `like`'s device (a small upload; no read).
+pub(super) fn upload<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    values: Vec<f32>,
+    like: &CubeTensor<R>,
+) -> CubeTensor<R> {
+    let n = values.len();
+    let tensor = BurnTensor::<Cube<R, F, I, BT>, 1>::from_data(TensorData::new(values, [n]), &like.device);
+    into_contiguous(tensor.into_primitive().tensor())
 }

@@ -7,6 +7,10 @@
 //! - `soft_ce_kernel`: one unit per row: both softmaxes (max-shifted), the
 //!   row's cross-entropy and its gradient `(softmax(s) - softmax(t)) / batch`;
 //!   `sum_kernel` again for the batch mean.
+//! - The decoder layer's ops (`decoder.rs`): RMSNorm and the KL over a
+//!   vocabulary one cube per row, SwiGLU one unit per element, and the
+//!   grouped-query causal attention with rotary positions on the
+//!   projections' layout, forward and backward.
 //! - `matmul_epilogue_kernel`: a register-tiled matmul (4x4 outputs per unit,
 //!   64x64 per cube) over strided rank-3 operands, so transposes and weights
 //!   shared across the batch need no copies, with bias and activation applied
@@ -36,6 +40,7 @@
 mod common;
 mod conv;
 mod conv_grad;
+mod decoder;
 mod depthwise;
 mod geometry;
 mod matmul;
@@ -54,6 +59,7 @@ use cubecl::prelude::*;
 pub(crate) use self::common::set_poison_outputs;
 use self::common::{epilogue_code, erf_accurate, new_output, REDUCE_UNITS};
 use self::matmul::{choose_variant, fused_matmul, split_matmul, MatmulCall};
+use crate::llama::{self, CausalAttentionOutput, CausalHeads, RmsNormOutput};
 use crate::{
     reference, BiasAxis, ConvBackwardInputs, ConvGrads, Epilogue, FusedBackend, LossWithGrad, MatmulVariant,
     ParamSlot, ParamUpdate, UpdateRule,
@@ -566,5 +572,82 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
             MatmulVariant::Split => split_matmul::<R, F, I, BT>(call),
             _ => fused_matmul::<R, F, I, BT>(call),
         }
+    }
+
+    fn rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        with_rstd: bool,
+    ) -> RmsNormOutput<Self> {
+        if x.meta.num_elements() == 0 {
+            return llama::rms_norm_reference::<Self>(x, gamma, epsilon, with_rstd);
+        }
+        decoder::rms_norm::<R, F, I, BT>(x, gamma, epsilon, with_rstd)
+    }
+
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 2] {
+        if x.meta.num_elements() == 0 {
+            return llama::rms_norm_backward_reference::<Self>(x, gamma, epsilon, grad);
+        }
+        decoder::rms_norm_backward::<R, F, I, BT>(x, rstd, gamma, grad)
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        decoder::swiglu::<R, F, I, BT>(gate, up)
+    }
+
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 2] {
+        decoder::swiglu_backward::<R, F, I, BT>(gate, up, grad)
+    }
+
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        layout: CausalHeads,
+        with_probs: bool,
+    ) -> CausalAttentionOutput<Self> {
+        if !decoder::takes_attention(&q, layout) {
+            return llama::causal_attention_reference::<Self>(q, k, v, mask, layout, with_probs);
+        }
+        decoder::causal_attention::<R, F, I, BT>([q, k, v], mask, layout, with_probs)
+    }
+
+    fn causal_attention_backward(
+        qkv: [FloatTensor<Self>; 3],
+        mask: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        layout: CausalHeads,
+    ) -> [FloatTensor<Self>; 3] {
+        if !decoder::takes_attention(&qkv[0], layout) {
+            return llama::causal_attention_backward_reference::<Self>(qkv, mask, probs, grad, layout);
+        }
+        decoder::causal_attention_backward::<R, F, I, BT>(qkv, probs, grad, layout)
+    }
+
+    fn weighted_kl_loss(
+        student: FloatTensor<Self>,
+        teacher: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        temperature: f64,
+        with_grad: bool,
+    ) -> LossWithGrad<Self> {
+        if student.meta.num_elements() == 0 {
+            return llama::weighted_kl_reference::<Self>(student, teacher, weights, temperature, with_grad);
+        }
+        decoder::weighted_kl::<R, F, I, BT>(student, teacher, weights, temperature, with_grad)
     }
 }

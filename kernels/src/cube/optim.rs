@@ -7,14 +7,14 @@
 //! still held elsewhere (a replica's copy, a checkpoint being written) is
 //! never changed under it.
 
-use burn::tensor::{Tensor as BurnTensor, TensorData};
+use burn::tensor::Tensor as BurnTensor;
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::common::{contiguous_strides, new_output};
+use super::common::{contiguous_strides, new_output, upload};
 use crate::optim::{adam_factors, ParamSlot, ParamState, ParamUpdate, UpdateRule};
 
 /// Units per cube of the optimizer kernels.
@@ -134,16 +134,6 @@ fn sgd_kernel<F: Float>(
 }
 
 type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
-
-/// `values` as a `[n]` tensor on `like`'s device (a small upload; no read).
-fn upload<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    values: Vec<f32>,
-    like: &CubeTensor<R>,
-) -> CubeTensor<R> {
-    let n = values.len();
-    let tensor = BurnTensor::<Cube<R, F, I, BT>, 1>::from_data(TensorData::new(values, [n]), &like.device);
-    into_contiguous(tensor.into_primitive().tensor())
-}
 
 /// Zeros shaped like `like` (a moment before its first update).
 fn zeros_like<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(

@@ -13,6 +13,7 @@
 use rayon::prelude::*;
 
 use super::gemm::{dot, exp_fast};
+use crate::llama::rope_table;
 use crate::transformer::MASKED_SCORE;
 
 /// Rows per task of the row-wise passes (fixed: partial sums of parameter
@@ -46,16 +47,6 @@ impl CausalSizes {
         let (qn, kn) = (self.tokens * self.q_width(), self.tokens * self.kv_width());
         [&q[b * qn..][..qn], &k[b * kn..][..kn], &v[b * kn..][..kn]]
     }
-}
-
-/// `[tokens, head_dim / 2]` cosines and sines of the rotary angles `pos *
-/// base^(-2i / head_dim)` (angles in f64, as the reference's tables).
-pub(crate) fn rope_table(tokens: usize, head_dim: usize, base: f64) -> (Vec<f32>, Vec<f32>) {
-    let half = head_dim / 2;
-    let angle = |pi: usize| (pi / half) as f64 * base.powf(-2.0 * (pi % half) as f64 / head_dim as f64);
-    let cos = (0..tokens * half).map(|pi| angle(pi).cos() as f32).collect();
-    let sin = (0..tokens * half).map(|pi| angle(pi).sin() as f32).collect();
-    (cos, sin)
 }
 
 /// Copies head `h` (`head_dim` wide) of each row of `src` (rows `width`
