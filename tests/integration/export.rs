@@ -67,6 +67,74 @@ fn the_teacher_exported_at_its_own_types_is_the_original_files_tensors() {
     }
 }
 
+/// `pipebd export --teacher ... --first-layers 2`: the file holds the
+/// original's embeddings, head and first two layers byte for byte and
+/// nothing of the others, and a run takes it as its teacher (two blocks).
+#[test]
+fn a_teacher_cut_to_its_first_layers_is_a_teacher_of_those_layers() {
+    let _disk = common::writes_large_files();
+    let dir = common::large_tempdir();
+    let out = dir.path().join("first-2.gguf");
+    let config = "experiments/smollm2-chosen.toml";
+    let (code, stdout, stderr) = common::pipebd(&[
+        "export",
+        "--teacher",
+        config,
+        "--first-layers",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.contains("2 decoder layers"), "{stdout}");
+    let (original, cut) = (Gguf::open(&model_path()).unwrap(), Gguf::open(&out).unwrap());
+    assert_eq!(cut.get_usize("deci.block_count").unwrap(), 2);
+    assert!(cut.get_str("general.name").unwrap().contains("first 2 of 30 layers"));
+    let kept =
+        |name: &str| !name.starts_with("blk.") || name.starts_with("blk.0.") || name.starts_with("blk.1.");
+    let expected: Vec<_> = original.tensors.iter().filter(|t| kept(&t.name)).collect();
+    assert_eq!(cut.tensors.len(), expected.len(), "the first two layers' tensors and the shared ones");
+    for tensor in expected {
+        let (info, bytes) = cut.raw_tensor(&tensor.name).unwrap();
+        assert_eq!((info.kind, &info.shape), (tensor.kind, &tensor.shape), "{}", tensor.name);
+        assert!(bytes == original.raw_tensor(&tensor.name).unwrap().1, "{}: other bytes", tensor.name);
+    }
+    // As a teacher: one block per layer by default, so two students.
+    let run_config = crate::smollm2::tiny_config(
+        dir.path(),
+        "\n[[students]]\nkind = \"decoder\"\n\n[[students]]\nkind = \"decoder\"\nffn = 512\n",
+    );
+    let text = std::fs::read_to_string(&run_config)
+        .unwrap()
+        .replace(model_path().to_str().unwrap(), out.to_str().unwrap())
+        .replace("layers_per_block = [10, 10, 10]\n", "");
+    assert!(text.contains("first-2.gguf"), "{text}");
+    std::fs::write(&run_config, text).unwrap();
+    let run = dir.path().join("run");
+    let (code, stdout, stderr) =
+        common::pipebd(&["run", run_config.to_str().unwrap(), "--out", run.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["blocks"].as_array().unwrap().len(), 2, "{}", report["blocks"]);
+    let teacher = report["language"]["teacher_perplexity"].as_f64().unwrap();
+    assert!(teacher.is_finite() && teacher > 1.0, "{teacher}");
+    // Cut past its end, or to nothing: refused.
+    for n in ["0", "31"] {
+        let (code, _, stderr) = common::pipebd(&[
+            "export",
+            "--teacher",
+            config,
+            "--first-layers",
+            n,
+            "--out",
+            dir.path().join("x.gguf").to_str().unwrap(),
+        ]);
+        assert_ne!(code, 0);
+        assert!(stderr.contains("expected 1 to the teacher's 30 layers"), "{stderr}");
+    }
+}
+
 /// A layer of `config`'s sizes with burn's random weights, scaled down so
 /// that it nudges the residual stream instead of swamping it.
 fn random_layer(config: DecoderLayerConfig) -> DecoderLayer<Flex> {

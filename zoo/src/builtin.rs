@@ -20,7 +20,6 @@ use pipebd_core::{check_against_teacher, check_block_count, BlockSpec, OutputHea
 use pipebd_kernels::{DistillBackend, FusedBackend};
 use pipebd_students::{EncoderInit, StudentBlock, StudentBlockConfig};
 use pipebd_teachers::minilm::{LAYERS as MINILM_LAYERS, MAX_POSITIONS};
-use pipebd_teachers::smollm2::SMOLLM2_135M;
 use pipebd_teachers::TeacherBlock;
 
 use pipe_bd::{Error, Result};
@@ -92,20 +91,23 @@ impl TeacherKind {
     }
 
     /// Layers that `teacher.layers_per_block` groups (one block each by
-    /// default). The MNIST CNN has no layers option: a `layers_per_block`
-    /// given for it is checked against MiniLM's count, as it always was.
-    fn layers(self) -> usize {
+    /// default): SmolLM2's are its file's (see [`smollm2::teacher_layers`]).
+    /// The MNIST CNN has no layers option: a `layers_per_block` given for it
+    /// is checked against MiniLM's count, as it always was.
+    fn layers(self, config: &RunConfig) -> usize {
         match self {
-            Self::SmolLm2 => SMOLLM2_135M.layers,
+            Self::SmolLm2 => smollm2::teacher_layers(config),
             Self::MiniLm | Self::MnistCnn => MINILM_LAYERS,
         }
     }
 
-    /// Blocks it is cut into under `options`.
-    fn blocks(self, options: &TeacherOptions) -> usize {
+    /// Blocks it is cut into under `options` (the teacher of `config`).
+    fn blocks(self, config: &RunConfig, options: &TeacherOptions) -> usize {
         match self {
             Self::MnistCnn => mnist_cnn::blocks(),
-            Self::MiniLm | Self::SmolLm2 => options.layers_per_block.as_ref().map_or(self.layers(), Vec::len),
+            Self::MiniLm | Self::SmolLm2 => {
+                options.layers_per_block.as_ref().map_or_else(|| self.layers(config), Vec::len)
+            }
         }
     }
 
@@ -223,7 +225,7 @@ impl TeacherKind {
 
 /// Text teacher layers per block: `teacher.layers_per_block`, or one each.
 pub fn layers_per_block(config: &RunConfig) -> Result<Vec<usize>> {
-    grouped_layers(config, TeacherKind::of(config).layers())
+    grouped_layers(config, TeacherKind::of(config).layers(config))
 }
 
 /// Builds the teacher named in the config on `device`, with its weights.
@@ -477,7 +479,7 @@ impl Zoo for Builtin {
             check_probe(teacher, probe)?;
         }
         if let Some(groups) = &teacher_options.layers_per_block {
-            let layers = teacher.layers();
+            let layers = teacher.layers(config);
             if groups.contains(&0) || groups.iter().sum::<usize>() != layers {
                 return Err(ConfigIssue::new(
                     "teacher",
@@ -488,7 +490,7 @@ impl Zoo for Builtin {
         }
         let students: Vec<StudentBlockConfig> = parse_students(config)?;
         check_student_kinds(config, teacher, &students)?;
-        let teacher_blocks = teacher.blocks(&teacher_options);
+        let teacher_blocks = teacher.blocks(config, &teacher_options);
         if students.len() != teacher_blocks {
             return Err(ConfigIssue::new(
                 "students",

@@ -53,9 +53,18 @@ where
             let config = zoo.load_config(config_path, Overrides::default())?;
             let config_name = config_path.display().to_string();
             require_decoder(&config, &config_name)?;
-            export_teacher(&config, kind, &request.out)?
+            export_teacher(&config, kind, request.first_layers, &request.out)?
         }
-        ExportSource::Run(run_dir) => export_run(zoo, run_dir, kind, &request.out)?,
+        ExportSource::Run(run_dir) => {
+            if request.first_layers.is_some() {
+                return Err(Error::Zoo {
+                    path: Some(run_dir.clone()),
+                    message: "first layers: a teacher export's option (a student keeps its own layers)"
+                        .into(),
+                });
+            }
+            export_run(zoo, run_dir, kind, &request.out)?
+        }
     };
     Ok(describe(summary))
 }
@@ -74,13 +83,34 @@ fn require_decoder(config: &RunConfig, source: &str) -> Result<()> {
     })
 }
 
-/// The whole teacher of `config`, written back.
-fn export_teacher(config: &RunConfig, kind: ExportType, out: &Path) -> Result<ExportSummary> {
+/// The teacher of `config` written back: whole, or its first `first_layers`
+/// decoder layers.
+fn export_teacher(
+    config: &RunConfig,
+    kind: ExportType,
+    first_layers: Option<usize>,
+    out: &Path,
+) -> Result<ExportSummary> {
     let file = Gguf::open(&config.teacher.weights).lift()?;
     let model = SmolLm2::<Cpu>::load(&config.teacher.weights, &Default::default()).lift()?;
-    let layers: Vec<_> =
-        model.layers.iter().enumerate().map(|(n, layer)| ExportLayer { layer, teacher_layer: n }).collect();
-    write_deci(&file, &layers, kind, None, out).lift()
+    let count = model.layers.len();
+    let keep = first_layers.unwrap_or(count);
+    if keep == 0 || keep > count {
+        return Err(Error::Zoo {
+            path: Some(config.teacher.weights.clone()),
+            message: format!("first layers: expected 1 to the teacher's {count} layers, got {keep}"),
+        });
+    }
+    let layers: Vec<_> = model.layers[..keep]
+        .iter()
+        .enumerate()
+        .map(|(n, layer)| ExportLayer { layer, teacher_layer: n })
+        .collect();
+    let name = first_layers.map(|n| {
+        let teacher = file.get_str("general.name").unwrap_or("decoder");
+        format!("{teacher} (its first {n} of {count} layers)")
+    });
+    write_deci(&file, &layers, kind, name.as_deref(), out).lift()
 }
 
 /// The student saved in `run_dir`.

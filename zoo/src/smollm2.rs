@@ -38,7 +38,18 @@ pub(crate) fn is_decoder(config: &RunConfig) -> bool {
 
 /// SmolLM2's layers per block: `teacher.layers_per_block`, or one each.
 pub(crate) fn layers_per_block(config: &RunConfig) -> Result<Vec<usize>> {
-    grouped_layers(config, SMOLLM2_135M.layers)
+    grouped_layers(config, teacher_layers(config))
+}
+
+/// Decoder layers in the teacher file of `config`: the file's own count
+/// (SmolLM2-135M's 30, or fewer in a file of its first layers, such as
+/// `pipebd export` writes for a student whose last blocks are skipped), or
+/// 30 while the file cannot be read (loading it then says why). Reads the
+/// file's header only.
+pub(crate) fn teacher_layers(config: &RunConfig) -> usize {
+    pipebd_teachers::gguf::Gguf::open(&config.teacher.weights)
+        .and_then(|file| pipebd_teachers::smollm2::layer_configs(&file))
+        .map_or(SMOLLM2_135M.layers, |layers| layers.len().max(1))
 }
 
 /// SmolLM2 as a run uses it: cut into blocks, with what stays frozen around them.
@@ -56,7 +67,7 @@ pub struct Smollm2Parts<B: FusedBackend> {
 /// Loads SmolLM2 (one read of the file) and cuts it into the configured blocks.
 pub fn build_smollm2<B: FusedBackend>(config: &RunConfig, device: &B::Device) -> Result<Smollm2Parts<B>> {
     let model = SmolLm2::<B>::load(&config.teacher.weights, device).lift()?;
-    check_smollm2_sizes(&model.sizes, &config.teacher.weights)?;
+    check_smollm2_sizes(&model.sizes, &model.layer_sizes, &config.teacher.weights)?;
     let groups = layers_per_block(config)?;
     let specs = with_block_loss(config, decoder_specs(&model.sizes, &groups, max_tokens(config)?))?;
     let blocks = decoder_blocks(model.layers, &groups);
@@ -68,16 +79,25 @@ pub fn build_smollm2<B: FusedBackend>(config: &RunConfig, device: &B::Device) ->
     })
 }
 
-/// Fails unless `sizes` (read from `path`) are SmolLM2-135M's, which the
-/// specs and the student defaults assume.
-fn check_smollm2_sizes(sizes: &LlamaSizes, path: &Path) -> Result<()> {
-    if *sizes != SMOLLM2_135M {
-        return Err(Error::teacher(pipebd_teachers::TeacherError::BadWeights {
-            path: path.to_path_buf(),
-            message: format!(
-                "a Llama of other sizes ({sizes:?}); teacher `{SMOLLM2}` is SmolLM2-135M ({SMOLLM2_135M:?})"
-            ),
-        }));
+/// Fails unless every layer of the model read from `path` (`sizes`, and
+/// each layer's own) is SmolLM2-135M's, which the specs and the student
+/// defaults assume; the count of layers may be any (SmolLM2's first layers).
+fn check_smollm2_sizes(sizes: &LlamaSizes, layers: &[DecoderLayerConfig], path: &Path) -> Result<()> {
+    let bad = |message: String| {
+        Err(Error::teacher(pipebd_teachers::TeacherError::BadWeights { path: path.to_path_buf(), message }))
+    };
+    if sizes.vocab != SMOLLM2_135M.vocab || sizes.layer != SMOLLM2_135M.layer {
+        return bad(format!(
+            "a Llama of other sizes ({sizes:?}); teacher `{SMOLLM2}` is SmolLM2-135M ({SMOLLM2_135M:?}) or its first layers"
+        ));
+    }
+    if let Some(n) = layers.iter().position(|layer| *layer != SMOLLM2_135M.layer) {
+        return bad(format!(
+            "layer {} has other sizes ({:?}) than SmolLM2-135M's ({:?}): a pruned model is a student, not teacher `{SMOLLM2}`",
+            n + 1,
+            layers[n],
+            SMOLLM2_135M.layer
+        ));
     }
     Ok(())
 }
@@ -126,7 +146,8 @@ pub(crate) fn check_inputs(config: &RunConfig) -> Result<()> {
     crate::text::brown_files(&config.data.dir)?;
     // The header, metadata and tensor table (the tensors are not read).
     let file = pipebd_teachers::gguf::Gguf::open(&config.teacher.weights).lift()?;
-    check_smollm2_sizes(&LlamaSizes::of(&file).lift()?, &config.teacher.weights)?;
+    let layers = pipebd_teachers::smollm2::layer_configs(&file).lift()?;
+    check_smollm2_sizes(&LlamaSizes::of(&file).lift()?, &layers, &config.teacher.weights)?;
     SmolTokenizer::from_gguf(&file).lift()?;
     Ok(())
 }

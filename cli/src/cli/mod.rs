@@ -220,6 +220,10 @@ enum Command {
         /// The file to write.
         #[arg(long)]
         out: PathBuf,
+        /// With --teacher: only its first N decoder layers (a smaller
+        /// teacher of the same layers, e.g. one that fits a size limit).
+        #[arg(long, value_name = "N", requires = "teacher")]
+        first_layers: Option<usize>,
     },
     /// Score a GGUF model (an exported student, or any Llama or deci file)
     /// on a text with llama.cpp's perplexity protocol: non-overlapping
@@ -400,13 +404,14 @@ fn execute_command<Z: Zoo>(zoo: &Z, command: Command) -> Result<(), Error> {
         Command::Plot { run_dir } => commands::plot(&run_dir),
         Command::Eval { run_dir } => commands::eval(zoo, &run_dir),
         Command::EvalTeacher { config } => commands::eval_teacher(zoo, &config),
-        Command::Export { run_dir, teacher, format, kind, out } => {
+        Command::Export { run_dir, teacher, format, kind, out, first_layers } => {
             let source = match (run_dir, teacher) {
                 (_, Some(config)) => crate::jobs::export::ExportSource::Teacher(config),
                 (Some(run_dir), None) => crate::jobs::export::ExportSource::Run(run_dir),
                 (None, None) => unreachable!("clap requires one"),
             };
-            commands::export(zoo, &crate::jobs::export::ExportRequest { source, format, kind, out })
+            let request = crate::jobs::export::ExportRequest { source, format, kind, out, first_layers };
+            commands::export(zoo, &request)
         }
         Command::EvalGguf { model, text, save_text, context, chunks } => commands::eval_gguf(
             zoo,

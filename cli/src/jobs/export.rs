@@ -28,6 +28,11 @@ pub struct ExportRequest {
     pub kind: String,
     /// The file to write.
     pub out: PathBuf,
+    /// With [`ExportSource::Teacher`]: only the teacher's first this many
+    /// decoder layers (with its embeddings, final norm and head): a smaller
+    /// model of the same layers, itself a teacher (`pipebd run` takes a file
+    /// of SmolLM2's first layers).
+    pub first_layers: Option<usize>,
 }
 
 /// What an export wrote.
