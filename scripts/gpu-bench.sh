@@ -10,7 +10,13 @@
 #   4. `pipebd kernels --bench --repeats 30` (timings, as printed);
 #   5. `pipebd profile` at batch 1024 (the spread of its repeated timings);
 #   6. the batch-128 run once more: the cost of a second start;
-# and ends with one table of ratios. Each step runs under `timeout`, within
+#   7. the decoder LLM (when the pack has it): SmolLM2's blockwise step (each
+#      layer a student on the teacher's states, one Adam each) and its
+#      stitched pass (the student end to end, KL through the frozen LM head),
+#      on the first 4 layers gpu-pack.sh cut from SmolLM2-135M, 16 sentences
+#      of 32 tokens per step, against bench/peers/smollm2_torch.py on the same
+#      file (with the gguf reader packed beside it);
+# and ends with tables of ratios. Each step runs under `timeout`, within
 # the whole budget; one that fails or runs out of time is reported and the
 # next one runs, so every call ends with the table.
 #
@@ -19,8 +25,9 @@
 #
 # Options: --device cuda[:N] | cpu (default cuda), --train-limit N (train on N
 # samples, pipe-bd and peer alike; for dry runs), --budget SECONDS (counted
-# from the start: no step runs past it; default 320, so that the whole call
-# ends within 6 minutes). PYTHON=... picks the Python with torch (default: the
+# from the start: no step runs past it; default 420, so that the whole call
+# ends within 8 minutes), --llm-steps N (timed steps of each SmolLM2 run
+# after 5 warm-up steps; default 40). PYTHON=... picks the Python with torch (default: the
 # first of bench/peers/.venv/bin/python, python3, python that imports torch).
 # When $OUT is set, gpu-bench.log (what it printed) and gpu-bench.tar.gz (the
 # configs, reports, peer and profile JSON and each step's output) go there.
@@ -30,14 +37,17 @@ cd "$root" || exit 2
 
 device=cuda
 train_limit=""
-budget=320
+budget=420
 BATCHES=(128 1024)
+llm_steps=40
+LLM_WARMUP=5
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="${2:?--device needs a value}"; shift 2 ;;
     --train-limit) train_limit="${2:?--train-limit needs a value}"; shift 2 ;;
     --budget) budget="${2:?--budget needs a value}"; shift 2 ;;
+    --llm-steps) llm_steps="${2:?--llm-steps needs a value}"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "gpu-bench: unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -47,6 +57,7 @@ case "$device" in
   *) echo "gpu-bench: --device $device: expected cuda[:N] or cpu" >&2; exit 2 ;;
 esac
 [[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu-bench: --budget $budget: expected whole seconds" >&2; exit 2; }
+[[ "$llm_steps" =~ ^[1-9][0-9]*$ ]] || { echo "gpu-bench: --llm-steps $llm_steps: expected a positive number" >&2; exit 2; }
 [[ -z "$train_limit" || "$train_limit" =~ ^[1-9][0-9]*$ ]] ||
   { echo "gpu-bench: --train-limit $train_limit: expected a positive number" >&2; exit 2; }
 
@@ -222,6 +233,94 @@ run_pipebd() {
   step "$name" 90 "$work/$name/stdout" "$bin" run "$work/config-$batch.toml" --out "$work/$name" --quiet
 }
 
+# The decoder LLM of the pack (.gpu/LLM: the cut teacher's path and layer
+# count), the Brown corpus unpacked into data/ and the peer's gguf reader into
+# $work/py. Fails (and the llm steps are skipped) when the pack has none.
+llm_cut=""
+llm_layers=""
+prepare_llm() {
+  [ -f .gpu/LLM ] || { echo "   the pack has no SmolLM2 (.gpu/LLM): the llm steps are skipped"; return 1; }
+  read -r llm_cut llm_layers <.gpu/LLM
+  [ -f "$llm_cut" ] || { echo "   $llm_cut is missing: the llm steps are skipped"; return 1; }
+  if [ ! -f data/brown/ca01 ]; then
+    if command -v tar >/dev/null 2>&1; then tar -xzf data/brown.tar.gz -C data; else
+      "$py_any" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' data/brown.tar.gz data
+    fi || { echo "   cannot unpack data/brown.tar.gz: the llm steps are skipped"; return 1; }
+  fi
+  if [ -f .gpu/py.tar.gz ]; then
+    mkdir -p "$work/py"
+    "$py_any" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' .gpu/py.tar.gz "$work/py" ||
+      echo "   cannot unpack .gpu/py.tar.gz (the peer's gguf reader)"
+  fi
+  echo "   SmolLM2: $llm_cut ($llm_layers layers), Brown in data/brown"
+}
+
+# llm_config MODE FILE: SmolLM2 on $device, every layer a student (whole, as
+# the peer's), (warm-up + timed) steps of 16 sentences of 32 tokens:
+# `blockwise` one epoch of the blockwise step (smollm2-quick.toml's
+# optimizer), `stitched` the stitched pass alone (smollm2-chosen.toml's).
+llm_config() {
+  local mode="$1" lr=5e-5 k
+  [ "$mode" = stitched ] && lr=2e-4
+  {
+    echo "name = \"gpu-bench-smollm2-$mode\""
+    echo 'seed = 42'
+    echo "device = \"$device\""
+    echo 'schedule = "ideal"'
+    echo '[data]'
+    echo 'dataset = "brown"'
+    echo 'dir = "data/brown"'
+    echo "train_limit = $(((llm_steps + LLM_WARMUP) * 16))"
+    echo 'test_limit = 16'
+    echo 'max_tokens = 32'
+    echo '[teacher]'
+    echo 'kind = "smollm2-135m"'
+    echo "weights = \"$llm_cut\""
+    echo '[train]'
+    echo 'batch_size = 16'
+    echo 'log_every = 10'
+    if [ "$mode" = blockwise ]; then
+      echo 'epochs = 1'
+    else
+      echo 'epochs = 0'
+      echo 'stitched_epochs = 1'
+      echo "stitched_lr = $lr"
+      echo 'stitched_gradients = "end-to-end"'
+      echo 'stitched_output_loss = "head-kl"'
+      echo 'stitched_output_weight = 1.0'
+      echo 'stitched_block_weight = 0.0'
+    fi
+    echo '[optimizer]'
+    echo 'kind = "adam"'
+    echo "lr = $lr"
+    echo 'epsilon = 1e-8'
+    echo 'min_lr = 0.0'
+    echo 'schedule = "cosine"'
+    for ((k = 0; k < llm_layers; k++)); do
+      printf '[[students]]\nkind = "decoder"\n'
+    done
+  } >"$2"
+}
+
+# run_llm MODE: pipe-bd's SmolLM2 run, then the peer's, in MODE.
+run_llm() {
+  local mode="$1"
+  mkdir -p "$work/llm-$mode"
+  llm_config "$mode" "$work/llm-$mode.toml"
+  step "llm-$mode" 120 "$work/llm-$mode/stdout" "$bin" run "$work/llm-$mode.toml" --out "$work/llm-$mode" --quiet
+  local peer_path="$work/py${PYTHONPATH:+:$PYTHONPATH}"
+  if [ -z "$py_torch" ]; then
+    printf '%s\tskipped: no torch\t\n' "llm-peer-$mode" >>"$status"
+  elif ! PYTHONPATH="$peer_path" "$py_torch" -c 'import numpy, gguf' >/dev/null 2>&1; then
+    echo "== llm-peer-$mode: skipped ($py_torch cannot import numpy and gguf, even with the packed reader)"
+    printf '%s\tskipped: no numpy or gguf\t\n' "llm-peer-$mode" >>"$status"
+  else
+    step "llm-peer-$mode" 120 "$work/llm-peer-$mode.json" env PYTHONPATH="$peer_path" "$py_torch" \
+      bench/peers/smollm2_torch.py --mode "$mode" --model "$llm_cut" --device "$device" \
+      --steps "$llm_steps" --warmup "$LLM_WARMUP" --threads "$(nproc 2>/dev/null || echo 2)"
+  fi
+}
+
 main() {
   echo "gpu-bench: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), device $device, budget ${budget}s${train_limit:+, train limit $train_limit}"
   py_any="$(command -v python3 || command -v python || true)"
@@ -257,8 +356,15 @@ main() {
       printf '%s\tskipped: no torch\t\n' "peer-$b" >>"$status"
     fi
   done
-  step kernels-bench 45 "$work/kernels-bench.txt" "$bin" kernels --device "$device" --bench --repeats 30
+  step kernels-bench 60 "$work/kernels-bench.txt" "$bin" kernels --device "$device" --bench --repeats 30
   show "$work/kernels-bench.txt"
+  echo "== SmolLM2"
+  if prepare_llm; then
+    run_llm blockwise
+    run_llm stitched
+  else
+    printf '%s\tskipped: no SmolLM2 in the pack\t\n' llm-blockwise llm-stitched >>"$status"
+  fi
   local last="${BATCHES[${#BATCHES[@]} - 1]}"
   if [ -f "$work/config-$last.toml" ]; then
     step profile 45 "$work/profile.txt" "$bin" profile "$work/config-$last.toml" --devices "$device" \
@@ -274,10 +380,11 @@ main() {
 
   echo
   if [ -n "$py_any" ]; then
-    "$py_any" - "$work" "$device" "$(date +%s)" "$started" "${BATCHES[@]}" <<'PY'
+    "$py_any" - "$work" "$device" "$(date +%s)" "$started" "${llm_layers:-0}" "$LLM_WARMUP" "${BATCHES[@]}" <<'PY'
 import json, os, statistics, sys
 
-work, device, now, started, batches = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+work, device, now, started = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm_layers, llm_warmup, batches = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7:]
 status = {}
 with open(os.path.join(work, "status.tsv")) as f:
     for line in f:
@@ -366,6 +473,55 @@ if profile:
         print("profile spread: no timings in profile.json")
 else:
     print(f"profile spread: {status.get('profile', ('not run',))[0]}")
+
+
+def llm_flops(mode, layers, batch=16, tokens=32):
+    """FLOPs of one SmolLM2 step with whole students (smollm2_torch.step_flops)."""
+    hidden, q, kv, ffn, vocab = 576, 9 * 64, 3 * 64, 1536, 49152
+    layer = 2 * tokens * (hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * ffn) + 4 * tokens * tokens * q
+    per_sequence = layers * layer + 3 * layers * layer
+    if mode == "stitched":
+        per_sequence += 3 * 2 * tokens * hidden * vocab
+    return batch * per_sequence
+
+
+if llm_layers:
+    print(f"== SmolLM2's first {llm_layers} layers (of 30) on {device}, batch 16 x 32 tokens, "
+          f"every layer a student: seconds per step, GFLOP/s by the peer's count")
+    row = "{:<30} {:>14} {:>14} {:>8} {:>12} {:>12}"
+    print(row.format("step", "pipe-bd", "pytorch", "ratio", "pipe-bd GF/s", "pytorch GF/s"))
+    for mode in ("blockwise", "stitched"):
+        report, peer = load(f"llm-{mode}", "report.json"), load(f"llm-peer-{mode}.json")
+        flops = llm_flops(mode, llm_layers)
+        ours = {}
+        if report and mode == "blockwise" and report.get("steps"):
+            ours["all steps"] = report["train_seconds"] / report["steps"]
+        if report and mode == "stitched" and report.get("stitched"):
+            st = report["stitched"]
+            ours["all steps"] = st["seconds"] / max(st["steps"], 1)
+            if len(st.get("step_seconds", [])) > llm_warmup:
+                ours["steady (median)"] = statistics.median(st["step_seconds"][llm_warmup:])
+        theirs = {}
+        if peer:
+            theirs = {"all steps": peer["all_steps_seconds_per_step"], "steady (median)": peer["seconds_per_step"]}
+        for label in ("all steps", "steady (median)"):
+            a, b = ours.get(label), theirs.get(label)
+            if a is None and b is None:
+                continue
+            # A figure, '-' where the side ran but does not measure it, or why it did not run.
+            cell = lambda v, ran, name: f"{v:.4f}" if v is not None else "-" if ran else why(name)
+            print(row.format(
+                f"{mode}, {label}",
+                cell(a, bool(ours), f"llm-{mode}"),
+                cell(b, bool(theirs), f"llm-peer-{mode}"),
+                f"{b / a:.2f}x" if a and b else "n/a",
+                f"{flops / a / 1e9:.1f}" if a else "n/a",
+                f"{flops / b / 1e9:.1f}" if b else "n/a",
+            ))
+        if not ours and not theirs:
+            print(row.format(mode, why(f"llm-{mode}"), why(f"llm-peer-{mode}"), "n/a", "n/a", "n/a"))
+    print("   (ratio: pytorch's seconds per step over pipe-bd's; 'all steps' counts the warm-up, "
+          "pipe-bd's kernel compilation included; pipe-bd's blockwise report has no per-step times)")
 print(f"whole script: {now - started} s; outputs in {work}")
 PY
   else

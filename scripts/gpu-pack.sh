@@ -4,6 +4,17 @@
 #   .gpu/pipebd.xz                  pipebd built with --features cuda, stripped, xz -9
 #   .gpu/data/mnist/*.gz            the four MNIST IDX files, gzipped
 #   .gpu/data/teachers/mnist-cnn.pth
+#   .gpu/data/smollm2/smollm2-135m-first-4.gguf
+#                                   SmolLM2-135M's first 4 layers at Q4_1 (the
+#                                   whole file, 98 MB, is over what a call
+#                                   carries), written by the packed binary
+#                                   itself (`pipebd export --teacher ...
+#                                   --first-layers 4 --type q4_1`)
+#   .gpu/data/brown.tar.gz          the Brown corpus
+#   .gpu/py.tar.gz                  llama.cpp's gguf reader (pure Python, with
+#                                   PyYAML's pure-Python part) for the SmolLM2
+#                                   peer, from data/venv-gguf
+#   .gpu/LLM                        the cut teacher's path and layer count
 #   .gpu/SHA256SUMS                 of the unpacked files, checked there
 #   .gpu/BUILD                      the commit and the build the binary comes from
 #
@@ -25,6 +36,11 @@ die() { say "ERROR: $*"; exit 1; }
 LIMIT_MIB=60
 MNIST=(train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte)
 TEACHER=data/teachers/mnist-cnn.pth
+# The decoder LLM (gpu-bench.sh's llm-* steps), when setup-data.sh installed it.
+LLM_CONFIG=experiments/smollm2-chosen.toml
+LLM=data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+LLM_LAYERS=4
+LLM_CUT=data/smollm2/smollm2-135m-first-$LLM_LAYERS.gguf
 
 bin=""
 case "${1:-}" in
@@ -96,6 +112,24 @@ sha() { sha256sum "$1" | cut -d' ' -f1; }
   done
   cp "$TEACHER" "$stage/data/teachers/"
   echo "$(sha "$TEACHER")  $TEACHER"
+  if [ -f "$LLM" ] && [ -d data/brown ]; then
+    mkdir -p "$stage/data/smollm2"
+    say "cutting SmolLM2 to its first $LLM_LAYERS layers at Q4_1 (with $bin)"
+    "$bin" export --teacher "$LLM_CONFIG" --first-layers "$LLM_LAYERS" --type q4_1 --out "$stage/$LLM_CUT" \
+      --quiet >&2 || die "could not cut the SmolLM2 teacher (see above)"
+    echo "$(sha "$stage/$LLM_CUT")  $LLM_CUT"
+    tar -czf "$stage/data/brown.tar.gz" -C data brown || die "could not pack data/brown"
+    echo "$(sha "$stage/data/brown.tar.gz")  data/brown.tar.gz"
+    echo "$LLM_CUT $LLM_LAYERS" >"$stage/LLM"
+    site="$(ls -d data/venv-gguf/lib/python3*/site-packages 2>/dev/null | head -n 1)"
+    if [ -n "$site" ] && [ -d "$site/gguf" ] && [ -d "$site/yaml" ]; then
+      tar -czf "$stage/py.tar.gz" -C "$site" --exclude=__pycache__ gguf yaml || die "could not pack gguf"
+    else
+      say "warning: no data/venv-gguf with gguf and yaml (scripts/setup-python.sh): the SmolLM2 peer needs them there"
+    fi
+  else
+    say "warning: no $LLM or data/brown (bash scripts/setup-data.sh): no SmolLM2 steps in this pack"
+  fi
 } >"$stage/SHA256SUMS"
 
 {

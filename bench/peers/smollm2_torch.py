@@ -40,6 +40,12 @@ torch.optim.Adam over all of them (lr 2e-4, eps 1e-8, cosine decay).
     bench/peers/.venv/bin/python bench/peers/smollm2_torch.py --mode blockwise --steps 20 --threads 2
     bench/peers/.venv/bin/python bench/peers/smollm2_torch.py --mode stitched --steps 20 --threads 2
 
+`--device cuda` runs it on the GPU, with the step clock read after the GPU
+is done (scripts/gpu-bench.sh). `--model` may be a file of SmolLM2's first
+layers (`pipebd export --teacher ... --first-layers N`): the teacher is
+then those N layers, each with its student (widths as the recipe gives its
+layer).
+
 Runs `--warmup` (2) steps, then `--steps` timed ones, logging each step's
 time and loss to stderr. Prints one JSON object on the last line of stdout:
 steady-state samples/s and median seconds per step (warm-up skipped), the
@@ -94,10 +100,13 @@ def load_teacher_weights(path):
         "rope_base": float(reference.field(reader, "llama.rope.freq_base")),
         "eps": float(reference.field(reader, "llama.attention.layer_norm_rms_epsilon")),
     }
-    expected = {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "ffn": FFN}
+    expected = {"hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "ffn": FFN}
     for key, value in expected.items():
         if meta[key] != value:
             sys.exit(f"{path}: {key} is {meta[key]}, SmolLM2-135M has {value}")
+    # SmolLM2-135M's 30 layers, or its first ones (the cut teacher scripts/gpu-pack.sh writes).
+    if not 1 <= meta["layers"] <= LAYERS:
+        sys.exit(f"{path}: {meta['layers']} layers, expected SmolLM2-135M's {LAYERS} or its first ones")
     weights = {}
     for t in reader.tensors:
         values = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32, order="C", copy=True)
@@ -138,7 +147,7 @@ def attention_bias(mask):
     """`[batch, 1, tokens, tokens]`: 0 where query i may see key j (j <= i and
     j real), MASKED_SCORE elsewhere."""
     tokens = mask.shape[1]
-    causal = torch.full((tokens, tokens), MASKED_SCORE).triu(1)
+    causal = torch.full((tokens, tokens), MASKED_SCORE, device=mask.device).triu(1)
     return causal.view(1, 1, tokens, tokens) + ((1.0 - mask) * MASKED_SCORE).view(-1, 1, 1, tokens)
 
 
@@ -252,15 +261,15 @@ def layer_flops(tokens, ffn):
 
 def step_flops(mode, widths, batch, tokens):
     """FLOPs of one training step at `batch` sequences of `tokens` tokens,
-    students with SwiGLU widths `widths`:
-      teacher: its 30 layers forward (no gradients);
+    students with SwiGLU widths `widths` (one per teacher layer):
+      teacher: its layers forward (no gradients);
       students: forward, plus a backward of twice the forward (the input and
         the weight gradient of every matmul: 3x the forward in all);
       stitched only: the LM head (`2 * tokens * hidden * vocab` per sequence)
         forward on the teacher's and the student's final states, plus the
         input gradient through it on the student's side (the head is frozen:
         no weight gradient), so 3x one head forward in all."""
-    teacher = LAYERS * layer_flops(tokens, FFN)
+    teacher = len(widths) * layer_flops(tokens, FFN)
     students = sum(layer_flops(tokens, w) for w in widths)
     per_sequence = teacher + 3 * students
     if mode == "stitched":
@@ -269,11 +278,11 @@ def step_flops(mode, widths, batch, tokens):
     return batch * per_sequence
 
 
-def student_widths(mode, ffn):
-    """The SwiGLU width of each of the 30 student layers."""
+def student_widths(mode, ffn, layers=LAYERS):
+    """The SwiGLU width of each student layer (one per teacher layer)."""
     if mode == "blockwise":
-        return [ffn if k in BLOCKWISE_PRUNED else FFN for k in range(1, LAYERS + 1)]
-    return [FFN if k in STITCHED_WHOLE else ffn for k in range(1, LAYERS + 1)]
+        return [ffn if k in BLOCKWISE_PRUNED else FFN for k in range(1, layers + 1)]
+    return [FFN if k in STITCHED_WHOLE else ffn for k in range(1, layers + 1)]
 
 
 def ffn_importance(embedding, teacher, ids, mask, cos, sin):
@@ -335,6 +344,7 @@ def main():
     parser.add_argument("--ffn", type=int, default=768, help="SwiGLU width of the pruned layers")
     parser.add_argument("--lr", type=float, help="Adam's peak lr (default: 5e-5 blockwise, 2e-4 stitched)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (scripts/gpu-bench.sh)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--check", action="store_true", help="first, the teacher's perplexity on Brown ca01")
     args = parser.parse_args()
@@ -344,30 +354,39 @@ def main():
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
+    # Step times count the GPU's work too: wait for it before reading the clock.
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     load_start = time.perf_counter()
     reader, meta, weights = load_teacher_weights(args.model)
     tokenizer = reference.Tokenizer(reader)
     eps, rope_base = meta["eps"], meta["rope_base"]
-    embedding = nn.Embedding.from_pretrained(weights["token_embd.weight"], freeze=True)
-    head = LmHead(weights, eps).eval().requires_grad_(False)
-    teacher = [DecoderLayer(FFN, eps).load_teacher(weights, k).eval().requires_grad_(False) for k in range(LAYERS)]
+    layers = meta["layers"]
+    embedding = nn.Embedding.from_pretrained(weights["token_embd.weight"], freeze=True).to(device)
+    head = LmHead(weights, eps).eval().requires_grad_(False).to(device)
+    teacher = [DecoderLayer(FFN, eps).load_teacher(weights, k).eval().requires_grad_(False).to(device)
+               for k in range(layers)]
     total = args.warmup + args.steps
     sentences = brown_sentences(args.data, total * args.batch_size, args.seed)
     if len(sentences) < total * args.batch_size:
         sys.exit(f"{len(sentences)} Brown sentences: fewer than {total} batches of {args.batch_size}")
     ids, mask = pad([tokenizer.encode(s) for s in sentences], args.max_tokens)
-    cos, sin = rope_tables(args.max_tokens, rope_base)
-    widths = student_widths(args.mode, args.ffn)
+    ids, mask = ids.to(device), mask.to(device)
+    cos, sin = (t.to(device) for t in rope_tables(args.max_tokens, rope_base))
+    widths = student_widths(args.mode, args.ffn, layers)
     importance = ffn_importance(embedding, teacher, ids[:CALIBRATION], mask[:CALIBRATION], cos, sin)
     students = []
     for k, width in enumerate(widths):
         keep = None if width == FFN else importance[k].argsort(descending=True)[:width].sort().values
-        students.append(DecoderLayer(width, eps).load_teacher(weights, k, keep))
+        keep = None if keep is None else keep.cpu()
+        students.append(DecoderLayer(width, eps).load_teacher(weights, k, keep).to(device))
     if args.mode == "blockwise":
         # One optimizer per layer: each block trains alone (pipe-bd's blockwise epoch).
         optimizers = [torch.optim.Adam(s.parameters(), lr=lr, eps=1e-8) for s in students]
     else:
-        # One optimizer over all 30 layers: one loss, one backward through the chain.
+        # One optimizer over all layers: one loss, one backward through the chain.
         optimizers = [torch.optim.Adam([p for s in students for p in s.parameters()], lr=lr, eps=1e-8)]
 
     load_seconds = time.perf_counter() - load_start
@@ -386,6 +405,7 @@ def main():
             for group in opt.param_groups:
                 group["lr"] = cosine_lr(lr, step, total)
         rows = slice(step * args.batch_size, (step + 1) * args.batch_size)
+        sync()
         start = time.perf_counter()
         m = mask[rows]
         with torch.no_grad():
@@ -396,6 +416,7 @@ def main():
                 states = [x]
                 for layer in teacher:
                     states.append(layer(states[-1], bias, cos, sin))
+            sync()
             teacher_times.append(time.perf_counter() - start)
             step_losses = []
             for k, (s, opt) in enumerate(zip(students, optimizers)):
@@ -411,6 +432,7 @@ def main():
                 for layer in teacher:
                     t = layer(t, bias, cos, sin)
                 teacher_logits = head(t).reshape(-1, VOCAB)
+            sync()
             teacher_times.append(time.perf_counter() - start)
             s = x
             for layer in students:
@@ -421,6 +443,7 @@ def main():
             loss.backward()
             opt.step()
             losses.append(loss.item())
+        sync()
         times.append(time.perf_counter() - start)
         label = "warm-up" if step < args.warmup else "timed"
         what = "mean block MSE" if args.mode == "blockwise" else "KL"
@@ -436,12 +459,14 @@ def main():
         "torch": torch.__version__,
         "mode": args.mode,
         "threads": args.threads,
+        "device": str(device),
+        "layers": layers,
         "batch_size": args.batch_size,
         "max_tokens": args.max_tokens,
         "mean_real_tokens": float(mask.sum(1).mean()),
         "ffn": args.ffn,
         "student_widths": widths,
-        "optimizers": "one Adam per layer" if args.mode == "blockwise" else "one Adam over all 30 layers",
+        "optimizers": "one Adam per layer" if args.mode == "blockwise" else f"one Adam over all {layers} layers",
         "lr": lr,
         "steps": args.steps,
         "warmup_steps": args.warmup,
