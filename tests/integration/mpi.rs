@@ -345,3 +345,69 @@ fn auto_under_mpirun_plans_from_every_ranks_own_profile() {
     assert_eq!(report.schedule, "auto");
     assert_eq!(report.steps_run, report.steps);
 }
+
+/// Pipe-BD on the decoder LLM across processes: a search run's candidates
+/// (SmolLM2's 30 layers in three blocks, two candidate sets) trained on two
+/// MPI ranks under teacher relaying, with and without decoupled updates, and
+/// under `auto` in one process and on two ranks, end with the weights and
+/// final losses the ideal schedule gives them in one process.
+#[test]
+fn the_decoder_search_on_two_ranks_and_under_auto_trains_what_ideal_trains() {
+    let _serial = common::timing_sensitive();
+    let dir = tempfile::tempdir().unwrap();
+    let students = r#"
+[[students]]
+kind = "candidates"
+candidates = [
+  { kind = "decoder", ffn = 256, init = "random" },
+  { kind = "decoder", mixer = "none", ffn = 128, init = "random" },
+]
+
+[[students]]
+kind = "decoder"
+ffn = 128
+init = "random"
+
+[[students]]
+kind = "candidates"
+candidates = [
+  { kind = "decoder", ffn = 128, init = "random" },
+  { kind = "decoder", mixer = "linear", ffn = 128, init = "random" },
+]
+"#;
+    let config = crate::smollm2::tiny_config(dir.path(), students);
+    let run = |name: &str, mut command: Command, args: &[&str]| {
+        let out = dir.path().join(name);
+        // In the temporary folder: `auto` profiles afresh (runs/.profile-cache).
+        command.current_dir(dir.path());
+        succeed(run_args(&mut command, &config, &out).args(args).output().unwrap(), name);
+        let report = RunReport::read(&out).unwrap();
+        assert!(
+            report.steps >= 1 && report.steps_run == report.steps,
+            "{name}: {} of {} steps",
+            report.steps_run,
+            report.steps
+        );
+        let losses: Vec<f32> = report.blocks.iter().map(|b| b.final_loss).collect();
+        (common::student_weights(&out), losses, report.plan)
+    };
+    let (ideal, ideal_losses, _) = run("ideal", one_process(), &["--schedule", "ideal", "--devices", "cpu"]);
+    let cases: [(&str, Command, &[&str]); 4] = [
+        ("tr on 2 ranks", mpirun(2), &["--schedule", "tr"]),
+        ("tr-dpu on 2 ranks", mpirun(2), &["--schedule", "tr-dpu"]),
+        ("auto on 2 slots", one_process(), &["--schedule", "auto", "--devices", "cpu,cpu"]),
+        ("auto on 2 ranks", mpirun(2), &["--schedule", "auto"]),
+    ];
+    for (what, command, args) in cases {
+        let (weights, losses, plan) = run(&what.replace(' ', "-"), command, args);
+        eprintln!("{what}: {plan}");
+        let diff = common::max_abs_diff(&ideal, &weights);
+        assert!(diff <= 1e-5, "{what} ({plan:?}): the students differ from ideal's by {diff}");
+        for (a, b) in ideal_losses.iter().zip(&losses) {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+                "{what} ({plan:?}): final losses {losses:?} vs ideal's {ideal_losses:?}"
+            );
+        }
+    }
+}
