@@ -91,14 +91,24 @@ def load_teacher_weights(path):
     """The GGUF file's tensors as float32 torch tensors by name (`[out, in]`
     for projections) and its hyper-parameters, checked against SmolLM2-135M's."""
     reader = gguf.GGUFReader(path)
+    # `llama`, or `deci` (pipe-bd's exports: per-layer sizes, here all alike).
+    arch = reference.field(reader, "general.architecture")
+
+    def size(key):
+        f = reader.fields[f"{arch}.{key}"]
+        values = {f.parts[i].tolist()[0] for i in f.data}
+        if len(values) != 1:
+            sys.exit(f"{path}: {arch}.{key} differs from layer to layer ({sorted(values)}): not SmolLM2's layers")
+        return values.pop()
+
     meta = {
-        "layers": reference.field(reader, "llama.block_count"),
-        "hidden": reference.field(reader, "llama.embedding_length"),
-        "heads": reference.field(reader, "llama.attention.head_count"),
-        "kv_heads": reference.field(reader, "llama.attention.head_count_kv"),
-        "ffn": reference.field(reader, "llama.feed_forward_length"),
-        "rope_base": float(reference.field(reader, "llama.rope.freq_base")),
-        "eps": float(reference.field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "layers": size("block_count"),
+        "hidden": size("embedding_length"),
+        "heads": size("attention.head_count"),
+        "kv_heads": size("attention.head_count_kv"),
+        "ffn": size("feed_forward_length"),
+        "rope_base": float(size("rope.freq_base")),
+        "eps": float(size("attention.layer_norm_rms_epsilon")),
     }
     expected = {"hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "ffn": FFN}
     for key, value in expected.items():
