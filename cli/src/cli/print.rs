@@ -245,14 +245,16 @@ pub(super) fn print_run(report: &crate::report::RunReport, out: &std::path::Path
 
 /// `pipebd profile`'s table: one line per block and replica count.
 pub(super) fn print_profile(profile: &crate::jobs::profile::Profile) {
-    println!("block  g  batch  teacher fwd (ms)  student step (ms)  grad avg (ms)  input (ms)  peak MiB");
+    println!(
+        "block  g  batch  teacher fwd (ms)  student step (ms)  grad avg (ms)  input (ms)  peak MiB  state MiB"
+    );
     let ms = |t: &Option<crate::jobs::profile::Timing>| {
         t.map_or("infeasible".to_string(), |t| format!("{:.2} ±{:.0}%", 1e3 * t.median, 100.0 * t.spread))
     };
     for (k, row) in profile.entries.iter().enumerate() {
         for e in row {
             println!(
-                "{:>5} {:>2} {:>6}  {:>16}  {:>17}  {:>13}  {:>10}  {:>8}",
+                "{:>5} {:>2} {:>6}  {:>16}  {:>17}  {:>13}  {:>10}  {:>8}  {:>9}",
                 k + 1,
                 e.replicas,
                 e.batch,
@@ -260,7 +262,8 @@ pub(super) fn print_profile(profile: &crate::jobs::profile::Profile) {
                 ms(&e.student_step),
                 ms(&e.gradient_average),
                 ms(&e.input_transfer),
-                e.peak_memory_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
+                e.peak_memory_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0)),
+                e.state_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
             );
         }
     }

@@ -4,7 +4,10 @@
 //! Per block and g (batch `B / g`): teacher forward, student forward +
 //! backward + step, the extra time of summing g replicas' gradients, the
 //! time to hand the block's input activation to another worker thread, and
-//! the peak resident memory of the student step. Each time is the median of
+//! the memory the block holds on its slot: the teacher block's and the
+//! student's weights, the student's gradients and optimizer moments
+//! (counted), plus the peak resident growth of the student step (measured).
+//! Each time is the median of
 //! several repeats after a warm-up, with its spread. A measurement that
 //! fails (out of memory, a kernel error, a panic) marks the entry
 //! infeasible instead of aborting the profile.
@@ -14,6 +17,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use burn::module::Module;
 use pipebd_core::{Activation, Block};
 use pipebd_kernels::DistillBackend;
 use serde::{Deserialize, Serialize};
@@ -28,6 +32,7 @@ use pipe_bd::fsio::write_atomic;
 use pipe_bd::plan::{Plan, Schedule, StageSpec};
 use pipe_bd::planning::planner::{Candidate, CostTable};
 use pipe_bd::runtime::{concurrent_workers, threads_per_worker};
+use pipe_bd::train::optim::{OptimizerConfig, OptimizerKind};
 use pipe_bd::train::{detached_copy, BlockTrainer, StepLoss};
 
 /// Median and spread of repeated timings, in seconds.
@@ -71,8 +76,16 @@ pub struct Entry {
     pub optimizer_update: Option<Timing>,
     /// Handing the block's input to another worker thread (the data load for block 1).
     pub input_transfer: Option<Timing>,
-    /// Peak resident memory growth during the student step, bytes.
+    /// Peak resident memory growth during the student step, bytes: the
+    /// transient part (activations, temporaries), shrinking with the batch
+    /// share; a noisy figure (the allocator reuses what an earlier block
+    /// freed).
     pub peak_memory_bytes: Option<u64>,
+    /// What the block keeps resident whatever the batch, bytes: the teacher
+    /// block's weights, the student's weights, gradients and optimizer
+    /// moments, 4 bytes each (absent in profiles written before it).
+    #[serde(default)]
+    pub state_bytes: Option<u64>,
     /// Why the entry is infeasible, if it is.
     pub error: Option<String>,
 }
@@ -188,7 +201,9 @@ impl Profile {
                     average * (g - 1) as f64 / (measured_g - 1) as f64
                 });
                 x.push(median(&entry.input_transfer).unwrap_or(0.0));
-                m.push(entry.peak_memory_bytes.map(|b| (b as f64 * scale) as u64));
+                // Each replica holds the whole state; the transient part shrinks with the share.
+                let transient = entry.peak_memory_bytes.map(|b| (b as f64 * scale) as u64);
+                m.push(transient.map(|b| b + entry.state_bytes.unwrap_or(0)));
                 u.push(entry.optimizer_update.map_or(0.0, |t| t.median));
             }
             table.teacher_forward.push(t);
@@ -290,6 +305,19 @@ impl<Z> ProfileJob<'_, Z> {
             (teacher_forward, student_step, single, gradient_average, peak)
         })
     }
+}
+
+/// The bytes a block keeps resident on its slot: the teacher block's
+/// `teacher_params` weights, and the student's `student_params` weights,
+/// gradients and optimizer moments (Adam: two; SGD with momentum: one), 4
+/// bytes each.
+fn state_bytes(teacher_params: usize, student_params: usize, optimizer: &OptimizerConfig) -> u64 {
+    let moments = match optimizer.kind {
+        OptimizerKind::Adam => 2,
+        OptimizerKind::Sgd if optimizer.momentum != 0.0 => 1,
+        OptimizerKind::Sgd => 0,
+    };
+    4 * (teacher_params as u64 + (2 + moments) * student_params as u64)
 }
 
 /// Runs `measure` while each trainer of `others` keeps doing the work of
@@ -394,6 +422,11 @@ impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
                     });
                     let (teacher_forward, student_step, optimizer_update, gradient_average, peak) = measured;
                     let input_transfer = if k == 0 { load.clone() } else { handoff_time(&input) };
+                    let state_bytes = state_bytes(
+                        teacher.specs[k].params,
+                        students.blocks[k].num_params(),
+                        &config.optimizer,
+                    );
                     let error = [&teacher_forward, &student_step, &optimizer_update, &gradient_average]
                         .iter()
                         .find_map(|r| r.as_ref().err().cloned());
@@ -406,6 +439,7 @@ impl<Z: Zoo> BackendJob for ProfileJob<'_, Z> {
                         optimizer_update: optimizer_update.ok(),
                         input_transfer: input_transfer.ok(),
                         peak_memory_bytes: peak,
+                        state_bytes: Some(state_bytes),
                         error,
                     });
                     x = y;
@@ -665,4 +699,63 @@ fn costs_from_bytes(rank: usize, bytes: &[u8]) -> Result<CostTable> {
     }
     let costs = message.get_mut("costs").ok_or_else(|| damaged("no `costs` in the message".into()))?;
     serde_json::from_value(costs.take()).map_err(|e| damaged(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(replicas: usize, peak: u64, state: Option<u64>) -> Entry {
+        let timing = Some(Timing { median: 0.01, spread: 0.0, repeats: 1 });
+        Entry {
+            replicas,
+            batch: 16 / replicas,
+            teacher_forward: timing,
+            student_step: timing,
+            gradient_average: timing,
+            optimizer_update: timing,
+            input_transfer: timing,
+            peak_memory_bytes: Some(peak),
+            state_bytes: state,
+            error: None,
+        }
+    }
+
+    fn profile(entries: Vec<Vec<Entry>>) -> Profile {
+        Profile { name: "t".into(), device: "cpu".into(), batch_size: 16, max_replicas: 1, entries }
+    }
+
+    #[test]
+    fn every_replica_holds_the_whole_state_and_a_share_of_the_transient() {
+        let table = profile(vec![vec![entry(1, 1000, Some(5000))]]).cost_table(4);
+        // Measured at g = 1; at g = 2 and 4 the transient shrinks with the share.
+        assert_eq!(table.memory[0], vec![Some(6000), Some(5500), Some(5000 + 1000 / 3), Some(5250)]);
+        // A profile written before the state was counted plans on the transient alone.
+        let old = profile(vec![vec![entry(1, 1000, None)]]).cost_table(2);
+        assert_eq!(old.memory[0], vec![Some(1000), Some(500)]);
+    }
+
+    #[test]
+    fn the_state_counts_weights_gradients_and_optimizer_moments() {
+        let mut optimizer = OptimizerConfig { kind: OptimizerKind::Adam, ..Default::default() };
+        // Teacher weights, then the student's weights, gradients, two moments.
+        assert_eq!(state_bytes(10, 5, &optimizer), 4 * (10 + 4 * 5));
+        optimizer.kind = OptimizerKind::Sgd;
+        optimizer.momentum = 0.9;
+        assert_eq!(state_bytes(10, 5, &optimizer), 4 * (10 + 3 * 5));
+        optimizer.momentum = 0.0;
+        assert_eq!(state_bytes(10, 5, &optimizer), 4 * (10 + 2 * 5));
+    }
+
+    #[test]
+    fn a_cap_below_the_state_rejects_a_stage_the_transient_alone_would_fit() {
+        use pipe_bd::planning::planner::plan;
+        let block = || vec![entry(1, 10, Some(1000))];
+        let table = profile(vec![block(), block()]).cost_table(2);
+        // Two blocks of 1010 bytes: together on one slot they need 2020.
+        assert!(plan(&table, 1, Some(2019), 1).is_empty());
+        assert!(!plan(&table, 1, Some(2020), 1).is_empty());
+        // On two slots, one block each fits 1010.
+        assert!(!plan(&table, 2, Some(1010), 1).is_empty());
+    }
 }
