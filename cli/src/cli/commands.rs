@@ -146,8 +146,9 @@ pub(super) fn plan(
         return Err(Error::Plan {
             plan: pipe_bd::Schedule::Auto.name().into(),
             message: format!(
-                "no plan of the {} blocks on {devices} slots fits (memory limit {memory_per_device:?})",
-                table.blocks()
+                "no plan of the {} blocks on {devices} slots fits{}",
+                table.blocks(),
+                crate::jobs::profile::memory_limit_words("--memory-per-device", memory_per_device)
             ),
         });
     };

@@ -307,6 +307,19 @@ impl<Z> ProfileJob<'_, Z> {
     }
 }
 
+/// How a failed plan's message names the memory limit set by `setting`:
+/// nothing without one, else the bytes and GiB and what would help.
+pub(crate) fn memory_limit_words(setting: &str, limit: Option<u64>) -> String {
+    match limit {
+        None => String::new(),
+        Some(bytes) => format!(
+            " within {setting} = {bytes} bytes ({:.2} GiB) per slot: raise it, or add slots \
+             (`pipebd profile` prints each block's state and peak memory)",
+            bytes as f64 / (1u64 << 30) as f64
+        ),
+    }
+}
+
 /// The bytes a block keeps resident on its slot: the teacher block's
 /// `teacher_params` weights, and the student's `student_params` weights,
 /// gradients and optimizer moments (Adam: two; SGD with momentum: one), 4
@@ -593,8 +606,8 @@ fn plan_on(costs: CostTable, config: &RunConfig, say: &mut dyn FnMut(&str)) -> R
     let best = candidates.first().ok_or_else(|| Error::Plan {
         plan: Schedule::Auto.name().into(),
         message: format!(
-            "no way to place the {blocks} blocks on {slots} slots fits (memory per device {:?})",
-            config.runtime.memory_per_device
+            "no way to place the {blocks} blocks on {slots} slots fits{}",
+            memory_limit_words("runtime.memory_per_device", config.runtime.memory_per_device)
         ),
     })?;
     for (i, c) in candidates.iter().enumerate() {
