@@ -80,23 +80,8 @@ fn kernels_match_burn_ops_on_wgpu() {
 #[test]
 fn a_decoder_run_on_wgpu_ends_where_the_cpu_run_ends() {
     let dir = tempfile::tempdir().unwrap();
-    let students = r#"
-[[students]]
-kind = "decoder"
-ffn = 512
-
-[[students]]
-kind = "skip"
-
-[[students]]
-kind = "decoder"
-mixer = "none"
-"#;
-    let config = crate::smollm2::tiny_config(dir.path(), students);
-    let text = std::fs::read_to_string(&config).unwrap().replace(
-        "log_every = 1",
-        "log_every = 1\nstitched_epochs = 1\nstitched_output_loss = \"head-kl\"\nstitched_output_weight = 10.0",
-    );
+    let config = crate::smollm2::stitched_decoder_config(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
     let run = |device: &str| {
         let text = text
             .replace("devices = [\"cpu\", \"cpu\"]", &format!("device = \"{device}\""))

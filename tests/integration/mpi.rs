@@ -355,27 +355,7 @@ fn auto_under_mpirun_plans_from_every_ranks_own_profile() {
 fn the_decoder_search_on_two_ranks_and_under_auto_trains_what_ideal_trains() {
     let _serial = common::timing_sensitive();
     let dir = tempfile::tempdir().unwrap();
-    let students = r#"
-[[students]]
-kind = "candidates"
-candidates = [
-  { kind = "decoder", ffn = 256, init = "random" },
-  { kind = "decoder", mixer = "none", ffn = 128, init = "random" },
-]
-
-[[students]]
-kind = "decoder"
-ffn = 128
-init = "random"
-
-[[students]]
-kind = "candidates"
-candidates = [
-  { kind = "decoder", ffn = 128, init = "random" },
-  { kind = "decoder", mixer = "linear", ffn = 128, init = "random" },
-]
-"#;
-    let config = crate::smollm2::tiny_config(dir.path(), students);
+    let config = crate::smollm2::tiny_config(dir.path(), crate::smollm2::SEARCH_STUDENTS);
     let run = |name: &str, mut command: Command, args: &[&str]| {
         let out = dir.path().join(name);
         // In the temporary folder: `auto` profiles afresh (runs/.profile-cache).

@@ -176,9 +176,10 @@ lr = 0.00005
     path
 }
 
-#[test]
-fn a_decoder_run_reports_perplexity_and_eval_reloads_it() {
-    let dir = tempfile::tempdir().unwrap();
+/// [`tiny_config`] with a pruned layer, a skipped block and an FFN-only
+/// layer as students, then a stitched pass that also matches the
+/// next-token distributions through the frozen LM head.
+pub(crate) fn stitched_decoder_config(dir: &std::path::Path) -> std::path::PathBuf {
     let students = r#"
 [[students]]
 kind = "decoder"
@@ -191,14 +192,44 @@ kind = "skip"
 kind = "decoder"
 mixer = "none"
 "#;
-    let config = tiny_config(dir.path(), students);
-    // Then a stitched pass that also matches the next-token distributions
-    // through the frozen LM head.
+    let config = tiny_config(dir, students);
     let text = std::fs::read_to_string(&config).unwrap().replace(
         "log_every = 1",
         "log_every = 1\nstitched_epochs = 1\nstitched_output_loss = \"head-kl\"\nstitched_output_weight = 10.0",
     );
     std::fs::write(&config, text).unwrap();
+    config
+}
+
+/// A search run's students over [`tiny_config`]'s three blocks: two
+/// candidate sets (a narrower SwiGLU, no attention, the linear mixer, skip)
+/// and one decoder, all randomly initialised.
+pub(crate) const SEARCH_STUDENTS: &str = r#"
+[[students]]
+kind = "candidates"
+candidates = [
+  { kind = "decoder", ffn = 256, init = "random" },
+  { kind = "decoder", mixer = "none", ffn = 128, init = "random" },
+  { kind = "skip" },
+]
+
+[[students]]
+kind = "decoder"
+ffn = 128
+init = "random"
+
+[[students]]
+kind = "candidates"
+candidates = [
+  { kind = "decoder", ffn = 128, init = "random" },
+  { kind = "decoder", mixer = "linear", ffn = 128, init = "random" },
+]
+"#;
+
+#[test]
+fn a_decoder_run_reports_perplexity_and_eval_reloads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = stitched_decoder_config(dir.path());
     let out = dir.path().join("run");
     let (code, stdout, stderr) =
         common::pipebd(&["run", config.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
@@ -266,28 +297,7 @@ fn relayed_schedules_train_the_decoder_candidates_to_the_ideal_weights() {
     type B = Autodiff<Flex>;
 
     let dir = tempfile::tempdir().unwrap();
-    let students = r#"
-[[students]]
-kind = "candidates"
-candidates = [
-  { kind = "decoder", ffn = 256, init = "random" },
-  { kind = "decoder", mixer = "none", ffn = 128, init = "random" },
-  { kind = "skip" },
-]
-
-[[students]]
-kind = "decoder"
-ffn = 128
-init = "random"
-
-[[students]]
-kind = "candidates"
-candidates = [
-  { kind = "decoder", ffn = 128, init = "random" },
-  { kind = "decoder", mixer = "linear", ffn = 128, init = "random" },
-]
-"#;
-    let path = tiny_config(dir.path(), students);
+    let path = tiny_config(dir.path(), SEARCH_STUDENTS);
     let config = RunConfig::parse(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
     let device = Default::default();
     let workload = pipebd_zoo::Builtin.workload::<Flex>(&config, &device, false).unwrap();

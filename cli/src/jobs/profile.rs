@@ -560,7 +560,8 @@ pub fn profile_key(config: &RunConfig) -> String {
 }
 
 /// The profile for `config`: read from [`PROFILE_CACHE`] if one with the
-/// same key exists, else measured and cached.
+/// same key exists (and counts each block's resident state), else measured
+/// and cached.
 pub fn cached_profile<Z: Zoo>(
     zoo: &Z,
     config: &RunConfig,
@@ -578,8 +579,16 @@ fn cached_profile_named<Z: Zoo>(
     let path = Path::new(PROFILE_CACHE).join(format!("{key}.json"));
     if path.is_file() {
         if let Ok(profile) = crate::jobs::profile::Profile::read(&path) {
-            say(&format!("using the cached profile {}", path.display()));
-            return Ok(profile);
+            // One written before the resident state was counted would let a
+            // memory cap through plans that do not fit.
+            if profile.entries.iter().flatten().all(|e| e.state_bytes.is_some()) {
+                say(&format!("using the cached profile {}", path.display()));
+                return Ok(profile);
+            }
+            say(&format!(
+                "the cached profile {} counts no resident memory (older pipebd): measuring again",
+                path.display()
+            ));
         }
     }
     say(&format!("profiling the blocks (cached in {})", path.display()));

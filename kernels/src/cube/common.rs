@@ -183,3 +183,30 @@ pub(super) fn upload<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEle
     let tensor = BurnTensor::<Cube<R, F, I, BT>, 1>::from_data(TensorData::new(values, [n]), &like.device);
     into_contiguous(tensor.into_primitive().tensor())
 }
+
+/// The sum (or, with `max`, the maximum) of every unit's `value` in the
+/// cube, through a shared-memory tree of `CUBE_DIM` (a power of two, at
+/// most `shared`'s length) slots. Every unit of the cube must call it; each
+/// gets the result.
+#[cube]
+pub(super) fn cube_reduce<F: Float>(shared: &mut SharedMemory<F>, value: F, #[comptime] max: bool) -> F {
+    let unit = UNIT_POS as usize;
+    shared[unit] = value;
+    sync_cube();
+    let mut half = CUBE_DIM as usize / 2;
+    while half > 0 {
+        if unit < half {
+            if max {
+                shared[unit] = F::max(shared[unit], shared[unit + half]);
+            } else {
+                shared[unit] = shared[unit] + shared[unit + half];
+            }
+        }
+        sync_cube();
+        half /= 2;
+    }
+    let total = shared[0];
+    // Nobody writes the memory again before everyone has read the result.
+    sync_cube();
+    total
+}

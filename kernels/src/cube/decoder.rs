@@ -22,7 +22,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::common::{new_output, upload, Cube, REDUCE_UNITS};
+use super::common::{cube_reduce, new_output, upload, Cube, REDUCE_UNITS};
 use super::geometry::{elementwise_grid, UNITS};
 use crate::llama::{rope_table, CausalAttentionOutput, CausalHeads, RmsNormOutput};
 use crate::transformer::MASKED_SCORE;
@@ -37,40 +37,33 @@ const PADDING_PENALTY: f32 = -MASKED_SCORE;
 /// The sum of every unit's `value` in the cube (all units must call it).
 #[cube]
 fn cube_sum<F: Float>(shared: &mut SharedMemory<F>, value: F) -> F {
-    let unit = UNIT_POS as usize;
-    shared[unit] = value;
-    sync_cube();
-    let mut half = CUBE_DIM as usize / 2;
-    while half > 0 {
-        if unit < half {
-            shared[unit] = shared[unit] + shared[unit + half];
-        }
-        sync_cube();
-        half /= 2;
-    }
-    let total = shared[0];
-    // Nobody writes the memory again before everyone has read the total.
-    sync_cube();
-    total
+    cube_reduce::<F>(shared, value, false)
 }
 
 /// The maximum of every unit's `value` in the cube (all units must call it).
 #[cube]
 fn cube_max<F: Float>(shared: &mut SharedMemory<F>, value: F) -> F {
-    let unit = UNIT_POS as usize;
-    shared[unit] = value;
-    sync_cube();
-    let mut half = CUBE_DIM as usize / 2;
-    while half > 0 {
-        if unit < half {
-            shared[unit] = F::max(shared[unit], shared[unit + half]);
-        }
-        sync_cube();
-        half /= 2;
-    }
-    let total = shared[0];
-    sync_cube();
-    total
+    cube_reduce::<F>(shared, value, true)
+}
+
+/// Turns the gradient pair `(even, odd)` of rotated pair `p` back by the
+/// angle of position `pos` (the rotation's transpose) into `out[2 e]`,
+/// `out[2 e + 1]`.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn store_rotated_back<F: Float>(
+    out: &mut Array<F>,
+    e: usize,
+    even: F,
+    odd: F,
+    cos: &Array<F>,
+    sin: &Array<F>,
+    at: usize,
+) {
+    let c = cos[at];
+    let s = sin[at];
+    out[2 * e] = even * c + odd * s;
+    out[2 * e + 1] = odd * c - even * s;
 }
 
 /// RMSNorm, one cube per row of `[rows, hidden]`: `out = x * rstd * gamma`
@@ -445,10 +438,7 @@ fn causal_dq_kernel<F: Float>(
             even += w * kp.even;
             odd += w * kp.odd;
         }
-        let c = cos[i * half + p];
-        let s = sin[i * half + p];
-        dq[2 * e] = even * c + odd * s;
-        dq[2 * e + 1] = odd * c - even * s;
+        store_rotated_back::<F>(dq, e, even, odd, cos, sin, i * half + p);
     }
 }
 
@@ -484,10 +474,7 @@ fn causal_dk_kernel<F: Float>(
                 odd += w * qp.odd;
             }
         }
-        let c = cos[j * half + p];
-        let s = sin[j * half + p];
-        dk[2 * e] = even * c + odd * s;
-        dk[2 * e + 1] = odd * c - even * s;
+        store_rotated_back::<F>(dk, e, even, odd, cos, sin, j * half + p);
     }
 }
 

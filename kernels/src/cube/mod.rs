@@ -57,7 +57,7 @@ use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
 pub(crate) use self::common::set_poison_outputs;
-use self::common::{epilogue_code, erf_accurate, new_output, REDUCE_UNITS};
+use self::common::{cube_reduce, epilogue_code, erf_accurate, new_output, REDUCE_UNITS};
 use self::matmul::{choose_variant, fused_matmul, split_matmul, MatmulCall};
 use crate::llama::{self, CausalAttentionOutput, CausalHeads, RmsNormOutput};
 use crate::{
@@ -120,18 +120,9 @@ fn sum_kernel<F: Float>(partials: &Array<F>, out: &mut Array<F>, scale: f32) {
         acc += partials[i];
         i += 256;
     }
-    shared[unit] = acc;
-    sync_cube();
-    let mut half = CUBE_DIM as usize / 2;
-    while half > 0 {
-        if unit < half {
-            shared[unit] = shared[unit] + shared[unit + half];
-        }
-        sync_cube();
-        half /= 2;
-    }
+    let total = cube_reduce::<F>(&mut shared, acc, false);
     if unit == 0 {
-        out[0] = shared[0] * F::cast_from(scale);
+        out[0] = total * F::cast_from(scale);
     }
 }
 
