@@ -1,7 +1,9 @@
 //! What the CubeCL kernels share: the epilogue's activation (with the
 //! accurate `erf` it needs) and its code, the 4x4 register tile's update,
-//! clamped operand indices, and the outputs the kernels write (left
-//! uninitialised, or NaN-filled when poisoning is on).
+//! clamped operand indices, the outputs the kernels write (left
+//! uninitialised, or NaN-filled when poisoning is on), the cube-wide
+//! reduction and the second stages of the sums (`sum_kernel`,
+//! `sum_chunks_kernel`, `finish_sum`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -209,4 +211,53 @@ pub(super) fn cube_reduce<F: Float>(shared: &mut SharedMemory<F>, value: F, #[co
     // Nobody writes the memory again before everyone has read the result.
     sync_cube();
     total
+}
+
+/// Second stage of the loss reductions: one cube of [`REDUCE_UNITS`] units
+/// sums `partials` (strided per unit, then a shared-memory tree) and writes
+/// `sum * scale` to `out[0]`.
+#[cube(launch)]
+pub(super) fn sum_kernel<F: Float>(partials: &Array<F>, out: &mut Array<F>, scale: f32) {
+    let mut shared = SharedMemory::<F>::new(256usize);
+    let unit = UNIT_POS as usize;
+    let mut acc = F::new(0.0);
+    let mut i = unit;
+    while i < partials.len() {
+        acc += partials[i];
+        i += 256;
+    }
+    let total = cube_reduce::<F>(&mut shared, acc, false);
+    if unit == 0 {
+        out[0] = total * F::cast_from(scale);
+    }
+}
+
+/// Bias gradient, second stage: `out[j] = sum of partials[j * chunks ..][..chunks]`.
+#[cube(launch)]
+pub(super) fn sum_chunks_kernel<F: Float>(partials: &Array<F>, out: &mut Array<F>, chunks: usize) {
+    let j = ABSOLUTE_POS;
+    if j < out.len() {
+        let mut acc = F::new(0.0);
+        for c in 0..chunks {
+            acc += partials[j * chunks + c];
+        }
+        out[j] = acc;
+    }
+}
+
+/// `sum(partials) * scale` as a `[1]` tensor (the small final reduction).
+pub(super) fn finish_sum<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    partials: CubeTensor<R>,
+    scale: f32,
+) -> CubeTensor<R> {
+    let out = new_output::<R, F, I, BT>(&partials, Shape::from(vec![1]));
+    sum_kernel::launch::<F, R>(
+        &partials.client.clone(),
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(REDUCE_UNITS),
+        partials.into_array_arg(),
+        out.clone().into_array_arg(),
+        scale,
+    );
+    out
 }

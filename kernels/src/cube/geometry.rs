@@ -293,6 +293,11 @@ pub(super) fn elementwise_grid(elements: usize) -> CubeCount {
     CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1)
 }
 
+/// The cube of [`UNITS`] units that goes with [`elementwise_grid`].
+pub(super) fn units() -> CubeDim {
+    CubeDim::new_1d(UNITS)
+}
+
 /// Whether our kernels take this convolution (with `epilogue`, followed by
 /// the 2x2 max-pool when `pooled`): no dilation, dense or depthwise (not
 /// pooled), and an activation whose derivative its output tells.

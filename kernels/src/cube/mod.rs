@@ -7,10 +7,10 @@
 //! - `soft_ce_kernel`: one unit per row: both softmaxes (max-shifted), the
 //!   row's cross-entropy and its gradient `(softmax(s) - softmax(t)) / batch`;
 //!   `sum_kernel` again for the batch mean.
-//! - The decoder layer's ops (`decoder.rs`): RMSNorm and the KL over a
-//!   vocabulary one cube per row, SwiGLU one unit per element, and the
+//! - The decoder layer's ops: RMSNorm and the KL over a vocabulary one cube
+//!   per row, SwiGLU one unit per element (`decoder.rs`), and the
 //!   grouped-query causal attention with rotary positions on the
-//!   projections' layout, forward and backward.
+//!   projections' layout (`attention.rs`), forward and backward.
 //! - `matmul_epilogue_kernel`: a register-tiled matmul (4x4 outputs per unit,
 //!   64x64 per cube) over strided rank-3 operands, so transposes and weights
 //!   shared across the batch need no copies, with bias and activation applied
@@ -30,13 +30,15 @@
 //!
 //! The kernels live by subject, each module depending only on those after
 //! it: the losses, the backward helpers and the backend's `impl` here; the
-//! matmul (`matmul.rs`); the dense convolutions' forward (`conv.rs`) and
+//! decoder layer's ops (`decoder.rs`, `attention.rs`); the matmul
+//! (`matmul.rs`); the dense convolutions' forward (`conv.rs`) and
 //! gradients (`conv_grad.rs`); the depthwise convolutions (`depthwise.rs`)
 //! and the 2x2 max-pool (`pool.rs`); the convolutions' launch geometry and
 //! shared index arithmetic (`geometry.rs`); the optimizer update
 //! (`optim.rs`); what every kernel shares (`common.rs`); and the choice
 //! between measured variants (`tuning.rs`).
 
+mod attention;
 mod common;
 mod conv;
 mod conv_grad;
@@ -52,12 +54,11 @@ use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::Shape;
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
 pub(crate) use self::common::set_poison_outputs;
-use self::common::{cube_reduce, epilogue_code, erf_accurate, new_output, REDUCE_UNITS};
+use self::common::{epilogue_code, erf_accurate, finish_sum, new_output, sum_chunks_kernel, REDUCE_UNITS};
 use self::matmul::{choose_variant, fused_matmul, split_matmul, MatmulCall};
 use crate::llama::{self, CausalAttentionOutput, CausalHeads, RmsNormOutput};
 use crate::{
@@ -105,25 +106,6 @@ pub(crate) fn keep_caches_in(dir: &std::path::Path) -> bool {
     config.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
     *settings = Some(std::sync::Arc::new(config));
     true
-}
-
-/// Second stage of the loss reductions: one cube of [`REDUCE_UNITS`] units
-/// sums `partials` (strided per unit, then a shared-memory tree) and writes
-/// `sum * scale` to `out[0]`.
-#[cube(launch)]
-fn sum_kernel<F: Float>(partials: &Array<F>, out: &mut Array<F>, scale: f32) {
-    let mut shared = SharedMemory::<F>::new(256usize);
-    let unit = UNIT_POS as usize;
-    let mut acc = F::new(0.0);
-    let mut i = unit;
-    while i < partials.len() {
-        acc += partials[i];
-        i += 256;
-    }
-    let total = cube_reduce::<F>(&mut shared, acc, false);
-    if unit == 0 {
-        out[0] = total * F::cast_from(scale);
-    }
 }
 
 /// First stage of the MSE: each unit sums `(s - t)^2` over a grid-stride slice
@@ -208,19 +190,6 @@ fn bias_grad_kernel<F: Float>(
             i += 1;
         }
         partials[unit] = acc;
-    }
-}
-
-/// Bias gradient, second stage: `out[j] = sum of partials[j * chunks ..][..chunks]`.
-#[cube(launch)]
-fn sum_chunks_kernel<F: Float>(partials: &Array<F>, out: &mut Array<F>, chunks: usize) {
-    let j = ABSOLUTE_POS;
-    if j < out.len() {
-        let mut acc = F::new(0.0);
-        for c in 0..chunks {
-            acc += partials[j * chunks + c];
-        }
-        out[j] = acc;
     }
 }
 
@@ -313,23 +282,6 @@ fn epilogue_backward_kernel<F: Float>(
         out[i] = d;
         i += step;
     }
-}
-
-/// `sum(partials) * scale` as a `[1]` tensor (the small final reduction).
-fn finish_sum<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    partials: CubeTensor<R>,
-    scale: f32,
-) -> CubeTensor<R> {
-    let out = new_output::<R, F, I, BT>(&partials, Shape::from(vec![1]));
-    sum_kernel::launch::<F, R>(
-        &partials.client.clone(),
-        CubeCount::Static(1, 1, 1),
-        CubeDim::new_1d(REDUCE_UNITS),
-        partials.into_array_arg(),
-        out.clone().into_array_arg(),
-        scale,
-    );
-    out
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBackend
@@ -610,10 +562,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         layout: CausalHeads,
         with_probs: bool,
     ) -> CausalAttentionOutput<Self> {
-        if !decoder::takes_attention(&q, layout) {
+        if !attention::takes_attention(&q, layout) {
             return llama::causal_attention_reference::<Self>(q, k, v, mask, layout, with_probs);
         }
-        decoder::causal_attention::<R, F, I, BT>([q, k, v], mask, layout, with_probs)
+        attention::causal_attention::<R, F, I, BT>([q, k, v], mask, layout, with_probs)
     }
 
     fn causal_attention_backward(
@@ -623,10 +575,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedBacke
         grad: FloatTensor<Self>,
         layout: CausalHeads,
     ) -> [FloatTensor<Self>; 3] {
-        if !decoder::takes_attention(&qkv[0], layout) {
+        if !attention::takes_attention(&qkv[0], layout) {
             return llama::causal_attention_backward_reference::<Self>(qkv, mask, probs, grad, layout);
         }
-        decoder::causal_attention_backward::<R, F, I, BT>(qkv, probs, grad, layout)
+        attention::causal_attention_backward::<R, F, I, BT>(qkv, probs, grad, layout)
     }
 
     fn weighted_kl_loss(
