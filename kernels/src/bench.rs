@@ -201,28 +201,24 @@ fn op_row<B: DistillBackend, const D: usize, const N: usize, const DO: usize>(
 /// burn's autodiff).
 fn decoder_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, options: &BenchOptions, device: &B::Device) {
     use crate::llama::{self, CausalHeads};
-    use burn::tensor::TensorPrimitive;
-    fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {
-        t.into_primitive().tensor()
-    }
-    fn tensor<B: Backend, const D: usize>(p: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, D> {
-        Tensor::from_primitive(TensorPrimitive::Float(p))
-    }
+    use crate::reference::{unwrap as prim, wrap as tensor};
+    // SmolLM2-135M's layer (the kernels crate names no teacher here).
+    let (hidden, ffn, heads, kv_heads, head_dim, epsilon) = (576, 1536, 9, 3, 64, 1e-5);
     let repeats = options.repeats;
     let batch = (options.batch / 16).max(1);
     let tokens = batch * 32;
     if options.wants("rms-norm") {
-        let inputs = [normal([tokens, 576], device), normal([1, 576], device)];
+        let inputs = [normal([tokens, hidden], device), normal([1, hidden], device)];
         let norm = |reference: bool| {
             move |[x, gamma]: [Tensor<B, 2>; 2]| {
-                let gamma = prim(gamma.reshape([576]));
+                let gamma = prim(gamma.reshape([hidden]));
                 tensor::<B, 2>(match reference {
-                    true => llama::rms_norm_reference::<B>(prim(x), gamma, 1e-5, false).output,
-                    false => B::rms_norm(prim(x), gamma, 1e-5, false).output,
+                    true => llama::rms_norm_reference::<B>(prim(x), gamma, epsilon, false).output,
+                    false => B::rms_norm(prim(x), gamma, epsilon, false).output,
                 })
             }
         };
-        let case = format!("[{tokens}, 576]");
+        let case = format!("[{tokens}, {hidden}]");
         record(
             rows,
             options,
@@ -230,7 +226,7 @@ fn decoder_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, options: &BenchOpti
         );
     }
     if options.wants("swiglu") {
-        let inputs = [normal([tokens, 1536], device), normal([tokens, 1536], device)];
+        let inputs = [normal([tokens, ffn], device), normal([tokens, ffn], device)];
         let gated = |reference: bool| {
             move |[gate, up]: [Tensor<B, 2>; 2]| {
                 tensor::<B, 2>(match reference {
@@ -239,7 +235,7 @@ fn decoder_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, options: &BenchOpti
                 })
             }
         };
-        let case = format!("[{tokens}, 1536]");
+        let case = format!("[{tokens}, {ffn}]");
         record(
             rows,
             options,
@@ -247,11 +243,12 @@ fn decoder_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, options: &BenchOpti
         );
     }
     for length in [32, 128].into_iter().filter(|_| options.wants("causal-attention")) {
-        let layout = CausalHeads { heads: 9, kv_heads: 3, rope_base: 100_000.0 };
+        let layout = CausalHeads { heads, kv_heads, rope_base: 100_000.0 };
+        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let inputs = [
-            normal([batch, length, 576], device),
-            normal([batch, length, 192], device),
-            normal([batch, length, 192], device),
+            normal([batch, length, q_width], device),
+            normal([batch, length, kv_width], device),
+            normal([batch, length, kv_width], device),
         ];
         // The last quarter of every other sequence is padding.
         let mask: Vec<f32> = (0..batch * length)
@@ -268,7 +265,7 @@ fn decoder_rows<B: DistillBackend>(rows: &mut Vec<BenchRow>, options: &BenchOpti
                 })
             }
         };
-        let case = format!("[{batch}, {length}, 9/3x64]");
+        let case = format!("[{batch}, {length}, {}/{}x{head_dim}]", heads, kv_heads);
         let (fused, reference) = (attend(false), attend(true));
         record(
             rows,

@@ -21,8 +21,9 @@ use burn::nn::RmsNorm;
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData};
 
+use crate::reference::{unwrap, wrap};
 use crate::transformer::MASKED_SCORE;
 use crate::FusedBackend;
 
@@ -54,14 +55,6 @@ pub struct CausalHeads {
     pub kv_heads: usize,
     /// Base of the rotary angles.
     pub rope_base: f64,
-}
-
-fn wrap<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(primitive))
-}
-
-fn unwrap<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
-    tensor.into_primitive().tensor()
 }
 
 /// [`FusedBackend::rms_norm`] with burn ops, as burn's `RmsNorm`.

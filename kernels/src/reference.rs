@@ -11,11 +11,13 @@ use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::{BiasAxis, Epilogue, LossWithGrad};
 
-fn wrap<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
+/// A float primitive as a rank-`D` tensor (for the burn-op paths).
+pub(crate) fn wrap<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
-fn unwrap<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
+/// A tensor's float primitive (what the [`crate::FusedBackend`] ops take).
+pub(crate) fn unwrap<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
     tensor.into_primitive().tensor()
 }
 

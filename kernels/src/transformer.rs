@@ -11,8 +11,9 @@ use burn::nn::LayerNorm;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::Tensor;
 
+use crate::reference::{unwrap, wrap};
 use crate::FusedBackend;
 
 /// Added to the attention scores of padding keys: their softmax weight
@@ -49,14 +50,6 @@ pub struct LayerNormGrads<B: Backend> {
     pub gamma: FloatTensor<B>,
     /// `dL/dbeta`, `[hidden]`.
     pub beta: FloatTensor<B>,
-}
-
-fn wrap<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(primitive))
-}
-
-fn unwrap<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
-    tensor.into_primitive().tensor()
 }
 
 /// `[batch, tokens, heads * head_dim]` to `[batch, heads, tokens, head_dim]`.

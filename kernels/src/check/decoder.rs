@@ -5,13 +5,14 @@
 //! burn-op reference of [`crate::llama`] differentiated by burn's autodiff
 //! on the CPU: the forward value and every gradient.
 
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData};
 use rand::rngs::StdRng;
 
 use super::common::{
     mask_of, random, tensor, values, CheckRow, Reference, Rows, LOSS_TOLERANCE, MATMUL_TOLERANCE,
 };
 use crate::llama::{self, CausalHeads};
+use crate::reference::wrap;
 use crate::DistillBackend;
 
 /// Every decoder op's checks, appended to `out`.
@@ -20,12 +21,6 @@ pub(crate) fn run<B: DistillBackend>(out: &mut Vec<CheckRow>, rng: &mut StdRng, 
     check_swiglu::<B>(out, rng, device);
     check_causal_attention::<B>(out, rng, device);
     check_head_kl::<B>(out, rng, device);
-}
-
-fn wrap<B: burn::tensor::backend::Backend, const D: usize>(
-    primitive: burn::tensor::ops::FloatTensor<B>,
-) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
 /// `f` of the tracked `inputs`, its value and the gradients of `sum(f *

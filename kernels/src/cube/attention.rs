@@ -26,9 +26,9 @@ use crate::transformer::MASKED_SCORE;
 /// What a padding key's score gets added (the reference's bias).
 const PADDING_PENALTY: f32 = -MASKED_SCORE;
 
-/// Turns the gradient pair `(even, odd)` of rotated pair `p` back by the
-/// angle of position `pos` (the rotation's transpose) into `out[2 e]`,
-/// `out[2 e + 1]`.
+/// Turns the gradient pair `(even, odd)` of a rotated pair back by the angle
+/// at entry `at` of the rotary tables (the rotation's transpose) into
+/// `out[2 e]`, `out[2 e + 1]`.
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn store_rotated_back<F: Float>(

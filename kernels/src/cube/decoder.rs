@@ -14,7 +14,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::common::{cube_reduce, finish_sum, new_output, sum_chunks_kernel, sum_kernel, Cube, REDUCE_UNITS};
+use super::common::{cube_reduce, finish_sum, new_output, sum_chunks_kernel, Cube, REDUCE_UNITS};
 use super::geometry::{elementwise_grid, units};
 use crate::llama::RmsNormOutput;
 use crate::LossWithGrad;
@@ -378,15 +378,7 @@ pub(super) fn weighted_kl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Bo
     let shape = student.meta.shape().clone();
     let rows = shape[0];
     let client = student.client.clone();
-    let weight_total = new_output::<R, F, I, BT>(&weights, Shape::from(vec![1]));
-    sum_kernel::launch::<F, R>(
-        &client,
-        CubeCount::Static(1, 1, 1),
-        CubeDim::new_1d(REDUCE_UNITS),
-        weights.clone().into_array_arg(),
-        weight_total.clone().into_array_arg(),
-        1.0,
-    );
+    let weight_total = finish_sum::<R, F, I, BT>(weights.clone(), 1.0);
     let partials = new_output::<R, F, I, BT>(&student, Shape::from(vec![rows.max(1)]));
     let grad_shape = if with_grad { shape } else { Shape::from(vec![1, 1]) };
     let grad = new_output::<R, F, I, BT>(&student, grad_shape);

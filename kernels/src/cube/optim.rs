@@ -11,10 +11,10 @@ use burn::tensor::Tensor as BurnTensor;
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_cubecl::{CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::common::{contiguous_strides, new_output, upload};
+use super::common::{contiguous_strides, new_output, upload, Cube};
 use crate::optim::{adam_factors, ParamSlot, ParamState, ParamUpdate, UpdateRule};
 
 /// Units per cube of the optimizer kernels.
@@ -132,8 +132,6 @@ fn sgd_kernel<F: Float>(
         }
     }
 }
-
-type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
 /// Zeros shaped like `like` (a moment before its first update).
 fn zeros_like<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
